@@ -1,0 +1,33 @@
+"""Building the stages and their workers, identically in every engine and on every rank."""
+import torch
+
+from ..models import build_blocks
+from ..optim import StageOptimizer
+from ..partition import resolve_partition, split_blocks
+from ..stages import Stage
+from .worker import StageWorker
+
+
+def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, seed: int = 0,
+                 imagenet_stem: bool = False, partition=None, image_size: int = 32,
+                 buffer_inputs: bool = False, stash_weights: bool = False,
+                 device="cpu", dtype=torch.float32, only: int | None = None) -> list[Stage]:
+    """All stages (or just stage `only`), with weights that depend on the seed alone: every rank
+    builds the whole net from the same seed and keeps its own part."""
+    torch.manual_seed(seed)
+    blocks = build_blocks(arch, width, num_classes, imagenet_stem)
+    sizes = resolve_partition(blocks, num_stages, partition, image_size)
+    stages = []
+    for s, stage_blocks in enumerate(split_blocks(blocks, sizes)):
+        if only is not None and s != only:
+            continue
+        stage = Stage(stage_blocks, s, num_stages, buffer_inputs=buffer_inputs,
+                      stash_weights=stash_weights)
+        stages.append(stage.to(device=device, dtype=dtype))
+    return stages
+
+
+def build_workers(stages, schedule, accumulation: int = 1, momentum: float = 0.9,
+                  nesterov: bool = True, weight_decay: float = 0.0, on_update=None):
+    return [StageWorker(s, StageOptimizer(s, schedule, momentum, nesterov, weight_decay),
+                        accumulation, on_update) for s in stages]

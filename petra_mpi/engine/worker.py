@@ -1,0 +1,46 @@
+"""One stage's work, shared by the single-process and the MPI engine: the three operations of
+the schedule, with the optimizer step when the schedule calls for one. The engines only move
+tensors between workers."""
+from ..optim import StageOptimizer
+from ..schedule import updates_after
+from ..stages import Stage
+
+
+class StageWorker:
+    def __init__(self, stage: Stage, optimizer: StageOptimizer, accumulation: int = 1,
+                 on_update=None):
+        self.stage, self.optimizer, self.k = stage, optimizer, accumulation
+        self.on_update = on_update  # called as on_update(worker) with averaged-to-be grads, before a step
+        self.n = 0  # micro-batches in the current segment
+
+    @property
+    def index(self):
+        return self.stage.index
+
+    @property
+    def is_last(self):
+        return self.stage.is_last
+
+    def begin_segment(self, n: int):
+        self.n = n
+        self.stage.train()
+
+    def forward(self, b, x):
+        return self.stage(x)
+
+    def backward(self, b, y, grad_y):
+        x, grad_x = self.stage.backward(y, grad_y)
+        self._accumulated(b)
+        return x, grad_x
+
+    def forward_backward(self, b, x, labels):
+        loss, logits, grad_x = self.stage.forward_backward_loss(x, labels)
+        self._accumulated(b)
+        return loss, logits, grad_x
+
+    def _accumulated(self, b):
+        self.optimizer.accumulated()
+        if updates_after(b, self.n, self.k):
+            if self.on_update is not None:
+                self.on_update(self)
+            self.optimizer.step()

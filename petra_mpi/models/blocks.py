@@ -1,0 +1,136 @@
+"""Network blocks. Every block maps one tensor to one tensor, so any run of consecutive blocks can
+form a pipeline stage and every message between stages is a single contiguous tensor.
+
+Reversible nets carry two streams of equal width concatenated along channels: (x1, x2).
+"""
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_bn_updates_running_stats = True
+
+
+@contextlib.contextmanager
+def frozen_bn_stats():
+    """Within this context, training-mode batch norm normalises with batch statistics but leaves its
+    running statistics alone (PETRA's forward pass; the backward recomputation updates them)."""
+    global _bn_updates_running_stats
+    saved, _bn_updates_running_stats = _bn_updates_running_stats, False
+    try:
+        yield
+    finally:
+        _bn_updates_running_stats = saved
+
+
+class BatchNorm2d(nn.BatchNorm2d):
+    def forward(self, x):
+        if self.training and not _bn_updates_running_stats:
+            return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        return super().forward(x)
+
+
+def conv_bn(cin, cout, kernel, stride=1, relu=True):
+    layers = [nn.Conv2d(cin, cout, kernel, stride, kernel // 2, bias=False), BatchNorm2d(cout)]
+    if relu:
+        layers.append(nn.ReLU(inplace=True))
+    return nn.Sequential(*layers)
+
+
+def basic_branch(cin, cout, stride):
+    """The residual branch of a ResNet basic block, without the skip connection."""
+    return nn.Sequential(conv_bn(cin, cout, 3, stride), conv_bn(cout, cout, 3, 1, relu=False))
+
+
+def bottleneck_branch(cin, cout, stride):
+    """The residual branch of a ResNet bottleneck block (expansion 4), without the skip."""
+    mid = cout // 4
+    return nn.Sequential(conv_bn(cin, mid, 1), conv_bn(mid, mid, 3, stride),
+                         conv_bn(mid, cout, 1, relu=False))
+
+
+class Stem(nn.Module):
+    """CIFAR stem: 3x3 conv. ImageNet stem: 7x7 stride-2 conv and 3x3 stride-2 max-pool."""
+    reversible = False
+
+    def __init__(self, cout, imagenet):
+        super().__init__()
+        if imagenet:
+            self.body = nn.Sequential(conv_bn(3, cout, 7, 2), nn.MaxPool2d(3, 2, 1))
+        else:
+            self.body = conv_bn(3, cout, 3)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class ResidualBlock(nn.Module):
+    """Plain ResNet block: relu(branch(x) + shortcut(x))."""
+    reversible = False
+
+    def __init__(self, branch, shortcut):
+        super().__init__()
+        self.branch, self.shortcut = branch, shortcut
+
+    def forward(self, x):
+        return F.relu(self.branch(x) + self.shortcut(x))
+
+
+class ReversibleBlock(nn.Module):
+    """Coupling block (paper Fig. 2b): (y1, y2) = (x2 + F(x1), x1); inverse x1 = y2, x2 = y1 - F(y2)."""
+    reversible = True
+
+    def __init__(self, branch):
+        super().__init__()
+        self.branch = branch
+
+    def forward(self, x):
+        x1, x2 = x.chunk(2, dim=1)
+        return torch.cat([x2 + self.branch(x1), x1], dim=1)
+
+    def inverse(self, y):
+        y1, y2 = y.chunk(2, dim=1)
+        return torch.cat([y2, y1 - self.branch(y2)], dim=1)
+
+
+class PadShortcut(nn.Module):
+    """Parameter-free shortcut (option A of He et al.): subsample by the stride, zero-pad channels."""
+
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.pad, self.stride = cout - cin, stride
+
+    def forward(self, x):
+        x = x[:, :, ::self.stride, ::self.stride]
+        return F.pad(x, (0, 0, 0, 0, 0, self.pad))
+
+
+class DownsampleBlock(nn.Module):
+    """Non-reversible transition of a RevNet between stream widths/resolutions.
+
+    The coupling rule with its identities replaced by shortcuts: (y1, y2) = (S(x2) + F(x1), T(x1)),
+    S a 1x1 projection; T a projection in bottleneck nets and parameter-free in basic-block nets,
+    which puts the parameter counts of all three RevNets within 1% of the paper's Table 2.
+    """
+    reversible = False
+
+    def __init__(self, branch, shortcut, transfer):
+        super().__init__()
+        self.branch, self.shortcut, self.transfer = branch, shortcut, transfer
+
+    def forward(self, x):
+        x1, x2 = x.chunk(2, dim=1)
+        return torch.cat([self.shortcut(x2) + self.branch(x1), self.transfer(x1)], dim=1)
+
+
+class Head(nn.Module):
+    """Global average pooling and the linear classifier."""
+    reversible = False
+
+    def __init__(self, cin, num_classes):
+        super().__init__()
+        self.fc = nn.Linear(cin, num_classes)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))

@@ -1,0 +1,65 @@
+"""RevNet and ResNet 18/34/50 as flat lists of blocks: [stem, residual blocks..., head].
+
+The paper's stage split keeps every residual block whole: one stage for the stem, one per block and
+one for the head (10 stages for the 18-layer nets, 18 for the 34/50-layer nets).
+"""
+from torch import nn
+
+from .blocks import (DownsampleBlock, Head, PadShortcut, ResidualBlock, ReversibleBlock, Stem,
+                     basic_branch, bottleneck_branch, conv_bn)
+
+ARCHS = {  # name: (reversible, bottleneck, blocks per layer)
+    "resnet18": (False, False, (2, 2, 2, 2)),
+    "resnet34": (False, False, (3, 4, 6, 3)),
+    "resnet50": (False, True, (3, 4, 6, 3)),
+    "revnet18": (True, False, (2, 2, 2, 2)),
+    "revnet34": (True, False, (3, 4, 6, 3)),
+    "revnet50": (True, True, (3, 4, 6, 3)),
+}
+
+
+def num_blocks(arch: str) -> int:
+    """Number of blocks (stem + residual blocks + head): the most stages the net can be split into."""
+    return sum(ARCHS[arch][2]) + 2
+
+
+def build_blocks(arch: str, width: int = 64, num_classes: int = 10, imagenet_stem: bool = False
+                 ) -> list[nn.Module]:
+    if arch not in ARCHS:
+        raise ValueError(f"unknown model.arch {arch!r}; choose one of {sorted(ARCHS)}")
+    reversible, bottleneck, layers = ARCHS[arch]
+    branch_fn = bottleneck_branch if bottleneck else basic_branch
+    expansion = 4 if bottleneck else 1
+    streams = 2 if reversible else 1
+    blocks = [Stem(streams * width, imagenet_stem)]
+    cin = width
+    for i, count in enumerate(layers):
+        cout = width * 2 ** i * expansion
+        for j in range(count):
+            stride = 2 if (j == 0 and i > 0) else 1
+            transition = stride != 1 or cin != cout
+            if not reversible:
+                shortcut = conv_bn(cin, cout, 1, stride, relu=False) if transition else nn.Identity()
+                blocks.append(ResidualBlock(branch_fn(cin, cout, stride), shortcut))
+            elif transition:
+                transfer = (conv_bn(cin, cout, 1, stride, relu=False) if bottleneck
+                            else PadShortcut(cin, cout, stride))
+                blocks.append(DownsampleBlock(branch_fn(cin, cout, stride),
+                                              conv_bn(cin, cout, 1, stride, relu=False), transfer))
+            else:
+                blocks.append(ReversibleBlock(branch_fn(cout, cout, 1)))
+            cin = cout
+    blocks.append(Head(streams * cin, num_classes))
+    for block in blocks:
+        _init(block)
+    return blocks
+
+
+def _init(module: nn.Module):
+    for m in module.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+
+def count_parameters(blocks) -> int:
+    return sum(p.numel() for b in blocks for p in b.parameters())

@@ -1,0 +1,81 @@
+"""Splitting the block list into J contiguous stages."""
+import torch
+from torch import nn
+
+
+def block_costs(blocks, image_size: int) -> list[float]:
+    """Estimated forward cost of each block: multiply-accumulates of its convolutions and linear
+    layers, measured by one batch-1 forward on a zero image."""
+    costs, current = [], [0.0]
+
+    def count(module, inputs, output):
+        if isinstance(module, nn.Conv2d):
+            current[0] += module.weight.numel() * output.shape[-1] * output.shape[-2]
+        elif isinstance(module, nn.Linear):
+            current[0] += module.weight.numel()
+
+    hooks = [m.register_forward_hook(count) for b in blocks for m in b.modules()
+             if isinstance(m, (nn.Conv2d, nn.Linear))]
+    was_training = [b.training for b in blocks]
+    try:
+        x = torch.zeros(1, 3, image_size, image_size)
+        with torch.no_grad():
+            for b in blocks:
+                b.eval()
+                current[0] = 0.0
+                x = b(x)
+                costs.append(max(current[0], 1.0))
+    finally:
+        for h in hooks:
+            h.remove()
+        for b, t in zip(blocks, was_training):
+            b.train(t)
+    return costs
+
+
+def balanced_partition(costs, num_stages: int) -> list[int]:
+    """Block counts per stage that minimise the most expensive stage (contiguous, none empty)."""
+    n = len(costs)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot split {n} blocks into {num_stages} stages: use 1 to {n}")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[j][i]: minimal max-cost of splitting the first i blocks into j stages
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for j in range(1, num_stages + 1):
+        for i in range(j, n - (num_stages - j) + 1):
+            for m in range(j - 1, i):
+                v = max(best[j - 1][m], prefix[i] - prefix[m])
+                if v < best[j][i]:
+                    best[j][i], cut[j][i] = v, m
+    sizes, i = [], n
+    for j in range(num_stages, 0, -1):
+        sizes.append(i - cut[j][i])
+        i = cut[j][i]
+    return sizes[::-1]
+
+
+def resolve_partition(blocks, num_stages: int, fixed=None, image_size: int = 32) -> list[int]:
+    """Block counts per stage: `fixed` if given (checked), one block per stage when J equals the
+    block count (the paper's split), else balanced by estimated cost."""
+    n = len(blocks)
+    if fixed:
+        if len(fixed) != num_stages or sum(fixed) != n or min(fixed) < 1:
+            raise ValueError(f"model.partition {list(fixed)} must have {num_stages} positive entries "
+                             f"summing to {n} (the number of blocks)")
+        return list(fixed)
+    if num_stages == n:
+        return [1] * n
+    return balanced_partition(block_costs(blocks, image_size), num_stages)
+
+
+def split_blocks(blocks, sizes):
+    out, i = [], 0
+    for size in sizes:
+        out.append(blocks[i:i + size])
+        i += size
+    return out

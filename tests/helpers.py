@@ -1,0 +1,67 @@
+"""Small nets and data shared by the tests."""
+import torch
+import torch.nn.functional as F
+
+from petra_mpi.engine.build import build_stages, build_workers
+from petra_mpi.engine.local import LocalEngine
+from petra_mpi.optim import LRSchedule
+from petra_mpi.schedule import updates_after
+
+
+def make_batches(n, batch=4, size=8, dtype=torch.float64, seed=1, classes=10):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 3, size, size, generator=g, dtype=dtype),
+             torch.randint(0, classes, (batch,), generator=g)) for _ in range(n)]
+
+
+def flat_params(stages):
+    return [p for s in stages for p in s.parameters()]
+
+
+def run_engine(arch, J, k, batches, method="petra", lr=0.0, dtype=torch.float64, width=4,
+               momentum=0.9, weight_decay=0.0, on_update=None, **stage_kw):
+    """Train one segment on `batches` with the local engine; returns the stages."""
+    stages = build_stages(arch, width, 10, J, seed=0, dtype=dtype, **stage_kw)
+    workers = build_workers(stages, LRSchedule(lr, 10**6), k, momentum=momentum,
+                            weight_decay=weight_decay, on_update=on_update)
+    LocalEngine(workers, method).train_segment(iter(batches), len(batches))
+    return stages
+
+
+def applied_gradients(arch, J, k, batches, method="petra", dtype=torch.float64, **kw):
+    """Sum over the run of the averaged gradient each optimizer step applied, in network order."""
+    sums = {}
+
+    def on_update(worker):
+        for i, p in enumerate(worker.stage.parameters()):
+            g = p.grad / worker.optimizer.pending
+            sums[(worker.index, i)] = sums.get((worker.index, i), 0) + g
+
+    stages = run_engine(arch, J, k, batches, method, lr=0.0, dtype=dtype, on_update=on_update, **kw)
+    return [sums[key] for key in sorted(sums)], stages
+
+
+def end_to_end_gradients(arch, k, batches, dtype=torch.float64, width=4):
+    """The same sum computed by plain autograd on the whole network, one micro-batch at a time."""
+    (net,) = build_stages(arch, width, 10, 1, seed=0, dtype=dtype)
+    params = list(net.parameters())
+    total = [torch.zeros_like(p) for p in params]
+    group = [torch.zeros_like(p) for p in params]
+    count = 0
+    for b, (x, y) in enumerate(batches):
+        logits = x
+        for block in net.blocks:
+            logits = block(logits)
+        grads = torch.autograd.grad(F.cross_entropy(logits, y), params)
+        group = [a + g for a, g in zip(group, grads)]
+        count += 1
+        if updates_after(b, len(batches), k):
+            total = [t + a / count for t, a in zip(total, group)]
+            group, count = [torch.zeros_like(p) for p in params], 0
+    return total
+
+
+def max_relative_error(got, want):
+    num = max((g - w).abs().max().item() for g, w in zip(got, want))
+    den = max(w.abs().max().item() for w in want)
+    return num / den

@@ -1,0 +1,158 @@
+"""DESIGN.md §1 invariants 1, 2, 4 and 5 on small nets, several stage counts, with and without
+accumulation."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import (applied_gradients, end_to_end_gradients, flat_params, make_batches,
+                     max_relative_error, run_engine)
+from petra_mpi.engine.build import build_stages
+from petra_mpi.models import build_blocks, frozen_bn_stats, num_blocks
+from petra_mpi.optim import LRSchedule, StageOptimizer
+from petra_mpi.stages import Stage
+
+
+@pytest.mark.parametrize("arch", ["revnet18", "resnet18"])
+@pytest.mark.parametrize("J", [1, 2, 4, 10])
+@pytest.mark.parametrize("k", [1, 3])
+def test_invariant1_lr0_gradient_equals_end_to_end_float64(arch, J, k):
+    batches = make_batches(7)
+    got, stages = applied_gradients(arch, J, k, batches)
+    want = end_to_end_gradients(arch, k, batches)
+    assert len(got) == len(want)
+    assert max_relative_error(got, want) < 1e-10  # float64: the rebuild is exact to rounding
+    assert all(s.in_flight() == 0 for s in stages), "drain left micro-batches in flight"
+
+
+def test_invariant1_float32_and_revnet50():
+    batches = make_batches(5, dtype=torch.float32)
+    got, _ = applied_gradients("revnet50", 5, 2, batches, dtype=torch.float32)
+    want = end_to_end_gradients("revnet50", 2, batches, dtype=torch.float32)
+    assert max_relative_error(got, want) < 1e-3
+
+
+def test_invariant1_detects_a_wrong_gradient():
+    """The comparison has teeth: dropping one micro-batch from PETRA's run is caught."""
+    batches = make_batches(6)
+    got, _ = applied_gradients("revnet18", 4, 1, batches[:5])
+    want = end_to_end_gradients("revnet18", 1, batches)
+    assert max_relative_error(got, want) > 1e-3
+
+
+def test_nonzero_lr_changes_the_gradient_through_delay():
+    """With lr > 0, PETRA's delayed gradients differ from plain training (sanity of the delay)."""
+    batches = make_batches(6)
+    petra = run_engine("revnet18", 4, 1, batches, lr=0.5)
+    plain = run_engine("revnet18", 4, 1, batches, method="backprop", lr=0.5)
+    diff = max((a - b).abs().max().item() for a, b in zip(flat_params(petra), flat_params(plain)))
+    assert diff > 1e-6
+
+
+def plain_autograd_training(arch, k, batches, lr, dtype, width=4, weight_decay=5e-4):
+    """Reference: ordinary PyTorch training of the whole net, k micro-batches per step."""
+    (net,) = build_stages(arch, width, 10, 1, seed=0, dtype=dtype)
+    model = torch.nn.Sequential(*net.blocks)
+    opt = StageOptimizer(model, LRSchedule(lr, 3, warmup_epochs=1, milestones=(2,)),
+                         weight_decay=weight_decay)
+    for b, (x, y) in enumerate(batches):
+        F.cross_entropy(model(x), y).backward()
+        opt.accumulated()
+        if (b + 1) % k == 0 or b == len(batches) - 1:
+            opt.step()
+    return list(model.parameters()) + list(model.buffers())
+
+
+@pytest.mark.parametrize("J,method", [(1, "petra"), (4, "backprop"), (10, "backprop")])
+@pytest.mark.parametrize("k", [1, 2])
+def test_invariant2_follows_plain_autograd(J, method, k):
+    batches = make_batches(8, size=16)  # 16x16 keeps the last BN layers off 1x1 maps, whose
+    # near-zero batch variance would amplify rounding differences between the two computations
+    stages = build_stages("revnet18", 4, 10, J, seed=0, dtype=torch.float64)
+    from petra_mpi.engine.build import build_workers
+    from petra_mpi.engine.local import LocalEngine
+    workers = build_workers(stages, LRSchedule(0.2, 3, warmup_epochs=1, milestones=(2,)), k,
+                            weight_decay=5e-4)
+    LocalEngine(workers, method).train_segment(iter(batches), len(batches))
+    got = flat_params(stages) + [b for s in stages for b in s.buffers()]
+    want = plain_autograd_training("revnet18", k, batches, 0.2, torch.float64)
+    assert len(got) == len(want)
+    moved = max((w - w0).abs().max().item() for w, w0 in
+                zip(want, flat_params(build_stages("revnet18", 4, 10, 1, seed=0, dtype=torch.float64))))
+    assert moved > 1e-3  # training really happened
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w.double(), rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("arch", ["revnet18", "revnet50"])
+def test_invariant4_reversible_rebuild(arch):
+    torch.manual_seed(0)
+    blocks = [b for b in build_blocks(arch, 8, 10) if b.reversible]
+    for block in blocks[:3]:
+        x = torch.randn(4, block.branch[0][0].in_channels * 2, 8, 8)
+        stage = Stage([block], 1, 3)
+        y = stage(x)
+        rebuilt, grad = stage.backward(y, torch.randn_like(y))
+        rel = ((rebuilt - x).norm() / x.norm()).item()
+        assert rel < 1e-5
+        assert grad.shape == x.shape
+
+
+def test_invariant4_rebuild_drifts_when_weights_change():
+    """Rebuilding after a weight change is approximate: the check above can fail."""
+    torch.manual_seed(0)
+    block = next(b for b in build_blocks("revnet18", 8, 10) if b.reversible)
+    stage = Stage([block], 1, 3)
+    x = torch.randn(4, 16, 8, 8)
+    y = stage(x)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    rebuilt, _ = stage.backward(y, torch.randn_like(y))
+    assert ((rebuilt - x).norm() / x.norm()).item() > 1e-3
+
+
+def bn_layers(stages):
+    return [m for s in stages for m in s.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+
+
+@pytest.mark.parametrize("J", [2, 10])
+def test_invariant5_bn_stats_updated_once_per_microbatch_in_backward(J):
+    batches = make_batches(5)
+    stages = build_stages("revnet18", 4, 10, J, seed=0, dtype=torch.float64)
+    bns = bn_layers(stages)
+    stage0 = stages[0]
+    before = [bn.running_mean.clone() for bn in bns]
+    with torch.no_grad():
+        stage0(batches[0][0])  # a forward alone changes nothing
+    assert all(bn.num_batches_tracked.item() == 0 for bn in bns)
+    assert all(torch.equal(b, bn.running_mean) for b, bn in zip(before, bns))
+    stage0.clear()
+    # a full run: every BN counted exactly once per micro-batch
+    from petra_mpi.engine.build import build_workers
+    from petra_mpi.engine.local import LocalEngine
+    LocalEngine(build_workers(stages, LRSchedule(0.0, 10)), "petra").train_segment(iter(batches), 5)
+    assert all(bn.num_batches_tracked.item() == 5 for bn in bns)
+    # and the running statistics equal those of plain training-mode forwards (lr = 0)
+    (ref,) = build_stages("revnet18", 4, 10, 1, seed=0, dtype=torch.float64)
+    model = torch.nn.Sequential(*ref.blocks)
+    with torch.no_grad():
+        for x, _ in batches:
+            model(x)
+    for bn, rb in zip(bns, bn_layers([ref])):
+        torch.testing.assert_close(bn.running_mean, rb.running_mean, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(bn.running_var, rb.running_var, rtol=1e-9, atol=1e-12)
+
+
+def test_frozen_bn_uses_batch_statistics():
+    bn = build_blocks("revnet18", 4, 10)[0].body[1].double()
+    x = torch.randn(6, 8, 4, 4, dtype=torch.float64) * 3 + 2
+    with frozen_bn_stats():
+        y = bn(x)
+    assert abs(y.mean().item()) < 1e-6 and abs(y.std().item() - 1) < 0.1
+    assert bn.num_batches_tracked.item() == 0
+
+
+def test_block_counts():
+    assert [num_blocks(a) for a in ("revnet18", "revnet34", "revnet50")] == [10, 18, 18]
