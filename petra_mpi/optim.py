@@ -43,6 +43,7 @@ class StageOptimizer:
                                    nesterov=nesterov and momentum > 0) if self.params else None
         self.steps = 0       # optimizer steps taken
         self.pending = 0     # backwards accumulated since the last step
+        self.last_lr = schedule(0)
 
     def accumulated(self):
         self.pending += 1
@@ -56,7 +57,7 @@ class StageOptimizer:
             for p in self.params:
                 if p.grad is not None and self.pending > 1:
                     p.grad.div_(self.pending)
-            lr = self.schedule(self.steps)
+            lr = self.last_lr = self.schedule(self.steps)
             for group in self.sgd.param_groups:
                 group["lr"] = lr
             self.sgd.step()

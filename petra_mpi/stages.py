@@ -32,6 +32,7 @@ class Stage(nn.Module):
         self.buffered = [not (b.reversible and not buffer_inputs) for b in blocks]
         self.fifos = [deque() for _ in blocks]   # inputs of buffered blocks, oldest first
         self.stashes = [deque() for _ in blocks]  # weights of in-flight micro-batches
+        self.peak_fifo_bytes = self.peak_stash_bytes = 0  # for the memory report
 
     @property
     def needs_rebuilt_input(self) -> bool:
@@ -51,6 +52,8 @@ class Stage(nn.Module):
                 if self.stash_weights:
                     stash.append([p.detach().clone() for p in block.parameters()])
                 x = block(x)
+        self.peak_fifo_bytes = max(self.peak_fifo_bytes, _queued_bytes(self.fifos))
+        self.peak_stash_bytes = max(self.peak_stash_bytes, _queued_bytes(self.stashes))
         return x
 
     def backward(self, y, grad_y):
@@ -100,6 +103,15 @@ class Stage(nn.Module):
     def clear(self):
         for q in self.fifos + self.stashes:
             q.clear()
+
+
+def _queued_bytes(queues) -> int:
+    total = 0
+    for q in queues:
+        for item in q:
+            for t in (item if isinstance(item, list) else [item]):
+                total += t.numel() * t.element_size()
+    return total
 
 
 def _reversible_vjp(block, y, grad_y, need_grad_x):

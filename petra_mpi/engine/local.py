@@ -50,7 +50,7 @@ class LocalEngine:
         assert not any(inputs) and not any(grads) and not labels, "pipeline not drained"
 
     @torch.no_grad()
-    def evaluate(self, batches) -> EvalTotals:
+    def evaluate(self, batches, m=None) -> EvalTotals:
         totals = EvalTotals()
         for w in self.workers:
             w.stage.eval()

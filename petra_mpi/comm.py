@@ -1,0 +1,148 @@
+"""Point-to-point transport between neighbouring stages over mpi4py.
+
+Inbox: a stream of tensors from one rank under one tag, with receives posted ahead (so transfers
+overlap compute) into fresh buffers sized for the largest batch; the true batch size of each
+message comes from the MPI status, so a smaller last evaluation batch needs no header.
+Outbox: non-blocking sends; a tensor stays referenced until its send completes.
+
+GPU tensors: with a CUDA-aware MPI the device buffers go to MPI directly (after the producing
+stream is synchronised, since MPI knows nothing of CUDA streams); otherwise they are staged
+through pinned host buffers.
+"""
+import ctypes
+import os
+from collections import deque
+
+import numpy as np
+import torch
+
+TAG_ACTIVATION, TAG_REBUILT, TAG_GRADIENT, TAG_LABELS = 11, 12, 13, 14
+
+_MPI_DTYPES = {torch.float32: "f", torch.float64: "d", torch.int64: "q", torch.float16: "e"}
+
+
+def cuda_aware_mpi() -> tuple[bool, str]:
+    """(whether MPI can read device memory, how that was decided). PETRA_MPI_CUDA_AWARE=0/1
+    overrides; else ask the library (MPIX_Query_cuda_support exists in Open MPI and MPICH)."""
+    forced = os.environ.get("PETRA_MPI_CUDA_AWARE")
+    if forced in ("0", "1"):
+        return forced == "1", "PETRA_MPI_CUDA_AWARE"
+    for path in _loaded_mpi_libraries():
+        try:
+            query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support")
+        except (OSError, AttributeError):
+            continue
+        query.restype = ctypes.c_int
+        return bool(query()), f"MPIX_Query_cuda_support in {os.path.basename(path)}"
+    return False, "no MPIX_Query_cuda_support in the MPI library"
+
+
+def _loaded_mpi_libraries():
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libmpi" in line and ".so" in line}
+    except OSError:
+        return []
+    return sorted(paths)
+
+
+def _host_view(t: torch.Tensor):
+    """A buffer object mpi4py can read or write for a contiguous CPU tensor (no copy)."""
+    return t.numpy() if t.dtype in _MPI_DTYPES and t.dtype != torch.float16 else t
+
+
+class Transport:
+    """How tensors reach MPI on this rank: CPU, CUDA-aware device buffers or pinned staging."""
+
+    def __init__(self, device: torch.device, cuda_aware: bool):
+        self.device = device
+        self.direct = device.type != "cuda" or cuda_aware
+
+    @property
+    def mode(self):
+        if self.device.type != "cuda":
+            return "cpu"
+        return "cuda-aware" if self.direct else "pinned-host-staging"
+
+    def send_buffer(self, t: torch.Tensor):
+        """(the object to hand to MPI, what must stay alive until the send completes)."""
+        t = t.detach().contiguous()
+        if t.device.type != "cuda":
+            return _host_view(t), t
+        if self.direct:
+            torch.cuda.current_stream(t.device).synchronize()  # MPI must see finished data
+            return t, t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        torch.cuda.current_stream(t.device).synchronize()
+        return _host_view(host), host
+
+    def recv_buffer(self, shape, dtype):
+        """(the tensor MPI writes into, the object to hand to MPI)."""
+        if self.device.type != "cuda":
+            t = torch.empty(shape, dtype=dtype)
+            return t, _host_view(t)
+        if self.direct:
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            torch.cuda.current_stream(self.device).synchronize()
+            return t, t
+        t = torch.empty(shape, dtype=dtype, pin_memory=True)
+        return t, _host_view(t)
+
+    def to_device(self, t: torch.Tensor):
+        return t if t.device == self.device else t.to(self.device, non_blocking=True)
+
+
+class Inbox:
+    """Receives `count` tensors of at most `shape` from `source` under `tag`, posted ahead."""
+
+    def __init__(self, comm, transport, source, tag, shape, dtype, depth=2):
+        self.comm, self.transport, self.source, self.tag = comm, transport, source, tag
+        self.shape, self.dtype, self.depth = tuple(shape), dtype, depth
+        self.per_sample = int(np.prod(self.shape[1:], dtype=np.int64))
+        self.pending = deque()
+        self.remaining = 0
+
+    def expect(self, count: int):
+        """Announce the next `count` messages and post the first receives."""
+        assert not self.pending and self.remaining == 0, "previous messages were not all received"
+        self.remaining = count
+        self._post()
+
+    def _post(self):
+        from mpi4py import MPI
+        while self.remaining > 0 and len(self.pending) < self.depth:
+            tensor, buf = self.transport.recv_buffer(self.shape, self.dtype)
+            req = self.comm.Irecv(buf, source=self.source, tag=self.tag)
+            self.pending.append((req, tensor, MPI.Status()))
+            self.remaining -= 1
+
+    def get(self) -> torch.Tensor:
+        req, tensor, status = self.pending.popleft()
+        req.Wait(status)
+        self._post()
+        n = status.Get_count(_mpi_datatype(self.dtype)) // max(1, self.per_sample)
+        return self.transport.to_device(tensor[:n] if n != self.shape[0] else tensor)
+
+
+class Outbox:
+    """Non-blocking sends to `dest` under `tag`; at most `depth` in flight."""
+
+    def __init__(self, comm, transport, dest, tag, depth=2):
+        self.comm, self.transport, self.dest, self.tag, self.depth = comm, transport, dest, tag, depth
+        self.pending = deque()
+
+    def put(self, t: torch.Tensor):
+        buf, keep = self.transport.send_buffer(t)
+        self.pending.append((self.comm.Isend(buf, dest=self.dest, tag=self.tag), keep))
+        while len(self.pending) > self.depth:
+            self.pending.popleft()[0].Wait()
+
+    def flush(self):
+        while self.pending:
+            self.pending.popleft()[0].Wait()
+
+
+def _mpi_datatype(dtype):
+    from mpi4py import MPI
+    return MPI.Datatype.fromcode(_MPI_DTYPES[dtype])

@@ -1,0 +1,271 @@
+"""Run configuration: YAML files into dataclasses, `--set key.sub=value` overrides, validation.
+
+A config file may name another one with `base: other.yaml` (relative to itself) and override some
+of its keys. Unknown keys, wrong types and impossible values are errors that name the key and the
+file, raised before any work starts.
+"""
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .models import ARCHS, num_blocks
+from .schedule import METHODS
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class RunConfig:
+    out_dir: str = "runs/default"
+    """Directory for metrics.jsonl, summary.json and checkpoints/."""
+    seed: int = 0
+    """Seed of the weights, the sampler and the augmentation."""
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda."""
+    dtype: str = "float32"
+    """float32 or float64 (float64 for exactness checks)."""
+    threads: int = 0
+    """torch CPU threads per rank; 0 gives each rank its share of the node's cores."""
+    progress: bool = True
+    """Progress bar on the rank that computes the loss (one line per epoch when off)."""
+    log_every: int = 10
+    """Write a train line to metrics.jsonl every this many optimizer steps."""
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "revnet18"
+    """revnet18, revnet34, revnet50, resnet18, resnet34 or resnet50."""
+    width: int = 64
+    """Base channels per stream (64 in the paper)."""
+    num_classes: int = 10
+    """Classes of the head; must match the dataset."""
+    stem: str = "cifar"
+    """cifar (3x3 conv) or imagenet (7x7 stride-2 conv and max-pool)."""
+    stages: int = 0
+    """Number of stages J; 0: the MPI world size, or in one process the paper's split (one stage
+    per block)."""
+    partition: typing.Optional[list[int]] = None
+    """Blocks per stage, e.g. [3, 3, 4]; default: one block per stage when the stage count equals
+    the block count, else contiguous stages balanced by estimated cost."""
+
+
+@dataclass
+class DataConfig:
+    path: str = "synthetic"
+    """An HDF5 file in the schema of the README (both splits), or `synthetic`."""
+    batch_size: int = 64
+    """Images per micro-batch."""
+    synthetic_train: int = 10000
+    """Training images of the built-in synthetic set."""
+    synthetic_val: int = 2000
+    """Validation images of the built-in synthetic set."""
+    synthetic_seed: int = 0
+    """Seed of the synthetic set (train uses it, val uses it + 1), apart from run.seed so that
+    runs with different seeds see the same data."""
+    augment: bool = True
+    """Random crop and flip on the training split."""
+    crop: int = 224
+    """Crop size for full-size (JPEG) ImageNet."""
+    prefetch: int = 2
+    """Batches read ahead in the background."""
+
+
+@dataclass
+class TrainConfig:
+    method: str = "petra"
+    """petra, backprop (no delay, one stage busy at a time) or delayed (with the buffers below)."""
+    epochs: int = 1
+    """Passes over the training split."""
+    accumulation: int = 1
+    """k: micro-batches whose averaged gradients make one optimizer step."""
+    buffer_inputs: bool = False
+    """delayed: reversible stages keep their input instead of rebuilding it."""
+    stash_weights: bool = False
+    """delayed: each in-flight micro-batch keeps the weights of its forward."""
+    limit_batches: int = 0
+    """Train on at most this many micro-batches per epoch (0: all); for smoke runs."""
+    limit_eval_batches: int = 0
+    """Evaluate on at most this many batches (0: all)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 0.1
+    """Base learning rate; with scale_lr the peak is lr · batch_size · accumulation / 256."""
+    scale_lr: bool = True
+    """Apply the paper's rule lr = base · batch · k / 256."""
+    momentum: float = 0.9
+    """SGD momentum (Nesterov)."""
+    nesterov: bool = True
+    """Nesterov momentum."""
+    weight_decay: float = 5e-4
+    """L2 weight decay, never on batch-norm parameters and biases."""
+    warmup_epochs: float = 5.0
+    """Linear warm-up from 0 to the peak learning rate over this many epochs."""
+    milestones: list[int] = field(default_factory=list)
+    """Epochs at which the learning rate is multiplied by gamma."""
+    gamma: float = 0.1
+    """Step-decay factor."""
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    source: str = "<defaults>"
+    """The file the config came from (for messages)."""
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        return d
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "source"}
+
+
+def load_config(path, overrides=()) -> Config:
+    """Read `path` (following `base:` links), apply `key.sub=value` overrides, validate."""
+    path = Path(path)
+    raw = _read_with_bases(path, seen=())
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key.sub=value")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        if len(parts) != 2:
+            raise ConfigError(f"--set {item!r}: keys have the form section.key, e.g. train.epochs")
+        raw.setdefault(parts[0], {})
+        if not isinstance(raw[parts[0]], dict):
+            raise ConfigError(f"--set {item!r}: {parts[0]} is not a section")
+        raw[parts[0]][parts[1]] = yaml.safe_load(value) if value.strip() else ""
+    where = str(path) + (" (with --set overrides)" if overrides else "")
+    cfg = _build(raw, where)
+    validate(cfg)
+    return cfg
+
+
+def _read_with_bases(path: Path, seen) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found")
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: `base` links form a cycle")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    merged = _read_with_bases(path.parent / base, seen + (path.resolve(),))
+    for section, values in raw.items():
+        if isinstance(values, dict) and isinstance(merged.get(section), dict):
+            merged[section] = {**merged[section], **values}
+        else:
+            merged[section] = values
+    return merged
+
+
+def _build(raw: dict, where: str) -> Config:
+    sections = {}
+    for name, values in raw.items():
+        if name not in SECTIONS:
+            raise ConfigError(f"{where}: unknown section {name!r}; known: {', '.join(SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{where}: section {name!r} must be a mapping")
+        cls = SECTIONS[name]
+        hints = typing.get_type_hints(cls)
+        for key, value in values.items():
+            if key not in hints:
+                raise ConfigError(f"{where}: unknown key {name}.{key}; known: {', '.join(hints)}")
+            values[key] = _check_type(value, hints[key], f"{where}: {name}.{key}")
+        sections[name] = cls(**values)
+    return Config(**sections, source=where)
+
+
+def _check_type(value, hint, what):
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union:  # Optional[...]
+        if value is None:
+            return None
+        return _check_type(value, next(a for a in args if a is not type(None)), what)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{what}: expected a list, got {value!r}")
+        return [_check_type(v, args[0], what) for v in value]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is int and isinstance(value, bool) or not isinstance(value, hint):
+        raise ConfigError(f"{what}: expected {hint.__name__}, got {value!r}")
+    return value
+
+
+def validate(cfg: Config, world_size: int | None = None):
+    """Check values that types cannot; `world_size` (the stage count) when known."""
+    w = cfg.source
+
+    def need(ok, key, msg):
+        if not ok:
+            raise ConfigError(f"{w}: {key}: {msg}")
+
+    need(cfg.run.device in ("auto", "cpu", "cuda"), "run.device", "must be auto, cpu or cuda")
+    need(cfg.run.dtype in ("float32", "float64"), "run.dtype", "must be float32 or float64")
+    need(cfg.run.threads >= 0, "run.threads", "must be >= 0")
+    need(cfg.run.log_every >= 1, "run.log_every", "must be >= 1")
+    need(cfg.model.arch in ARCHS, "model.arch", f"must be one of {', '.join(ARCHS)}")
+    need(cfg.model.width > 0, "model.width", "must be > 0")
+    need(cfg.model.num_classes >= 2, "model.num_classes", "must be >= 2")
+    need(cfg.model.stem in ("cifar", "imagenet"), "model.stem", "must be cifar or imagenet")
+    blocks = num_blocks(cfg.model.arch)
+    need(0 <= cfg.model.stages <= blocks, "model.stages",
+         f"{cfg.model.arch} has {blocks} blocks: use 1 to {blocks} stages (0: automatic)")
+    if cfg.model.partition is not None:
+        p = cfg.model.partition
+        need(min(p, default=0) >= 1 and sum(p) == blocks, "model.partition",
+             f"needs positive block counts summing to {blocks} ({cfg.model.arch}), got {p}")
+        need(cfg.model.stages in (0, len(p)), "model.partition",
+             f"has {len(p)} stages but model.stages is {cfg.model.stages}")
+    need(cfg.data.batch_size >= 1, "data.batch_size", "must be >= 1")
+    need(cfg.data.synthetic_train >= 1 and cfg.data.synthetic_val >= 1, "data.synthetic_train",
+         "synthetic split sizes must be >= 1")
+    need(cfg.data.crop >= 1 and cfg.data.prefetch >= 0, "data.crop", "crop >= 1, prefetch >= 0")
+    need(cfg.train.method in METHODS, "train.method", f"must be one of {', '.join(METHODS)}")
+    need(cfg.train.epochs >= 1, "train.epochs", "must be >= 1")
+    need(cfg.train.accumulation >= 1, "train.accumulation", "k must be >= 1")
+    need(cfg.train.limit_batches >= 0, "train.limit_batches", "must be >= 0")
+    need(cfg.train.limit_eval_batches >= 0, "train.limit_eval_batches", "must be >= 0")
+    if cfg.train.method != "delayed":
+        need(not (cfg.train.buffer_inputs or cfg.train.stash_weights), "train.buffer_inputs",
+             "buffer_inputs and stash_weights belong to method delayed")
+    need(cfg.optim.lr >= 0, "optim.lr", "must be >= 0")
+    need(cfg.optim.momentum >= 0, "optim.momentum", "must be >= 0")
+    need(cfg.optim.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+    need(cfg.optim.warmup_epochs >= 0, "optim.warmup_epochs", "must be >= 0")
+    if world_size is not None and world_size > 1:
+        need(world_size <= blocks, "world size",
+             f"{world_size} ranks cannot each hold a stage of {cfg.model.arch}, which has "
+             f"{blocks} blocks: run 1 to {blocks} ranks (one rank per stage)")
+        asked = len(cfg.model.partition) if cfg.model.partition else cfg.model.stages
+        need(asked in (0, world_size), "model.stages",
+             f"the config asks for {asked} stages but {world_size} ranks are running: "
+             f"run mpirun -n {asked}, or drop model.stages/model.partition")
+
+
+def num_stages(cfg: Config, world_size: int = 1) -> int:
+    """J: the MPI world size when there are several ranks, else what the config asks for."""
+    if world_size > 1:
+        return world_size
+    if cfg.model.partition:
+        return len(cfg.model.partition)
+    return cfg.model.stages or num_blocks(cfg.model.arch)

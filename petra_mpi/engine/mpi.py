@@ -1,0 +1,124 @@
+"""One rank per stage: the loop of the paper's Algorithm 1 over comm.py.
+
+Rank r runs stage r of J = world size. Its operations come from the schedule in order (forward
+then backward of each tick); waiting on a neighbour's message is the only synchronisation. Rank 0
+reads the data and sends each micro-batch's labels straight to the last rank.
+"""
+import sys
+
+import torch
+
+from ..comm import (TAG_ACTIVATION, TAG_GRADIENT, TAG_LABELS, TAG_REBUILT, Inbox, Outbox,
+                    Transport, cuda_aware_mpi)
+from ..schedule import stage_ops
+from .metrics import EvalTotals
+
+
+class MPIEngine:
+    def __init__(self, worker, method, world, dtype, input_shape, batch_size):
+        self.w, self.method, self.world = worker, method, world
+        comm, r, J = world.comm, world.rank, world.size
+        device = next(worker.stage.parameters()).device
+        aware, why = cuda_aware_mpi() if device.type == "cuda" else (False, "")
+        self.transport = t = Transport(device, aware)
+        if r == 0:
+            print(f"petra_mpi: {J} ranks, transport {t.mode}" + (f" ({why})" if why else ""),
+                  file=sys.stderr, flush=True)
+        # Shapes are agreed once: each rank learns its input shape from the previous one.
+        in_shape = (batch_size, *input_shape) if r == 0 else comm.recv(source=r - 1, tag=1)
+        out_shape = self._output_shape(in_shape, device, dtype)
+        if r < J - 1:
+            comm.send(out_shape, dest=r + 1, tag=1)
+        # A stage whose last block is buffered ignores ỹ, so its successor need not send it.
+        wants_rebuilt = comm.sendrecv(worker.stage.needs_rebuilt_input, dest=(r + 1) % J,
+                                      source=(r - 1) % J)
+        self.send_rebuilt = r > 0 and wants_rebuilt
+        self.inputs = Inbox(comm, t, r - 1, TAG_ACTIVATION, in_shape, dtype) if r > 0 else None
+        self.outputs = Outbox(comm, t, r + 1, TAG_ACTIVATION) if r < J - 1 else None
+        self.rebuilt_in = (Inbox(comm, t, r + 1, TAG_REBUILT, out_shape, dtype)
+                           if r < J - 1 and worker.stage.needs_rebuilt_input else None)
+        self.grads_in = Inbox(comm, t, r + 1, TAG_GRADIENT, out_shape, dtype) if r < J - 1 else None
+        self.rebuilt_out = Outbox(comm, t, r - 1, TAG_REBUILT) if self.send_rebuilt else None
+        self.grads_out = Outbox(comm, t, r - 1, TAG_GRADIENT) if r > 0 else None
+        self.labels_out = Outbox(comm, t, J - 1, TAG_LABELS, depth=J + 2) if r == 0 else None
+        self.labels_in = (Inbox(comm, t, 0, TAG_LABELS, (batch_size,), torch.int64)
+                          if r == J - 1 else None)
+
+    @torch.no_grad()
+    def _output_shape(self, in_shape, device, dtype):
+        stage = self.w.stage
+        was_training = stage.training
+        stage.eval()  # running statistics: a shape probe must not touch anything
+        try:
+            out = stage.evaluate(torch.zeros((1, *in_shape[1:]), device=device, dtype=dtype))
+            return (in_shape[0], *out.shape[1:])
+        finally:
+            stage.train(was_training)
+
+    def _expect(self, n):
+        for box in (self.inputs, self.rebuilt_in, self.grads_in, self.labels_in):
+            if box is not None:
+                box.expect(n)
+
+    def _input(self, batches):
+        """The next micro-batch's input (rank 0 reads it and sends its labels to the last rank)."""
+        if self.inputs is not None:
+            return self.inputs.get(), None
+        x, labels = next(batches)
+        if self.labels_out is not None:
+            self.labels_out.put(labels)
+        return x, labels
+
+    def train_segment(self, batches, n, on_loss=None):
+        w = self.w
+        w.begin_segment(n)
+        self._expect(n)
+        for op, b in stage_ops(self.method, self.world.size, w.index, n):
+            if op == "forward":
+                x, _ = self._input(batches)
+                self.outputs.put(w.forward(b, x))
+            elif op == "backward":
+                y = self.rebuilt_in.get() if self.rebuilt_in else None
+                x, grad_x = w.backward(b, y, self.grads_in.get())
+                self._send_down(x, grad_x)
+            else:  # last stage: forward, loss and backward at once
+                x, labels = self._input(batches)
+                labels = self.labels_in.get() if labels is None else labels
+                loss, logits, grad_x = w.forward_backward(b, x, labels)
+                if on_loss is not None:
+                    on_loss(b, loss, logits, labels)
+                self._send_down(x, grad_x)
+        self._flush()
+
+    def _send_down(self, x, grad_x):
+        if self.rebuilt_out is not None:
+            self.rebuilt_out.put(x)
+        if self.grads_out is not None:
+            self.grads_out.put(grad_x)
+
+    def _flush(self):
+        for box in (self.outputs, self.rebuilt_out, self.grads_out, self.labels_out):
+            if box is not None:
+                box.flush()
+
+    @torch.no_grad()
+    def evaluate(self, batches, m):
+        """Forward-only pass over m batches; the totals exist on the last rank (None elsewhere)."""
+        stage = self.w.stage
+        for box in (self.inputs, self.labels_in):
+            if box is not None:
+                box.expect(m)
+        totals = EvalTotals() if self.w.is_last else None
+        stage.eval()
+        try:
+            for _ in range(m):
+                x, labels = self._input(batches)
+                out = stage.evaluate(x)
+                if totals is None:
+                    self.outputs.put(out)
+                else:
+                    totals.add(out, self.labels_in.get() if labels is None else labels)
+        finally:
+            stage.train()
+        self._flush()
+        return totals

@@ -1,0 +1,64 @@
+"""The MPI context of a run: ranks, node-local binding, start-up agreement and fault handling.
+
+mpi4py is imported only when the process was started by an MPI launcher, so single-process runs
+need no MPI library at all.
+"""
+import os
+import sys
+import traceback
+
+_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS",
+                  "MV2_COMM_WORLD_SIZE", "PETRA_MPI")
+
+
+class World:
+    def __init__(self, comm):
+        from mpi4py import MPI
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
+        node.Free()
+
+    @classmethod
+    def from_environment(cls):
+        """The world when launched by mpirun/srun with more than one rank, else None."""
+        if not any(v in os.environ for v in _LAUNCHER_VARS):
+            return None
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.Get_size() == 1:
+            return None
+        return cls(MPI.COMM_WORLD)
+
+    @property
+    def is_last(self):
+        return self.rank == self.size - 1
+
+    def thread_share(self) -> int:
+        """This rank's share of the node's cores for torch's CPU threads."""
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:
+            cores = os.cpu_count() or 1
+        return max(1, cores // self.local_size)
+
+    def share_lengths(self, lengths):
+        """Rank 0 (the data reader) tells everyone the segment lengths and input shape."""
+        return self.comm.bcast(lengths, root=0)
+
+    def gather_to_last(self, items: list):
+        gathered = self.comm.gather(items, root=self.size - 1)
+        return [x for part in gathered for x in part] if self.is_last else None
+
+    def run_guarded(self, fn, expected_errors) -> int:
+        """Run fn(); on any exception print it once from the failing rank and abort every rank
+        (no rank is left waiting for a neighbour that died)."""
+        try:
+            return fn()
+        except expected_errors as e:
+            print(f"error (rank {self.rank}): {e}", file=sys.stderr, flush=True)
+        except BaseException:  # noqa: B036 - KeyboardInterrupt must abort the others too
+            print(f"rank {self.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        self.comm.Abort(1)
+        return 1

@@ -1,0 +1,104 @@
+"""Run outputs: metrics.jsonl, summary.json, a progress bar, and per-stage memory figures."""
+import json
+import math
+import os
+import sys
+import time
+
+
+def fmt_time(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
+class Progress:
+    """One status line on stderr: redrawn in place on a terminal, else printed every ~10% (so
+    batch logs stay readable)."""
+
+    def __init__(self, total: int, label: str, enabled: bool = True, stream=None):
+        self.total, self.label, self.enabled = total, label, enabled
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.start = time.perf_counter()
+        self.done = 0
+        self.next_print = 0
+
+    def update(self, done: int, **fields):
+        self.done = done
+        if not self.enabled or (not self.tty and done < self.next_print and done < self.total):
+            return
+        self.next_print = done + max(1, self.total // 10)
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / done * (self.total - done) if done else 0.0
+        width = 24
+        filled = int(width * done / max(1, self.total))
+        bar = "#" * filled + "." * (width - filled)
+        extra = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                         for k, v in fields.items())
+        line = f"{self.label} [{bar}] {done}/{self.total} {extra} ETA {fmt_time(eta)}"
+        self.stream.write(("\r" + line + "\x1b[K") if self.tty else line + "\n")
+        self.stream.flush()
+
+    def close(self):
+        if self.enabled and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+class MetricsWriter:
+    """Appends JSON lines to metrics.jsonl, flushed at once so a killed run keeps its history."""
+
+    def __init__(self, out_dir: str):
+        os.makedirs(out_dir, exist_ok=True)
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.file = open(self.path, "a", buffering=1)
+
+    def write(self, event: str, **fields):
+        record = {"event": event, "time": round(time.time(), 3)}
+        record.update({k: _plain(v) for k, v in fields.items()})
+        self.file.write(json.dumps(record) + "\n")
+
+    def close(self):
+        self.file.close()
+
+
+def _plain(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+def write_json_atomic(path: str, data: dict):
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def stage_memory(stage, optimizer) -> dict:
+    """Bytes held by one stage: parameters, optimizer state, input FIFO peak, stashed-weight peak,
+    and the device's peak allocation when on CUDA."""
+    import torch
+
+    def nbytes(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    opt_state = []
+    if optimizer.sgd is not None:
+        for state in optimizer.sgd.state.values():
+            opt_state += [v for v in state.values() if torch.is_tensor(v)]
+    params = list(stage.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    return {
+        "stage": stage.index,
+        "blocks": len(stage.blocks),
+        "reversible_blocks": sum(b.reversible for b in stage.blocks),
+        "param_bytes": nbytes(params) + nbytes(stage.buffers()),
+        "optimizer_bytes": nbytes(opt_state),
+        "input_fifo_peak_bytes": stage.peak_fifo_bytes,
+        "stash_peak_bytes": stage.peak_stash_bytes,
+        "device_peak_bytes": (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                              else None),
+    }

@@ -1,0 +1,246 @@
+"""The command line: `[mpirun -n J] python -m petra_mpi.train CONFIG.yaml [--set key.sub=value ...]`.
+
+Without MPI (or with one rank) every stage runs in this process; under mpirun rank r runs stage r.
+The training loop below is the same for both engines: stage 0's process reads the data, the last
+stage's process computes the loss and writes metrics.jsonl and summary.json.
+"""
+import argparse
+import itertools
+import math
+import os
+import sys
+import time
+
+import torch
+
+from .config import ConfigError, load_config, num_stages, validate
+from .engine.build import build_stages, build_workers
+from .engine.metrics import correct
+from .metrics import MetricsWriter, Progress, fmt_time, stage_memory, write_json_atomic
+from .optim import LRSchedule, peak_lr
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on (bad data, non-finite loss): reported as one line, exit status 1."""
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m petra_mpi.train", description=__doc__.split("\n")[0])
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.epochs=3 (repeatable)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="build the stages, check shapes, print the per-stage table and exit")
+    return p.parse_args(argv)
+
+
+def pick_device(cfg, local_rank: int = 0) -> torch.device:
+    if cfg.run.device == "cpu" or (cfg.run.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise TrainingError("run.device is cuda but CUDA is not available")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def lr_schedule(cfg, steps_per_epoch: int) -> LRSchedule:
+    peak = peak_lr(cfg.optim.lr, cfg.data.batch_size, cfg.train.accumulation, cfg.optim.scale_lr)
+    return LRSchedule(peak, steps_per_epoch, cfg.optim.warmup_epochs, tuple(cfg.optim.milestones),
+                      cfg.optim.gamma)
+
+
+def open_data(cfg, device):
+    """Training and validation loaders (only the process of stage 0 calls this)."""
+    from .data import BatchLoader, open_split
+    sizes = (cfg.data.synthetic_train, cfg.data.synthetic_val)
+    try:
+        train = open_split(cfg.data.path, "train", synthetic_sizes=sizes, seed=cfg.data.synthetic_seed)
+        val = open_split(cfg.data.path, "val", synthetic_sizes=sizes, seed=cfg.data.synthetic_seed)
+    except (OSError, ValueError) as e:
+        raise TrainingError(f"data.path {cfg.data.path}: {e}") from None
+    if train.num_classes != cfg.model.num_classes:
+        raise TrainingError(f"data.path {cfg.data.path} has {train.num_classes} classes but "
+                            f"model.num_classes is {cfg.model.num_classes}")
+    jpeg = train.kind == "jpeg"
+    common = dict(seed=cfg.run.seed, device=device, crop=cfg.data.crop if jpeg else None,
+                  prefetch=cfg.data.prefetch)
+    side = cfg.data.crop if jpeg else train.image_size
+    return (BatchLoader(train, cfg.data.batch_size, train=True, augment=cfg.data.augment, **common),
+            BatchLoader(val, cfg.data.batch_size, train=False, augment=False, **common),
+            (3, side, side))
+
+
+def segment_lengths(cfg, train_batches: int, val_batches: int):
+    n = train_batches if not cfg.train.limit_batches else min(train_batches, cfg.train.limit_batches)
+    m = val_batches if not cfg.train.limit_eval_batches else min(val_batches,
+                                                                cfg.train.limit_eval_batches)
+    if n < 1:
+        raise TrainingError(f"data.path {cfg.data.path}: fewer training images than one batch of "
+                            f"{cfg.data.batch_size}")
+    return n, m
+
+
+class TrainLog:
+    """Loss bookkeeping on the process of the last stage."""
+
+    def __init__(self, cfg, worker, writer, n, epoch, images_per_batch):
+        self.cfg, self.worker, self.writer, self.n, self.epoch = cfg, worker, writer, n, epoch
+        self.images_per_batch = images_per_batch
+        self.loss_sum = self.correct = self.count = self.seen = 0
+        self.epoch_loss = self.epoch_correct = self.epoch_count = 0
+        self.start = self.mark = time.perf_counter()
+        self.last_logged_step = worker.optimizer.steps
+        self.progress = Progress(n, f"epoch {epoch + 1}/{cfg.train.epochs}",
+                                 enabled=cfg.run.progress)
+
+    def __call__(self, b, loss, logits, labels):
+        loss = loss.item()
+        step = self.worker.optimizer.steps
+        if not math.isfinite(loss):
+            raise TrainingError(f"non-finite loss ({loss}) at step {step} (epoch {self.epoch}, "
+                                f"micro-batch {b}): stopping; lower optim.lr or check the data")
+        hits = correct(logits, labels)
+        self.loss_sum += loss * len(labels)
+        self.correct += hits
+        self.count += len(labels)
+        self.epoch_loss += loss * len(labels)
+        self.epoch_correct += hits
+        self.epoch_count += len(labels)
+        self.seen += 1
+        now = time.perf_counter()
+        rate = self.epoch_count / max(now - self.start, 1e-9)
+        self.progress.update(self.seen, loss=self.loss_sum / self.count, img_s=round(rate))
+        if step - self.last_logged_step >= self.cfg.run.log_every or b == self.n - 1:
+            self.writer.write("train", step=step, epoch=self.epoch, loss=self.loss_sum / self.count,
+                              acc=self.correct / self.count, lr=self.worker.optimizer.last_lr,
+                              images_per_s=self.count / max(now - self.mark, 1e-9))
+            self.loss_sum = self.correct = self.count = 0
+            self.mark, self.last_logged_step = now, step
+
+    def finish(self):
+        self.progress.close()
+        seconds = time.perf_counter() - self.start
+        return {"train_loss": self.epoch_loss / max(1, self.epoch_count),
+                "train_acc": self.epoch_correct / max(1, self.epoch_count),
+                "seconds": seconds, "images_per_s": self.epoch_count / max(seconds, 1e-9)}
+
+
+def run(cfg, world, dry_run=False) -> int:
+    """Train on this process's stages; `world` is the MPI context (None in one process)."""
+    rank, size = (world.rank, world.size) if world else (0, 1)
+    J = num_stages(cfg, size)
+    device = pick_device(cfg, world.local_rank if world else 0)
+    dtype = getattr(torch, cfg.run.dtype)
+    reads_data, computes_loss = rank == 0, rank == size - 1
+    torch.set_num_threads(cfg.run.threads or (world.thread_share() if world else
+                                              max(1, torch.get_num_threads())))
+
+    stages = build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, J,
+                          seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
+                          partition=cfg.model.partition, buffer_inputs=cfg.train.buffer_inputs,
+                          stash_weights=cfg.train.stash_weights, device=device, dtype=dtype,
+                          image_size=224 if cfg.model.stem == "imagenet" else 32,
+                          only=rank if world else None)
+    if dry_run:
+        from .dryrun import report
+        return report(cfg, stages, world, device, dtype)
+
+    train_loader = val_loader = None
+    if reads_data:
+        train_loader, val_loader, input_shape = open_data(cfg, device)
+        lengths = (len(train_loader), len(val_loader), input_shape)
+    if world:
+        lengths = world.share_lengths(lengths if reads_data else None)
+    n, m = segment_lengths(cfg, *lengths[:2])
+    steps_per_epoch = -(-n // cfg.train.accumulation)
+    workers = build_workers(stages, lr_schedule(cfg, steps_per_epoch), cfg.train.accumulation,
+                            cfg.optim.momentum, cfg.optim.nesterov, cfg.optim.weight_decay)
+    if world:
+        from .engine.mpi import MPIEngine
+        engine = MPIEngine(workers[0], cfg.train.method, world, dtype, lengths[2],
+                           cfg.data.batch_size)
+    else:
+        from .engine.local import LocalEngine
+        engine = LocalEngine(workers, cfg.train.method)
+
+    writer = MetricsWriter(cfg.run.out_dir) if computes_loss else None
+    if writer:
+        writer.write("start", stages=J, method=cfg.train.method, arch=cfg.model.arch,
+                     config=cfg.to_dict(), microbatches_per_epoch=n)
+    best = None
+    history = []
+    start = time.perf_counter()
+    for epoch in range(cfg.train.epochs):
+        batches = None
+        if reads_data:
+            train_loader.set_epoch(epoch)
+            batches = _as_dtype(itertools.islice(iter(train_loader), n), dtype)
+        log = TrainLog(cfg, workers[-1], writer, n, epoch, cfg.data.batch_size) if computes_loss else None
+        engine.train_segment(batches, n, on_loss=log)
+        val_batches = _as_dtype(itertools.islice(iter(val_loader), m), dtype) if reads_data else None
+        totals = engine.evaluate(val_batches, m)
+        if computes_loss:
+            train_stats = log.finish()
+            result = totals.result()
+            best = result["val_acc"] if best is None else max(best, result["val_acc"])
+            step = workers[-1].optimizer.steps
+            writer.write("eval", epoch=epoch, step=step, **result)
+            history.append({"epoch": epoch, **result, **train_stats})
+            if not cfg.run.progress or not sys.stderr.isatty():
+                print(f"epoch {epoch + 1}/{cfg.train.epochs}: train loss {train_stats['train_loss']:.4f} "
+                      f"acc {train_stats['train_acc']:.3f} | val loss {result['val_loss']:.4f} "
+                      f"acc {result['val_acc']:.3f} top5 {result['val_top5']:.3f} | "
+                      f"{train_stats['images_per_s']:.0f} img/s", file=sys.stderr, flush=True)
+            else:
+                print(f"  val loss {result['val_loss']:.4f} acc {result['val_acc']:.3f} "
+                      f"top5 {result['val_top5']:.3f}", file=sys.stderr, flush=True)
+    wall = time.perf_counter() - start
+    memory = [stage_memory(w.stage, w.optimizer) for w in workers]
+    if world:
+        memory = world.gather_to_last(memory)
+    if computes_loss:
+        images = n * cfg.data.batch_size * cfg.train.epochs
+        summary = {"val_acc": history[-1]["val_acc"], "best_val_acc": best,
+                   "val_top5": history[-1]["val_top5"], "val_loss": history[-1]["val_loss"],
+                   "epochs": cfg.train.epochs, "wall_time_s": wall,
+                   "images_per_s": images / max(wall, 1e-9), "stages": J,
+                   "method": cfg.train.method, "arch": cfg.model.arch, "history": history,
+                   "memory": memory}
+        write_json_atomic(os.path.join(cfg.run.out_dir, "summary.json"), summary)
+        writer.close()
+        print(f"done in {fmt_time(wall)}: val acc {summary['val_acc']:.4f} "
+              f"(best {best:.4f}); outputs in {cfg.run.out_dir}", file=sys.stderr)
+    if train_loader is not None:
+        train_loader.close()
+        val_loader.close()
+    return 0
+
+
+def _as_dtype(batches, dtype):
+    if dtype == torch.float32:
+        return batches
+    return ((x.to(dtype), y) for x, y in batches)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from .engine.world import World
+    world = World.from_environment()
+    rank, size = (world.rank, world.size) if world else (0, 1)
+    try:
+        cfg = load_config(args.config, args.set)
+        validate(cfg, size)
+    except ConfigError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    if world is None:
+        try:
+            return run(cfg, None, args.dry_run)
+        except TrainingError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    return world.run_guarded(lambda: run(cfg, world, args.dry_run), TrainingError)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
