@@ -11,6 +11,7 @@ through pinned host buffers.
 """
 import ctypes
 import os
+import time
 from collections import deque
 
 import numpy as np
@@ -102,6 +103,7 @@ class Inbox:
         self.per_sample = int(np.prod(self.shape[1:], dtype=np.int64))
         self.pending = deque()
         self.remaining = 0
+        self.waited = 0.0  # seconds blocked in MPI, for the pipeline benchmark
 
     def expect(self, count: int):
         """Announce the next `count` messages and post the first receives."""
@@ -119,7 +121,9 @@ class Inbox:
 
     def get(self) -> torch.Tensor:
         req, tensor, status = self.pending.popleft()
+        start = time.perf_counter()
         req.Wait(status)
+        self.waited += time.perf_counter() - start
         self._post()
         n = status.Get_count(_mpi_datatype(self.dtype)) // max(1, self.per_sample)
         return self.transport.to_device(tensor[:n] if n != self.shape[0] else tensor)
@@ -131,16 +135,21 @@ class Outbox:
     def __init__(self, comm, transport, dest, tag, depth=2):
         self.comm, self.transport, self.dest, self.tag, self.depth = comm, transport, dest, tag, depth
         self.pending = deque()
+        self.waited = 0.0
 
     def put(self, t: torch.Tensor):
         buf, keep = self.transport.send_buffer(t)
         self.pending.append((self.comm.Isend(buf, dest=self.dest, tag=self.tag), keep))
-        while len(self.pending) > self.depth:
-            self.pending.popleft()[0].Wait()
+        self._drain(self.depth)
 
     def flush(self):
-        while self.pending:
+        self._drain(0)
+
+    def _drain(self, keep: int):
+        start = time.perf_counter()
+        while len(self.pending) > keep:
             self.pending.popleft()[0].Wait()
+        self.waited += time.perf_counter() - start
 
 
 def _mpi_datatype(dtype):

@@ -206,6 +206,11 @@ def _check_type(value, hint, what):
         return [_check_type(v, args[0], what) for v in value]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):  # PyYAML reads 1e-4 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if hint is int and isinstance(value, bool) or not isinstance(value, hint):
         raise ConfigError(f"{what}: expected {hint.__name__}, got {value!r}")
     return value

@@ -133,6 +133,9 @@ def run(cfg, world, dry_run=False) -> int:
     reads_data, computes_loss = rank == 0, rank == size - 1
     torch.set_num_threads(cfg.run.threads or (world.thread_share() if world else
                                               max(1, torch.get_num_threads())))
+    if dry_run:
+        from .dryrun import report
+        return report(cfg, J, world)
 
     stages = build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, J,
                           seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
@@ -140,10 +143,6 @@ def run(cfg, world, dry_run=False) -> int:
                           stash_weights=cfg.train.stash_weights, device=device, dtype=dtype,
                           image_size=224 if cfg.model.stem == "imagenet" else 32,
                           only=rank if world else None)
-    if dry_run:
-        from .dryrun import report
-        return report(cfg, stages, world, device, dtype)
-
     train_loader = val_loader = None
     if reads_data:
         train_loader, val_loader, input_shape = open_data(cfg, device)

@@ -68,3 +68,68 @@ def test_invariant3_mpi_equals_local_bitwise(tmp_path, J, method, k, flags):
     assert moved > 1e-3  # it trained
     last = torch.load(tmp_path / f"rank{J - 1}.pt")["eval"]
     assert last == ref_eval
+
+
+QUICK = ["--set", "train.limit_batches=12", "--set", "train.epochs=1", "--set",
+         "data.synthetic_train=1024", "--set", "data.synthetic_val=128", "--set", "model.width=4",
+         "--set", "run.progress=false"]
+
+
+def test_rank_failure_ends_every_rank(tmp_path):
+    proc = mpirun(4, [HERE / "mpi" / "faulty_train.py", 1, 5, "configs/quickstart.yaml",
+                      "--set", f"run.out_dir={tmp_path}", *QUICK], timeout=60)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert out.count("injected failure at micro-batch 5") >= 1
+    assert out.count("rank 1 failed") == 1  # the failing rank's traceback, once
+    assert "Traceback" in out
+
+
+def test_nonfinite_loss_stops_with_the_step(tmp_path):
+    proc = mpirun(3, ["-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",
+                      f"run.out_dir={tmp_path}", "--set", "optim.lr=1e12",
+                      "--set", "optim.warmup_epochs=0", *QUICK], timeout=60)
+    assert proc.returncode != 0
+    assert "non-finite loss" in proc.stderr and "at step" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines and '"event": "start"' in lines[0]  # what was written is kept
+
+
+@pytest.mark.parametrize("n,sets,expect", [
+    (11, [], "run 1 to 10 ranks"),
+    (3, ["--set", "model.stages=4"], "run mpirun -n 4"),
+])
+def test_wrong_world_size_is_an_error_before_training(tmp_path, n, sets, expect):
+    proc = mpirun(n, ["-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",
+                      f"run.out_dir={tmp_path}", *sets, *QUICK], timeout=60)
+    assert proc.returncode != 0
+    assert expect in proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_quickstart_under_mpirun_4(tmp_path):
+    proc = mpirun(4, ["-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",
+                      f"run.out_dir={tmp_path}", *QUICK, "--set", "train.epochs=2"], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_run_outputs(tmp_path, epochs=2, stages=4)
+
+
+def check_run_outputs(out_dir, epochs, stages):
+    import json
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["event"] == "train"]
+    evals = [r for r in records if r["event"] == "eval"]
+    assert train and len(evals) == epochs
+    for r in train:
+        assert {"step", "epoch", "loss", "lr", "images_per_s"} <= r.keys()
+        assert r["loss"] > 0 and r["images_per_s"] > 0
+    for r in evals:
+        assert {"epoch", "step", "val_loss", "val_acc"} <= r.keys() and 0 <= r["val_acc"] <= 1
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert summary["epochs"] == epochs and summary["stages"] == stages
+    assert summary["val_acc"] == evals[-1]["val_acc"]
+    assert summary["best_val_acc"] == max(r["val_acc"] for r in evals)
+    assert len(summary["memory"]) == stages
+    assert all(m["param_bytes"] > 0 for m in summary["memory"])
+    return summary

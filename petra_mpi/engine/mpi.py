@@ -55,6 +55,14 @@ class MPIEngine:
         finally:
             stage.train(was_training)
 
+    def _boxes(self):
+        return [b for b in (self.inputs, self.rebuilt_in, self.grads_in, self.labels_in,
+                            self.outputs, self.rebuilt_out, self.grads_out, self.labels_out) if b]
+
+    def wait_seconds(self) -> float:
+        """Time this rank spent blocked on MPI so far."""
+        return sum(box.waited for box in self._boxes())
+
     def _expect(self, n):
         for box in (self.inputs, self.rebuilt_in, self.grads_in, self.labels_in):
             if box is not None:

@@ -1,0 +1,69 @@
+"""One steady-state PETRA tick over all stages (every stage forwards one micro-batch and
+backwards another, rebuilding or popping its inputs, then steps) against one plain autograd
+training step of the same network on the same batch. Ideal ratio 4/3: one extra forward."""
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from ..engine.build import build_stages, build_workers
+from ..optim import LRSchedule, StageOptimizer
+from .common import alternate, emit
+
+
+def main(argv):
+    p = argparse.ArgumentParser(prog="python -m petra_mpi.bench overhead", description=__doc__)
+    p.add_argument("--arch", default="revnet18")
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--stages", type=int, default=0, help="0: one block per stage")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    schedule = LRSchedule(0.01, 10**6)
+    J = a.stages or len(build_stages(a.arch, 1, 10, 1)[0].blocks)
+    workers = build_workers(build_stages(a.arch, a.width, 10, J, seed=0), schedule)
+    for w in workers:
+        w.begin_segment(10**9)
+    (whole,) = build_stages(a.arch, a.width, 10, 1, seed=0)
+    model = torch.nn.Sequential(*whole.blocks)
+    plain_opt = StageOptimizer(model, schedule)
+
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(a.batch, 3, 32, 32, generator=g)
+    labels = torch.randint(0, 10, (a.batch,), generator=g)
+    inputs, x = [], x0
+    for w in workers[:-1]:  # fills each FIFO with one entry: the steady state of a tick
+        inputs.append(x)
+        x = w.forward(0, x)
+    inputs.append(x)
+    grads = [torch.randn_like(inputs[s + 1]) for s in range(J - 1)]
+    counter = [0]
+
+    def petra_tick():
+        b = counter[0] = counter[0] + 1
+        for s, w in enumerate(workers):
+            if w.is_last:
+                w.forward_backward(b, inputs[s], labels)
+            else:
+                w.forward(b, inputs[s])
+                w.backward(b, inputs[s + 1], grads[s])
+
+    def plain_step():
+        F.cross_entropy(model(x0), labels).backward()
+        plain_opt.accumulated()
+        plain_opt.step()
+
+    alternate({"petra": petra_tick, "plain": plain_step}, 1)  # warm-up
+    med = alternate({"petra": petra_tick, "plain": plain_step}, a.repeats)
+    ratio = med["petra"] / med["plain"]
+    print(f"{a.arch} width {a.width}, batch {a.batch}, {J} stages, {torch.get_num_threads()} "
+          f"threads, median of {a.repeats} alternated runs")
+    print(f"  PETRA tick over all stages : {med['petra'] * 1e3:9.1f} ms")
+    print(f"  plain autograd step        : {med['plain'] * 1e3:9.1f} ms")
+    print(f"  ratio                      : {ratio:9.3f}   (ideal 4/3 = 1.333, target <= 1.45)")
+    emit({"bench": "overhead", "arch": a.arch, "width": a.width, "batch": a.batch, "stages": J,
+          "threads": torch.get_num_threads(), "petra_tick_s": med["petra"],
+          "plain_step_s": med["plain"], "ratio": ratio})

@@ -1,0 +1,76 @@
+"""Under `mpirun -n J`: the same model, batch and ranks trained with PETRA and with backprop
+(model parallelism, one stage busy at a time), alternated in one run. Reports images/s of each,
+the speed-up, and per rank the fraction of wall time spent waiting on MPI."""
+import argparse
+import statistics
+import time
+
+import torch
+
+from ..engine.build import build_stages, build_workers
+from ..engine.mpi import MPIEngine
+from ..engine.world import World
+from ..optim import LRSchedule
+from .common import emit
+
+
+def main(argv):
+    p = argparse.ArgumentParser(prog="mpirun -n J python -m petra_mpi.bench pipeline",
+                                description=__doc__)
+    p.add_argument("--arch", default="revnet18")
+    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--microbatches", type=int, default=24, help="per timed segment")
+    p.add_argument("--rounds", type=int, default=3, help="alternated rounds of each method")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: share)")
+    a = p.parse_args(argv)
+    world = World.from_environment()
+    if world is None:
+        raise SystemExit("run under mpirun with at least 2 ranks")
+    torch.set_num_threads(a.threads or world.thread_share())
+    comm, J = world.comm, world.size
+    stages = build_stages(a.arch, a.width, 10, J, seed=0, only=world.rank)
+    (worker,) = build_workers(stages, LRSchedule(0.01, 10**6))
+    engines = {m: MPIEngine(worker, m, world, torch.float32, (3, 32, 32), a.batch)
+               for m in ("petra", "backprop")}
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(a.batch, 3, 32, 32, generator=g), torch.randint(0, 10, (a.batch,),
+                                                                            generator=g))
+            for _ in range(4)]
+
+    def segment(method, n):
+        batches = (data[i % len(data)] for i in range(n)) if world.rank == 0 else None
+        engine = engines[method]
+        comm.Barrier()
+        start, waited = time.perf_counter(), engine.wait_seconds()
+        engine.train_segment(batches, n)
+        comm.Barrier()
+        return time.perf_counter() - start, engine.wait_seconds() - waited
+
+    for m in engines:  # warm-up
+        segment(m, J + 2)
+    results = {m: [] for m in engines}
+    for _ in range(a.rounds):
+        for m in engines:
+            results[m].append(segment(m, a.microbatches))
+    rows = {}
+    for m, runs in results.items():
+        wall = statistics.median(r[0] for r in runs)
+        wait_frac = sum(r[1] for r in runs) / sum(r[0] for r in runs)
+        rows[m] = {"images_per_s": a.microbatches * a.batch / wall,
+                   "wait_fraction": comm.gather(wait_frac, root=0)}
+    if world.rank == 0:
+        speedup = rows["petra"]["images_per_s"] / rows["backprop"]["images_per_s"]
+        print(f"{a.arch} width {a.width}, batch {a.batch}, {J} ranks x "
+              f"{torch.get_num_threads()} threads, {a.microbatches} micro-batches per segment "
+              f"(fill and drain included), median of {a.rounds} alternated rounds")
+        print(f"{'method':<10} {'images/s':>10}  MPI wait fraction per rank")
+        for m, r in rows.items():
+            fr = " ".join(f"{f:.2f}" for f in r["wait_fraction"])
+            print(f"{m:<10} {r['images_per_s']:>10.1f}  {fr}")
+        print(f"speed-up PETRA / backprop: {speedup:.2f} (ideal {J}.0)")
+        emit({"bench": "pipeline", "arch": a.arch, "width": a.width, "batch": a.batch,
+              "ranks": J, "petra_images_per_s": rows["petra"]["images_per_s"],
+              "backprop_images_per_s": rows["backprop"]["images_per_s"], "speedup": speedup,
+              "petra_wait_fraction": rows["petra"]["wait_fraction"],
+              "backprop_wait_fraction": rows["backprop"]["wait_fraction"]})

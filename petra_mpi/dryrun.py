@@ -1,0 +1,68 @@
+"""`--dry-run`: build every stage, push one batch of the configured shape through them, and print
+the per-stage table of parameters, buffers and estimated memory; no data, no training."""
+import sys
+
+import torch
+
+from .engine.build import build_stages
+from .schedule import delay
+
+
+def stage_table(cfg, num_stages: int, dtype=torch.float32) -> list[dict]:
+    """Per-stage figures for batch `data.batch_size`, from a real forward of a zero batch."""
+    stages = build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, num_stages,
+                          seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
+                          partition=cfg.model.partition, buffer_inputs=cfg.train.buffer_inputs,
+                          stash_weights=cfg.train.stash_weights, dtype=dtype,
+                          image_size=224 if cfg.model.stem == "imagenet" else 32)
+    side = cfg.data.crop if cfg.model.stem == "imagenet" else 32
+    batch = cfg.data.batch_size
+    x = torch.zeros(1, 3, side, side, dtype=dtype)
+    rows = []
+    itemsize = torch.finfo(dtype).bits // 8
+    for stage in stages:
+        stage.eval()
+        in_shape = tuple(x.shape[1:])
+        fifo = 0
+        with torch.no_grad():
+            for block, buffered in zip(stage.blocks, stage.buffered):
+                if buffered and not stage.is_last:
+                    fifo += x.numel() * batch * itemsize
+                x = block(x)
+        params = sum(p.numel() for p in stage.parameters()) * itemsize
+        in_flight = delay(num_stages, stage.index) + 1 if cfg.train.method != "backprop" else 1
+        rows.append({
+            "stage": stage.index, "blocks": len(stage.blocks),
+            "kind": "+".join("rev" if not b else "buf" for b in stage.buffered),
+            "input": in_shape, "output": tuple(x.shape[1:]),
+            "param_bytes": params,
+            "optimizer_bytes": params if cfg.optim.momentum > 0 else 0,
+            "input_fifo_bytes": fifo * in_flight,
+            "stash_bytes": params * in_flight if cfg.train.stash_weights else 0,
+        })
+    return rows
+
+
+def report(cfg, num_stages: int, world=None) -> int:
+    if world is not None and world.rank != 0:
+        world.comm.barrier()
+        return 0
+    rows = stage_table(cfg, num_stages)
+    mib = 2 ** 20
+    print(f"{cfg.model.arch} width {cfg.model.width}, {num_stages} stages, method "
+          f"{cfg.train.method}, batch {cfg.data.batch_size} (config {cfg.source})")
+    print(f"{'stage':>5} {'blocks':>6} {'kind':<14} {'input':<16} {'output':<16} "
+          f"{'params MiB':>10} {'optim MiB':>9} {'FIFO MiB':>9} {'stash MiB':>9} {'total MiB':>9}")
+    total = 0
+    for r in rows:
+        t = r["param_bytes"] + r["optimizer_bytes"] + r["input_fifo_bytes"] + r["stash_bytes"]
+        total += t
+        print(f"{r['stage']:>5} {r['blocks']:>6} {r['kind']:<14} {str(r['input']):<16} "
+              f"{str(r['output']):<16} {r['param_bytes'] / mib:>10.2f} "
+              f"{r['optimizer_bytes'] / mib:>9.2f} {r['input_fifo_bytes'] / mib:>9.2f} "
+              f"{r['stash_bytes'] / mib:>9.2f} {t / mib:>9.2f}")
+    print(f"total estimated memory (without activations of the running op): {total / mib:.1f} MiB")
+    sys.stdout.flush()
+    if world is not None:
+        world.comm.barrier()
+    return 0

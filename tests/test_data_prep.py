@@ -1,0 +1,639 @@
+"""Tests of the offline packers (data_prep/): real fixture files in the upstream formats, packed
+through the command lines, read back with h5py."""
+import functools
+import hashlib
+import http.server
+import io
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+
+import h5py
+import numpy as np
+import pytest
+from PIL import Image, ImageFilter
+
+from data_prep.common import PrepError
+from data_prep.imagenet import encode, read_val_labels
+from data_prep.verify import verify
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(module, *args, timeout=120):
+    return subprocess.run([sys.executable, "-m", f"data_prep.{module}", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def assert_ok(proc):
+    assert proc.returncode == 0, proc.stderr
+
+
+def assert_clean_failure(proc, out, *words):
+    """Exit 2, one line naming the problem, no traceback, and nothing left at `out`."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    module = proc.args[proc.args.index("-m") + 1]
+    assert last.startswith(f"{module}: error: "), last
+    for word in words:
+        assert word in last, last
+    assert not os.path.exists(out)
+    assert not [n for n in os.listdir(os.path.dirname(out)) if ".tmp-" in n]
+
+
+def stats_of(images):
+    x = images.reshape(-1, 3).astype(np.float64) / 255
+    return x.mean(0), x.std(0)
+
+
+def to_planes(images):
+    """(N, S, S, 3) -> the upstream rows (N, 3*S*S): R plane, G plane, B plane."""
+    return images.transpose(0, 3, 1, 2).reshape(len(images), -1)
+
+
+# ---------------------------------------------------------------- CIFAR fixtures
+
+def make_cifar10(folder, n=12, n_test=10, bad_label=False, seed=0):
+    """A cifar-10-python.tar.gz like upstream (5 data batches, test_batch, batches.meta), with
+    bytes keys as Python 2 pickles load under encoding='bytes'."""
+    rng = np.random.default_rng(seed)
+    train_x = rng.integers(0, 256, (5 * n, 32, 32, 3), dtype=np.uint8)
+    train_y = rng.integers(0, 10, 5 * n)
+    val_x = rng.integers(0, 256, (n_test, 32, 32, 3), dtype=np.uint8)
+    val_y = rng.integers(0, 10, n_test)
+    if bad_label:
+        train_y[3 * n + 1] = 10
+    names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+    members = {}
+    for b in range(5):
+        sl = slice(b * n, (b + 1) * n)
+        members[f"data_batch_{b + 1}"] = {b"batch_label": f"training batch {b + 1} of 5".encode(),
+                                          b"labels": train_y[sl].tolist(),
+                                          b"data": to_planes(train_x[sl]),
+                                          b"filenames": [b"x.png"] * n}
+    members["test_batch"] = {b"batch_label": b"testing batch 1 of 1", b"labels": val_y.tolist(),
+                             b"data": to_planes(val_x), b"filenames": [b"y.png"] * n_test}
+    members["batches.meta"] = {b"label_names": [s.encode() for s in names],
+                               b"num_cases_per_batch": n, b"num_vis": 3072}
+    path = write_tar(folder, "cifar-10-python.tar.gz", "cifar-10-batches-py", members)
+    return path, (train_x, train_y, val_x, val_y, names)
+
+
+def make_cifar100(folder, n=20, n_test=8, seed=1):
+    """A cifar-100-python.tar.gz like upstream (train, test, meta), with str keys."""
+    rng = np.random.default_rng(seed)
+    fine, coarse = rng.integers(0, 100, n + n_test), rng.integers(0, 20, n + n_test)
+    x = rng.integers(0, 256, (n + n_test, 32, 32, 3), dtype=np.uint8)
+    members = {
+        "train": {"data": to_planes(x[:n]), "fine_labels": fine[:n].tolist(),
+                  "coarse_labels": coarse[:n].tolist(), "batch_label": "training batch 1 of 1"},
+        "test": {"data": to_planes(x[n:]), "fine_labels": fine[n:].tolist(),
+                 "coarse_labels": coarse[n:].tolist(), "batch_label": "testing batch 1 of 1"},
+        "meta": {"fine_label_names": [f"fine{i}" for i in range(100)],
+                 "coarse_label_names": [f"coarse{i}" for i in range(20)]},
+    }
+    path = write_tar(folder, "cifar-100-python.tar.gz", "cifar-100-python", members)
+    return path, (x, fine, coarse, n)
+
+
+def write_tar(folder, name, root, members):
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name)
+    with tarfile.open(path, "w:gz") as tar:
+        for member, obj in members.items():
+            data = pickle.dumps(obj, protocol=2)
+            info = tarfile.TarInfo(f"{root}/{member}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_cifar10_pixel_exact_and_verify(tmp_path):
+    tarball, (train_x, train_y, val_x, val_y, names) = make_cifar10(tmp_path / "src")
+    out = tmp_path / "c10.h5"
+    proc = run("cifar", "--variant", "cifar10", "--source", tmp_path / "src", "--out", out)
+    assert_ok(proc)
+    assert "60 images" in proc.stdout and "10 images" in proc.stdout  # the summary
+    with h5py.File(out, "r") as f:
+        assert f["train/images"].dtype == np.uint8 and f["train/labels"].dtype == np.int64
+        np.testing.assert_array_equal(f["train/images"][:], train_x)
+        np.testing.assert_array_equal(f["train/labels"][:], train_y)
+        np.testing.assert_array_equal(f["val/images"][:], val_x)
+        np.testing.assert_array_equal(f["val/labels"][:], val_y)
+        assert f["train/images"].chunks[1:] == (32, 32, 3)
+        assert [c.decode() for c in f["classes"][:]] == names
+        a = f.attrs
+        assert int(a["schema_version"]) == 1 and int(a["num_classes"]) == 10
+        assert a["source"] == "cifar10"
+        mean, std = stats_of(train_x)
+        np.testing.assert_allclose(a["mean"], mean, atol=1e-12)
+        np.testing.assert_allclose(a["std"], std, atol=1e-12)
+    # --source may also name the tarball itself.
+    out2 = tmp_path / "c10b.h5"
+    assert_ok(run("cifar", "--source", tarball, "--out", out2))
+    assert_ok(run("verify", out2))
+
+
+def test_cifar100_fine_and_coarse(tmp_path):
+    _, (x, fine, coarse, n) = make_cifar100(tmp_path)
+    for kind, labels, k in (("fine", fine, 100), ("coarse", coarse, 20)):
+        out = tmp_path / f"{kind}.h5"
+        assert_ok(run("cifar", "--variant", "cifar100", "--labels", kind,
+                      "--source", tmp_path, "--out", out))
+        with h5py.File(out, "r") as f:
+            np.testing.assert_array_equal(f["train/images"][:], x[:n])
+            np.testing.assert_array_equal(f["val/images"][:], x[n:])
+            np.testing.assert_array_equal(f["train/labels"][:], labels[:n])
+            np.testing.assert_array_equal(f["val/labels"][:], labels[n:])
+            assert int(f.attrs["num_classes"]) == k and len(f["classes"]) == k
+            assert f["classes"][1].decode() == f"{kind}1"
+        assert_ok(run("verify", out))
+
+
+def test_cifar_bad_inputs(tmp_path):
+    out = str(tmp_path / "o.h5")
+    # missing tarball
+    assert_clean_failure(run("cifar", "--source", tmp_path / "nothing", "--out", out), out,
+                         "cifar-10-python.tar.gz", "not found")
+    # the CIFAR-100 archive given as CIFAR-10
+    c100, _ = make_cifar100(tmp_path / "c100")
+    os.rename(c100, tmp_path / "c100" / "cifar-10-python.tar.gz")
+    assert_clean_failure(run("cifar", "--source", tmp_path / "c100", "--out", out), out,
+                         "cifar-10-batches-py/", "--variant")
+    # not an archive at all
+    junk = tmp_path / "junk" / "cifar-10-python.tar.gz"
+    junk.parent.mkdir()
+    junk.write_bytes(b"not a tarball" * 100)
+    assert_clean_failure(run("cifar", "--source", junk, "--out", out), out, "tar archive")
+    # a label out of range
+    make_cifar10(tmp_path / "bad", bad_label=True)
+    assert_clean_failure(run("cifar", "--source", tmp_path / "bad", "--out", out), out,
+                         "data_batch_4", "label 10")
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def http_dir(tmp_path):
+    """A local HTTP server on 127.0.0.1 serving a folder: yields (folder, base url)."""
+    folder = tmp_path / "served"
+    folder.mkdir()
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(folder)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield folder, f"http://127.0.0.1:{server.server_address[1]}/"
+    server.shutdown()
+    server.server_close()
+
+
+def test_cifar_download_md5(tmp_path, http_dir):
+    served, base = http_dir
+    tarball, (train_x, *_) = make_cifar10(served)
+    url = base + "cifar-10-python.tar.gz"
+    md5 = hashlib.md5(open(tarball, "rb").read()).hexdigest()
+    # Wrong checksum (the published one is not that of our fixture): exit 2, nothing kept.
+    dl, out = tmp_path / "dl", str(tmp_path / "o.h5")
+    proc = run("cifar", "--source", dl, "--out", out, "--download", "--url", url)
+    assert_clean_failure(proc, out, "MD5")
+    assert not dl.exists() or os.listdir(dl) == []
+    # Right checksum: the tarball lands in --source and the pack succeeds.
+    proc = run("cifar", "--source", dl, "--out", out, "--download", "--url", url, "--md5", md5)
+    assert_ok(proc)
+    assert open(dl / "cifar-10-python.tar.gz", "rb").read() == open(tarball, "rb").read()
+    with h5py.File(out, "r") as f:
+        np.testing.assert_array_equal(f["train/images"][:], train_x)
+    # A server error is an input error too.
+    out3 = str(tmp_path / "o3.h5")
+    proc = run("cifar", "--source", tmp_path / "dl3", "--out", out3, "--download",
+               "--url", base + "missing.tar.gz")
+    assert_clean_failure(proc, out3, "download", "404")
+
+
+# ---------------------------------------------------------------- Imagenet32
+
+@pytest.mark.parametrize("size", [32, 64])
+def test_imagenet32_npz_and_pickle(tmp_path, size):
+    rng = np.random.default_rng(size)
+    src = tmp_path / "src"
+    src.mkdir()
+    batches = []
+    for k in range(1, 4):
+        x = rng.integers(0, 256, (6, size, size, 3), dtype=np.uint8)
+        y = rng.integers(1, 1001, 6)
+        y[0] = 1000 if k == 1 else 1  # both ends of the 1-based range
+        batches.append((x, y))
+        if k == 2:  # the older pickled release, without a suffix
+            with open(src / "train_data_batch_2", "wb") as fh:
+                pickle.dump({"data": to_planes(x), "labels": y.tolist(), "mean": np.zeros(3)}, fh)
+        else:
+            np.savez(src / f"train_data_batch_{k}.npz", data=to_planes(x), labels=y.tolist(),
+                     mean=np.zeros(3 * size * size))
+    vx = rng.integers(0, 256, (5, size, size, 3), dtype=np.uint8)
+    vy = rng.integers(1, 1001, 5)
+    np.savez(src / "val_data.npz", data=to_planes(vx), labels=vy.tolist())
+    out = tmp_path / "i.h5"
+    assert_ok(run("imagenet32", "--source", src, "--out", out))
+    train_x = np.concatenate([b[0] for b in batches])
+    with h5py.File(out, "r") as f:
+        np.testing.assert_array_equal(f["train/images"][:], train_x)
+        np.testing.assert_array_equal(f["train/labels"][:], np.concatenate([b[1] for b in batches]) - 1)
+        np.testing.assert_array_equal(f["val/images"][:], vx)
+        np.testing.assert_array_equal(f["val/labels"][:], vy - 1)
+        assert int(f.attrs["num_classes"]) == 1000 and f.attrs["source"] == f"imagenet{size}"
+        np.testing.assert_allclose(f.attrs["mean"], stats_of(train_x)[0], atol=1e-12)
+        np.testing.assert_allclose(f.attrs["std"], stats_of(train_x)[1], atol=1e-12)
+    assert_ok(run("verify", out))
+
+
+def test_imagenet32_bad_inputs(tmp_path):
+    src, out = tmp_path / "src", str(tmp_path / "o.h5")
+    src.mkdir()
+    x = np.zeros((4, 3072), np.uint8)
+    np.savez(src / "train_data_batch_1.npz", data=x, labels=[1, 2, 3, 4])
+    np.savez(src / "train_data_batch_3.npz", data=x, labels=[1, 2, 3, 4])
+    assert_clean_failure(run("imagenet32", "--source", src, "--out", out), out, "train_data_batch_2")
+    np.savez(src / "train_data_batch_2.npz", data=x, labels=[1, 0, 3, 4])  # 0 is not 1-based
+    assert_clean_failure(run("imagenet32", "--source", src, "--out", out), out, "val_data")
+    np.savez(src / "val_data.npz", data=x, labels=[1, 2, 3, 4])
+    assert_clean_failure(run("imagenet32", "--source", src, "--out", out), out,
+                         "train_data_batch_2.npz", "label 0")
+
+
+# ---------------------------------------------------------------- ImageNet (JPEG variant)
+
+CLASSES = ["n01440764", "n01443537", "n02102040"]
+# (width, height) of the originals; several are >= 2x the target size so that the JPEG
+# draft (reduced-scale decoding) path is exercised too.
+# (20, 28) is upscaled.
+SIZES = [(48, 36), (40, 64), (80, 70), (120, 50), (20, 28)]
+TARGET = 32
+
+
+def smooth_image(rng, w, h):
+    """A JPEG-friendly picture: colour gradients and a soft-edged rectangle. (Sharp colour
+    edges in images this small would be smeared by JPEG's 4:2:0 chroma subsampling.)"""
+    yy, xx = np.mgrid[0:h, 0:w] / max(w, h)
+    c = rng.uniform(0, 1, (3, 3))
+    img = np.stack([c[i, 0] * 255 * xx + c[i, 1] * 255 * yy + 40 * c[i, 2] for i in range(3)], -1)
+    x0, y0 = rng.integers(0, w // 2), rng.integers(0, h // 2)
+    img[y0:y0 + h // 3, x0:x0 + w // 3] = rng.uniform(0, 255, 3)
+    return Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).filter(ImageFilter.GaussianBlur(2))
+
+
+def make_imagenet(root, val_folders=False, corrupt=False, seed=0):
+    """train/<wnid>/*.JPEG and val/ (flat + labels file, or class folders); returns the
+    expected (path, label) lists in the packer's order."""
+    rng = np.random.default_rng(seed)
+    train, val = [], []
+    for c, wnid in enumerate(CLASSES):
+        os.makedirs(root / "train" / wnid)
+        for j in range(3):
+            p = root / "train" / wnid / f"{wnid}_{j}.JPEG"
+            smooth_image(rng, *SIZES[(c + j) % len(SIZES)]).save(p, quality=95)
+            train.append((p, c))
+    if corrupt:  # a truncated JPEG in the last class: the pack fails halfway through
+        p = root / "train" / CLASSES[-1] / f"{CLASSES[-1]}_zz.JPEG"
+        p.write_bytes(train[0][0].read_bytes()[:300])
+    lines = []
+    os.makedirs(root / "val")
+    for j in range(4):
+        c = (j * 2) % 3
+        name = f"ILSVRC2012_val_{j + 1:08d}.JPEG"
+        folder = root / "val" / CLASSES[c] if val_folders else root / "val"
+        folder.mkdir(exist_ok=True)
+        smooth_image(rng, *SIZES[j]).save(folder / name, quality=95)
+        val.append((folder / name, c))
+        lines.append(f"{name} {CLASSES[c]}\n")
+    if val_folders:
+        val.sort(key=lambda item: (item[1], item[0].name))  # class folders in sorted order
+    labels_file = root / "val_labels.txt"
+    labels_file.write_text("".join(reversed(lines)))  # matched by name, not by line order
+    return train, val, labels_file
+
+
+def check_jpeg_split(f, split, expected):
+    g = f[split]
+    offsets, jpeg = g["offsets"][:], g["jpeg"]
+    assert g["offsets"].dtype == np.int64 and jpeg.dtype == np.uint8
+    assert len(offsets) == len(expected) + 1 and offsets[0] == 0 and offsets[-1] == jpeg.shape[0]
+    np.testing.assert_array_equal(g["labels"][:], [label for _, label in expected])
+    pixels = []
+    for i, (path, _) in enumerate(expected):
+        got = Image.open(io.BytesIO(jpeg[offsets[i]:offsets[i + 1]].tobytes()))
+        assert got.format == "JPEG" and got.mode == "RGB"
+        assert min(got.size) == TARGET
+        w, h = Image.open(path).size
+        assert abs(got.size[0] / got.size[1] - w / h) < 0.1  # aspect ratio kept
+        ref = np.asarray(Image.open(path).convert("RGB").resize(got.size, Image.BILINEAR), np.float64)
+        got = np.asarray(got, np.float64)
+        assert np.abs(got - ref).mean() < 3, path
+        pixels.append(got.reshape(-1, 3))
+    return np.concatenate(pixels)
+
+
+def test_imagenet_pack_flat_val(tmp_path):
+    train, val, labels_file = make_imagenet(tmp_path / "src")
+    out = tmp_path / "in.h5"
+    proc = run("imagenet", "--source", tmp_path / "src", "--out", out, "--size", TARGET,
+               "--workers", 2, "--val-labels", labels_file)
+    assert_ok(proc)
+    with h5py.File(out, "r") as f:
+        assert "images" not in f["train"]
+        train_pixels = check_jpeg_split(f, "train", train)
+        check_jpeg_split(f, "val", val)
+        assert [c.decode() for c in f["classes"][:]] == CLASSES
+        assert int(f.attrs["image_size"]) == TARGET and int(f.attrs["num_classes"]) == 3
+        # mean/std: of the resized training images (decoded here: within JPEG rounding)
+        np.testing.assert_allclose(f.attrs["mean"], train_pixels.mean(0) / 255, atol=3e-3)
+        np.testing.assert_allclose(f.attrs["std"], train_pixels.std(0) / 255, atol=3e-3)
+        assert not [k for k in f.attrs if k.startswith("shard")]
+    assert_ok(run("verify", out))
+
+
+def test_imagenet_val_folders(tmp_path):
+    train, val, _ = make_imagenet(tmp_path / "src", val_folders=True)
+    out = tmp_path / "in.h5"
+    assert_ok(run("imagenet", "--source", tmp_path / "src", "--out", out, "--size", TARGET,
+                  "--workers", 1))
+    with h5py.File(out, "r") as f:
+        check_jpeg_split(f, "train", train)
+        check_jpeg_split(f, "val", val)
+
+
+def test_val_label_formats(tmp_path):
+    files = [str(tmp_path / f"ILSVRC2012_val_{i:08d}.JPEG") for i in (1, 2, 3)]
+    classes = ["n01", "n02", "n03"]
+    want = [2, 0, 1]
+    formats = {
+        "pairs.txt": "".join(f"{os.path.basename(p)} {classes[k]}\n" for p, k in zip(files, want)),
+        "kaggle.csv": "ImageId,PredictionString\n" + "".join(
+            f"{os.path.basename(p)[:-5]},{classes[k]} 1 2 3 4\n" for p, k in zip(files, want)),
+        "wnids.txt": "".join(f"{classes[k]}\n" for k in want),
+        "devkit.txt": "1\n3\n2\n",  # ids through synsets: id 1 -> n03, 2 -> n02, 3 -> n01
+    }
+    synsets = tmp_path / "synsets.txt"
+    synsets.write_text("n03 three\nn02 two\nn01 one\n")
+    for name, text in formats.items():
+        (tmp_path / name).write_text(text)
+        got = read_val_labels(str(tmp_path / name), files, classes, str(synsets))
+        assert got == want, name
+    with pytest.raises(PrepError, match="--synsets"):
+        read_val_labels(str(tmp_path / "devkit.txt"), files, classes, None)
+    (tmp_path / "short.txt").write_text("n01\nn02\n")
+    with pytest.raises(PrepError, match="2 labels for 3 files"):
+        read_val_labels(str(tmp_path / "short.txt"), files, classes, None)
+    (tmp_path / "unknown.txt").write_text("n01\nn09\nn02\n")
+    with pytest.raises(PrepError, match="n09"):
+        read_val_labels(str(tmp_path / "unknown.txt"), files, classes, None)
+
+
+def test_imagenet_corrupt_image_fails_cleanly(tmp_path):
+    make_imagenet(tmp_path / "src", val_folders=True, corrupt=True)
+    out = str(tmp_path / "in.h5")
+    proc = run("imagenet", "--source", tmp_path / "src", "--out", out, "--size", TARGET,
+               "--workers", 2)
+    assert_clean_failure(proc, out, "n02102040_zz.JPEG")
+    # a val folder that is not a train class
+    make_imagenet(tmp_path / "src2", val_folders=True)
+    os.rename(tmp_path / "src2" / "val" / CLASSES[0], tmp_path / "src2" / "val" / "n99999999")
+    proc = run("imagenet", "--source", tmp_path / "src2", "--out", out, "--size", TARGET)
+    assert_clean_failure(proc, out, "n99999999")
+    # a flat val folder without labels
+    make_imagenet(tmp_path / "src3")
+    proc = run("imagenet", "--source", tmp_path / "src3", "--out", out, "--size", TARGET)
+    assert_clean_failure(proc, out, "--val-labels")
+
+
+def read_all(path):
+    with h5py.File(path, "r") as f:
+        data = {}
+        f.visititems(lambda name, obj: data.__setitem__(name, obj[()])
+                     if isinstance(obj, h5py.Dataset) else None)
+        return data, {k: f.attrs[k] for k in f.attrs}
+
+
+def test_shards_merge_to_single_pass(tmp_path):
+    make_imagenet(tmp_path / "src", val_folders=True)
+    common = ["--source", tmp_path / "src", "--size", TARGET, "--workers", 1]
+    single = tmp_path / "single.h5"
+    assert_ok(run("imagenet", *common, "--out", single))
+    shards = [tmp_path / f"part{i}.h5" for i in range(3)]
+    for i, shard in enumerate(shards):
+        assert_ok(run("imagenet", *common, "--out", shard, "--shard", f"{i}/3"))
+    assert_ok(run("verify", shards[1]))  # a shard is a valid file on its own
+    merged = tmp_path / "merged.h5"
+    assert_ok(run("imagenet", "merge", "--out", merged, shards[2], shards[0], shards[1]))
+    (d1, a1), (d2, a2) = read_all(single), read_all(merged)
+    assert d1.keys() == d2.keys() and a1.keys() == a2.keys()
+    for k in d1:
+        np.testing.assert_array_equal(d1[k], d2[k], err_msg=k)
+    for k in a1:
+        np.testing.assert_array_equal(a1[k], a2[k], err_msg=k)
+    # An incomplete or inconsistent set of shards is refused.
+    out = str(tmp_path / "bad.h5")
+    assert_clean_failure(run("imagenet", "merge", "--out", out, shards[0], shards[2]), out,
+                         "shard 1/3 is missing")
+    assert_clean_failure(run("imagenet", "merge", "--out", out, shards[0], shards[0], shards[1]),
+                         out, "both shard 0/3")
+    assert_clean_failure(run("imagenet", "merge", "--out", out, single), out, "not a shard")
+
+
+# ---------------------------------------------------------------- interruption
+
+def children_of(pid):
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return kids
+
+
+def start_and_interrupt(cmd, out, sig, settle, group=False):
+    """Start a packer, wait for its temporary file, let it work `settle` s, send `sig` to it
+    (or, with group=True, to its whole process group, as Ctrl-C in a terminal does)."""
+    proc = subprocess.Popen([sys.executable, "-m", *map(str, cmd)], cwd=REPO, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    folder, deadline = os.path.dirname(out), time.monotonic() + 30
+    while not [n for n in os.listdir(folder) if ".tmp-" in n]:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    time.sleep(settle)
+    kids = children_of(proc.pid)
+    assert proc.poll() is None, "the packer finished before it could be interrupted"
+    if group:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    return proc.returncode, err, kids
+
+
+def test_interrupted_synthetic_leaves_nothing(tmp_path):
+    """Ctrl-C to a single-process packer while it computes (the pool case is below)."""
+    out = str(tmp_path / "s.h5")
+    rc, err, _ = start_and_interrupt(["data_prep.synthetic", "--out", out, "--train", 100000],
+                                     out, signal.SIGINT, settle=0.2)
+    assert rc == 130 and "data_prep.synthetic: interrupted" in err and "Traceback" not in err
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("sig, group", [(signal.SIGINT, True), (signal.SIGTERM, False)])
+def test_interrupted_imagenet_pool_leaves_nothing(tmp_path, sig, group):
+    """Ctrl-C (to the process group) or SIGTERM (to the packer) mid-run with 2 worker
+    processes: no output, no temp file, no orphaned worker, no traceback from the workers."""
+    src = tmp_path / "src"
+    big = io.BytesIO()
+    smooth_image(np.random.default_rng(0), 1024, 768).save(big, "JPEG", quality=90)
+    for wnid in CLASSES[:2]:
+        os.makedirs(src / "train" / wnid)
+        os.makedirs(src / "val" / wnid)
+        for j in range(100):
+            (src / "train" / wnid / f"{j}.JPEG").write_bytes(big.getvalue())
+        (src / "val" / wnid / "v.JPEG").write_bytes(big.getvalue())
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    out = str(outdir / "in.h5")
+    rc, err, kids = start_and_interrupt(
+        ["data_prep.imagenet", "--source", src, "--out", out, "--size", 700, "--workers", 2],
+        out, sig, settle=0.8, group=group)
+    assert rc == 130 and "Traceback" not in err, err
+    assert os.listdir(outdir) == []
+    assert len(kids) == 2  # the pool was running ...
+    time.sleep(0.5)
+    assert not [k for k in kids if os.path.exists(f"/proc/{k}")]  # ... and is gone
+
+
+# ---------------------------------------------------------------- synthetic, verify, --help
+
+def test_resize_antialiases(tmp_path):
+    """Shrinking a 1-pixel checkerboard must give flat grey (a filter that only samples, like
+    nearest neighbour, keeps black and white pixels or aliases into stripes)."""
+    board = (np.indices((128, 192)).sum(0) % 2 * 255).astype(np.uint8)
+    for ext in ("png", "JPEG"):
+        path = tmp_path / f"board.{ext}"
+        Image.fromarray(board).save(path, quality=95)
+        data, stats, err = encode(str(path), 32)
+        assert err is None
+        got = np.asarray(Image.open(io.BytesIO(data)), np.float64)
+        assert got.shape == (32, 48, 3)
+        assert abs(got.mean() - 127.5) < 8 and got.std() < 8, (ext, got.mean(), got.std())
+        assert stats.count == 32 * 48
+
+
+def test_synthetic_matches_make_synthetic(tmp_path):
+    out = tmp_path / "s.h5"
+    assert_ok(run("synthetic", "--out", out, "--train", 64, "--val", 32, "--seed", 3))
+    from petra_mpi.data.synthetic import make_synthetic  # here: the other tests need no torch
+    tx, ty = make_synthetic(64, 3)
+    vx, vy = make_synthetic(32, 4)  # val uses seed + 1
+    with h5py.File(out, "r") as f:
+        np.testing.assert_array_equal(f["train/images"][:], tx)
+        np.testing.assert_array_equal(f["train/labels"][:], ty)
+        np.testing.assert_array_equal(f["val/images"][:], vx)
+        np.testing.assert_array_equal(f["val/labels"][:], vy)
+        np.testing.assert_allclose(f.attrs["mean"], stats_of(tx)[0], atol=1e-12)
+        assert f.attrs["source"] == "synthetic" and int(f.attrs["num_classes"]) == 10
+    proc = run("verify", out)
+    assert_ok(proc)
+    assert "OK" in proc.stdout
+
+
+def _break_labels(f):
+    f["train/labels"][5] = int(f.attrs["num_classes"])
+
+
+def _break_dtype(f):
+    labels = f["val/labels"][:]
+    del f["val/labels"]
+    f["val/labels"] = labels.astype(np.int32)
+
+
+def _break_mean(f):
+    f.attrs["mean"] = np.array([0.9, 0.1, 0.5])
+
+
+def _break_version(f):
+    f.attrs["schema_version"] = 2
+
+
+def _break_chunks(f):
+    images = f["train/images"][:]
+    del f["train/images"]
+    f["train/images"] = images  # contiguous: not chunked along N
+
+
+def _break_count(f):
+    del f["val/images"]
+    f.create_dataset("val/images", data=np.zeros((3, 32, 32, 3), np.uint8), chunks=(1, 32, 32, 3))
+
+
+@pytest.mark.parametrize("breaker, words", [
+    (_break_labels, ["/train/labels", "outside [0, 10)"]),
+    (_break_dtype, ["/val/labels", "int32", "int64"]),
+    (_break_mean, ["attr mean"]),
+    (_break_version, ["schema_version"]),
+    (_break_chunks, ["/train/images", "chunks"]),
+    (_break_count, ["/val/images", "3 images"]),
+])
+def test_verify_catches_violations(tmp_path, breaker, words):
+    good = tmp_path / "good.h5"
+    rng = np.random.default_rng(0)
+    images, labels = rng.integers(0, 256, (40, 32, 32, 3), dtype=np.uint8), rng.integers(0, 10, 40)
+    with h5py.File(good, "w") as f:
+        for split in ("train", "val"):
+            f.create_dataset(f"{split}/images", data=images, chunks=(8, 32, 32, 3))
+            f[f"{split}/labels"] = labels
+        mean, std = stats_of(images)
+        f.attrs.update(schema_version=1, num_classes=10, mean=mean, std=std, source="test")
+    assert verify(str(good))[1] == []
+    bad = tmp_path / "bad.h5"
+    shutil.copy(good, bad)
+    with h5py.File(bad, "r+") as f:
+        breaker(f)
+    problems = verify(str(bad))[1]
+    assert len(problems) == 1, problems
+    for word in words:
+        assert word in problems[0], problems
+
+
+def test_verify_cli_and_jpeg_violations(tmp_path):
+    make_imagenet(tmp_path / "src", val_folders=True)
+    good = tmp_path / "in.h5"
+    assert_ok(run("imagenet", "--source", tmp_path / "src", "--out", good, "--size", TARGET,
+                  "--workers", 1))
+    bad = tmp_path / "bad.h5"
+    shutil.copy(good, bad)
+    with h5py.File(bad, "r+") as f:
+        o = f["train/offsets"][:]
+        o[2], o[3] = o[3], o[2]  # no longer monotonic
+        f["train/offsets"][:] = o
+        f.attrs["image_size"] = TARGET + 1
+        f["val/labels"][0] = -1
+    proc = run("verify", bad)
+    assert proc.returncode == 1
+    assert "/train/offsets" in proc.stderr and "/val/labels" in proc.stderr
+    assert f"image_size={TARGET + 1}" in proc.stderr
+    proc = run("verify", tmp_path / "missing.h5")
+    assert proc.returncode == 2 and "cannot open" in proc.stderr
+
+
+@pytest.mark.parametrize("module", ["cifar", "imagenet32", "imagenet", "synthetic", "verify"])
+def test_help(module):
+    proc = run(module, "--help")
+    assert proc.returncode == 0 and "usage:" in proc.stdout
