@@ -35,6 +35,18 @@ class RunConfig:
     """Progress bar on the rank that computes the loss (one line per epoch when off)."""
     log_every: int = 10
     """Write a train line to metrics.jsonl every this many optimizer steps."""
+    tensorboard: bool = False
+    """Also write TensorBoard events (when the tensorboard package is installed)."""
+    resume: str = "none"
+    """none, auto (the newest complete checkpoint in out_dir/checkpoints, if any) or a
+    checkpoint directory."""
+    checkpoint_every: int = 1
+    """Checkpoint every this many epochs (0: only at the end and on SIGUSR1/SIGTERM)."""
+    checkpoint_every_microbatches: int = 0
+    """Also drain and checkpoint every this many micro-batches within an epoch (0: never); for
+    epochs that outlast a job's time limit."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept; older ones are deleted."""
 
 
 @dataclass
@@ -92,6 +104,9 @@ class TrainConfig:
     """Train on at most this many micro-batches per epoch (0: all); for smoke runs."""
     limit_eval_batches: int = 0
     """Evaluate on at most this many batches (0: all)."""
+    diag_every: int = 0
+    """Every this many optimizer steps, log gradient-quality diagnostics per stage (cosine and
+    norm ratio of PETRA, delayed and end-to-end gradients, rebuild error); 0: off."""
 
 
 @dataclass
@@ -228,6 +243,11 @@ def validate(cfg: Config, world_size: int | None = None):
     need(cfg.run.dtype in ("float32", "float64"), "run.dtype", "must be float32 or float64")
     need(cfg.run.threads >= 0, "run.threads", "must be >= 0")
     need(cfg.run.log_every >= 1, "run.log_every", "must be >= 1")
+    need(cfg.run.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0")
+    need(cfg.run.checkpoint_every_microbatches >= 0, "run.checkpoint_every_microbatches",
+         "must be >= 0")
+    need(cfg.run.keep_checkpoints >= 1, "run.keep_checkpoints", "must be >= 1")
+    need(cfg.train.diag_every >= 0, "train.diag_every", "must be >= 0")
     need(cfg.model.arch in ARCHS, "model.arch", f"must be one of {', '.join(ARCHS)}")
     need(cfg.model.width > 0, "model.width", "must be > 0")
     need(cfg.model.num_classes >= 2, "model.num_classes", "must be >= 2")
