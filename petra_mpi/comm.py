@@ -111,6 +111,11 @@ class Inbox:
         self.remaining = count
         self._post()
 
+    def shrink(self, fewer: int):
+        """The sender will send `fewer` messages less than announced."""
+        assert fewer <= self.remaining, "a receive for a message that will not come is posted"
+        self.remaining -= fewer
+
     def _post(self):
         from mpi4py import MPI
         while self.remaining > 0 and len(self.pending) < self.depth:

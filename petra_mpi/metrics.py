@@ -49,18 +49,33 @@ class Progress:
 class MetricsWriter:
     """Appends JSON lines to metrics.jsonl, flushed at once so a killed run keeps its history."""
 
-    def __init__(self, out_dir: str):
+    def __init__(self, out_dir: str, tensorboard: bool = False):
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.file = open(self.path, "a", buffering=1)
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+            except ImportError:
+                print("run.tensorboard: the tensorboard package is not installed; writing "
+                      "metrics.jsonl only", file=sys.stderr)
 
     def write(self, event: str, **fields):
         record = {"event": event, "time": round(time.time(), 3)}
         record.update({k: _plain(v) for k, v in fields.items()})
         self.file.write(json.dumps(record) + "\n")
+        if self.tb is not None and "step" in fields:
+            suffix = f"/stage{fields['stage']}" if "stage" in fields else ""
+            for key, value in fields.items():
+                if isinstance(value, (int, float)) and key not in ("step", "stage", "epoch"):
+                    self.tb.add_scalar(f"{event}/{key}{suffix}", value, fields["step"])
 
     def close(self):
         self.file.close()
+        if self.tb is not None:
+            self.tb.close()
 
 
 def _plain(v):

@@ -47,18 +47,38 @@ def backward_microbatch(method: str, num_stages: int, stage: int, tick: int, n: 
 
 
 def stage_ops(method: str, num_stages: int, stage: int, n: int):
-    """The ordered operations of one stage over a segment: ("forward", b) and ("backward", b);
-    the last stage has only ("forward_backward", b). This order is all an MPI rank needs: its
-    neighbours' messages provide the synchronisation."""
-    last = stage == num_stages - 1
+    """All operations of one stage over a segment, in order. This order is all an MPI rank
+    needs: its neighbours' messages provide the synchronisation."""
     for t in range(num_ticks(method, num_stages, n)):
-        b = forward_microbatch(method, num_stages, stage, t, n)
+        yield from tick_ops(method, num_stages, stage, t, n)
+
+
+def entered_before(method: str, num_stages: int, tick: int) -> int:
+    """How many micro-batches entered stage 0 before `tick`."""
+    if method == "backprop":
+        return -(-tick // (2 * num_stages - 1))
+    return tick
+
+
+def stop_count(method: str, num_stages: int, tick: int, n: int, margin: int = 3) -> int:
+    """The segment length when a stop is applied at `tick`: what has entered plus `margin`
+    (covering receives an MPI rank may already have posted), at most n."""
+    return min(n, entered_before(method, num_stages, tick) + margin)
+
+
+def tick_ops(method: str, num_stages: int, stage: int, tick: int, n: int):
+    """The operations of `stage` at `tick`, in order: ("forward", b) then ("backward", b); the
+    last stage has ("forward_backward", b)."""
+    last = stage == num_stages - 1
+    ops = []
+    b = forward_microbatch(method, num_stages, stage, tick, n)
+    if b is not None:
+        ops.append(("forward_backward" if last else "forward", b))
+    if not last:
+        b = backward_microbatch(method, num_stages, stage, tick, n)
         if b is not None:
-            yield ("forward_backward" if last else "forward"), b
-        if not last:
-            b = backward_microbatch(method, num_stages, stage, t, n)
-            if b is not None:
-                yield "backward", b
+            ops.append(("backward", b))
+    return ops
 
 
 def updates_after(b: int, n: int, k: int) -> bool:

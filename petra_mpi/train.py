@@ -13,11 +13,14 @@ import time
 
 import torch
 
+from .checkpoint import (CheckpointError, checkpoint_dir, find_resume, load_stage, prune,
+                         read_manifest, save_stage, write_manifest)
 from .config import ConfigError, load_config, num_stages, validate
 from .engine.build import build_stages, build_workers
 from .engine.metrics import correct
 from .metrics import MetricsWriter, Progress, fmt_time, stage_memory, write_json_atomic
 from .optim import LRSchedule, peak_lr
+from .stopping import EXIT_REQUEUE, StopRequest
 
 
 class TrainingError(RuntimeError):
@@ -82,10 +85,10 @@ def segment_lengths(cfg, train_batches: int, val_batches: int):
 class TrainLog:
     """Loss bookkeeping on the process of the last stage."""
 
-    def __init__(self, cfg, worker, writer, n, epoch, images_per_batch):
+    def __init__(self, cfg, worker, writer, n, epoch, position=0):
         self.cfg, self.worker, self.writer, self.n, self.epoch = cfg, worker, writer, n, epoch
-        self.images_per_batch = images_per_batch
-        self.loss_sum = self.correct = self.count = self.seen = 0
+        self.loss_sum = self.correct = self.count = 0
+        self.seen = position
         self.epoch_loss = self.epoch_correct = self.epoch_count = 0
         self.start = self.mark = time.perf_counter()
         self.last_logged_step = worker.optimizer.steps
@@ -109,7 +112,7 @@ class TrainLog:
         now = time.perf_counter()
         rate = self.epoch_count / max(now - self.start, 1e-9)
         self.progress.update(self.seen, loss=self.loss_sum / self.count, img_s=round(rate))
-        if step - self.last_logged_step >= self.cfg.run.log_every or b == self.n - 1:
+        if step - self.last_logged_step >= self.cfg.run.log_every or self.seen == self.n:
             self.writer.write("train", step=step, epoch=self.epoch, loss=self.loss_sum / self.count,
                               acc=self.correct / self.count, lr=self.worker.optimizer.last_lr,
                               images_per_s=self.count / max(now - self.mark, 1e-9))
@@ -121,7 +124,8 @@ class TrainLog:
         seconds = time.perf_counter() - self.start
         return {"train_loss": self.epoch_loss / max(1, self.epoch_count),
                 "train_acc": self.epoch_correct / max(1, self.epoch_count),
-                "seconds": seconds, "images_per_s": self.epoch_count / max(seconds, 1e-9)}
+                "images": self.epoch_count, "seconds": seconds,
+                "images_per_s": self.epoch_count / max(seconds, 1e-9)}
 
 
 def run(cfg, world, dry_run=False) -> int:
@@ -136,6 +140,10 @@ def run(cfg, world, dry_run=False) -> int:
     if dry_run:
         from .dryrun import report
         return report(cfg, J, world)
+    if cfg.train.diag_every and world:
+        raise TrainingError("train.diag_every needs all stages in one process: run the "
+                            "diagnostics without mpirun")
+    stop = StopRequest().install()
 
     stages = build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, J,
                           seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
@@ -160,58 +168,130 @@ def run(cfg, world, dry_run=False) -> int:
     else:
         from .engine.local import LocalEngine
         engine = LocalEngine(workers, cfg.train.method)
+    writer = MetricsWriter(cfg.run.out_dir, cfg.run.tensorboard) if computes_loss else None
+    if cfg.train.diag_every:
+        from .diagnostics import Diagnostics
+        last = workers[-1]
+        engine = Diagnostics(engine, cfg.train.diag_every, emit=lambda record: writer.write(
+            "diag", step=last.optimizer.steps, epoch=current_epoch[0], **record))
 
-    writer = MetricsWriter(cfg.run.out_dir) if computes_loss else None
+    identity = {"arch": cfg.model.arch, "width": cfg.model.width,
+                "num_classes": cfg.model.num_classes, "stages": J,
+                "partition": stages[0].partition, "method": cfg.train.method,
+                "buffer_inputs": cfg.train.buffer_inputs,
+                "stash_weights": cfg.train.stash_weights}
+    state = {"epoch": 0, "position": 0, "best_val_acc": None, "history": [], "wall_time_s": 0.0}
+    resume = find_resume(cfg.run.out_dir, cfg.run.resume) if rank == 0 else None
+    if world:
+        resume = world.comm.bcast(resume, root=0)
+    if resume:
+        manifest = read_manifest(resume, identity)
+        for w in workers:
+            load_stage(resume, w, device)
+        state = manifest["trainer"]
     if writer:
-        writer.write("start", stages=J, method=cfg.train.method, arch=cfg.model.arch,
-                     config=cfg.to_dict(), microbatches_per_epoch=n)
-    best = None
-    history = []
+        writer.write("resume" if resume else "start", stages=J, method=cfg.train.method,
+                     arch=cfg.model.arch, config=cfg.to_dict(), microbatches_per_epoch=n,
+                     **({"from": resume, "epoch": state["epoch"], "position": state["position"]}
+                        if resume else {}))
+        if resume:
+            print(f"resumed from {resume} (epoch {state['epoch'] + 1}, micro-batch "
+                  f"{state['position']})", file=sys.stderr, flush=True)
+
+    def checkpoint(epoch, position):
+        path = checkpoint_dir(cfg.run.out_dir, epoch, position)
+        for w in workers:
+            save_stage(path, w)
+        if world:
+            world.comm.Barrier()  # every stage file is in place before the manifest
+        state.update(epoch=epoch, position=position)
+        if computes_loss:
+            write_manifest(path, identity, {**state, "wall_time_s": prior_wall +
+                                            time.perf_counter() - start}, J)
+            prune(cfg.run.out_dir, cfg.run.keep_checkpoints)
+            writer.write("checkpoint", path=path, epoch=epoch, position=position)
+        if world:
+            world.comm.Barrier()  # the checkpoint is complete when any rank returns
+
+    cadence = cfg.run.checkpoint_every_microbatches
+    prior_wall = state["wall_time_s"]  # of the jobs before a resume
     start = time.perf_counter()
-    for epoch in range(cfg.train.epochs):
+    stopping = False
+    current_epoch = [state["epoch"]]  # for the diagnostics records
+    for epoch in range(state["epoch"], cfg.train.epochs):
+        current_epoch[0] = epoch
+        position = state["position"] if epoch == state["epoch"] else 0
         batches = None
         if reads_data:
-            train_loader.set_epoch(epoch)
-            batches = _as_dtype(itertools.islice(iter(train_loader), n), dtype)
-        log = TrainLog(cfg, workers[-1], writer, n, epoch, cfg.data.batch_size) if computes_loss else None
-        engine.train_segment(batches, n, on_loss=log)
-        val_batches = _as_dtype(itertools.islice(iter(val_loader), m), dtype) if reads_data else None
+            train_loader.load_state_dict({"epoch": epoch, "position": position})
+            batches = _as_dtype(iter(train_loader), dtype)
+        log = TrainLog(cfg, workers[-1], writer, n, epoch, position) if computes_loss else None
+        while position < n and not stopping:
+            length = n - position if not cadence else min(n - position, cadence - position % cadence)
+            position += engine.train_segment(batches, length, on_loss=log, stop=stop)
+            stopping = engine.any_stop(stop)
+            if position < n and (stopping or (cadence and position % cadence == 0)):
+                checkpoint(epoch, position)
+        if position < n:
+            break  # stopped mid-epoch, checkpointed above
+        val_batches = None
+        if reads_data:
+            val_loader.load_state_dict({"epoch": 0, "position": 0})
+            val_batches = _as_dtype(itertools.islice(iter(val_loader), m), dtype)
         totals = engine.evaluate(val_batches, m)
         if computes_loss:
-            train_stats = log.finish()
-            result = totals.result()
-            best = result["val_acc"] if best is None else max(best, result["val_acc"])
-            step = workers[-1].optimizer.steps
-            writer.write("eval", epoch=epoch, step=step, **result)
-            history.append({"epoch": epoch, **result, **train_stats})
-            if not cfg.run.progress or not sys.stderr.isatty():
-                print(f"epoch {epoch + 1}/{cfg.train.epochs}: train loss {train_stats['train_loss']:.4f} "
-                      f"acc {train_stats['train_acc']:.3f} | val loss {result['val_loss']:.4f} "
-                      f"acc {result['val_acc']:.3f} top5 {result['val_top5']:.3f} | "
-                      f"{train_stats['images_per_s']:.0f} img/s", file=sys.stderr, flush=True)
-            else:
-                print(f"  val loss {result['val_loss']:.4f} acc {result['val_acc']:.3f} "
-                      f"top5 {result['val_top5']:.3f}", file=sys.stderr, flush=True)
-    wall = time.perf_counter() - start
+            log_epoch(cfg, writer, state, epoch, workers[-1].optimizer.steps, log.finish(),
+                      totals.result())
+        stopping = stopping or engine.any_stop(stop)
+        every = cfg.run.checkpoint_every
+        if (every and (epoch + 1) % every == 0) or epoch + 1 == cfg.train.epochs or stopping:
+            checkpoint(epoch + 1, 0)
+        if stopping:
+            break
     memory = [stage_memory(w.stage, w.optimizer) for w in workers]
     if world:
         memory = world.gather_to_last(memory)
-    if computes_loss:
-        images = n * cfg.data.batch_size * cfg.train.epochs
-        summary = {"val_acc": history[-1]["val_acc"], "best_val_acc": best,
-                   "val_top5": history[-1]["val_top5"], "val_loss": history[-1]["val_loss"],
-                   "epochs": cfg.train.epochs, "wall_time_s": wall,
-                   "images_per_s": images / max(wall, 1e-9), "stages": J,
-                   "method": cfg.train.method, "arch": cfg.model.arch, "history": history,
-                   "memory": memory}
-        write_json_atomic(os.path.join(cfg.run.out_dir, "summary.json"), summary)
-        writer.close()
-        print(f"done in {fmt_time(wall)}: val acc {summary['val_acc']:.4f} "
-              f"(best {best:.4f}); outputs in {cfg.run.out_dir}", file=sys.stderr)
     if train_loader is not None:
         train_loader.close()
         val_loader.close()
+    if stopping and state["epoch"] < cfg.train.epochs:
+        if computes_loss:
+            writer.write("stop", epoch=state["epoch"], position=state["position"],
+                         exit_status=EXIT_REQUEUE)
+            writer.close()
+            print(f"stopped on request at epoch {state['epoch'] + 1}, micro-batch "
+                  f"{state['position']}: checkpoint complete, exit status {EXIT_REQUEUE} "
+                  f"(requeue to resume with run.resume=auto)", file=sys.stderr, flush=True)
+        return EXIT_REQUEUE
+    if computes_loss:
+        write_summary(cfg, state, J, n, memory, prior_wall + time.perf_counter() - start)
+        writer.close()
     return 0
+
+
+def log_epoch(cfg, writer, state, epoch, step, train_stats, result):
+    best = state["best_val_acc"]
+    state["best_val_acc"] = result["val_acc"] if best is None else max(best, result["val_acc"])
+    writer.write("eval", epoch=epoch, step=step, **result)
+    state["history"].append({"epoch": epoch, **result, **train_stats})
+    print(f"epoch {epoch + 1}/{cfg.train.epochs}: train loss {train_stats['train_loss']:.4f} "
+          f"acc {train_stats['train_acc']:.3f} | val loss {result['val_loss']:.4f} "
+          f"acc {result['val_acc']:.3f} top5 {result['val_top5']:.3f} | "
+          f"{train_stats['images_per_s']:.0f} img/s", file=sys.stderr, flush=True)
+
+
+def write_summary(cfg, state, J, n, memory, wall):
+    history = state["history"]
+    trained = sum(h["images"] for h in history)
+    summary = {"val_acc": history[-1]["val_acc"], "best_val_acc": state["best_val_acc"],
+               "val_top5": history[-1]["val_top5"], "val_loss": history[-1]["val_loss"],
+               "epochs": cfg.train.epochs, "wall_time_s": wall,
+               "images_per_s": trained / max(sum(h["seconds"] for h in history), 1e-9),
+               "stages": J, "method": cfg.train.method, "arch": cfg.model.arch,
+               "microbatches_per_epoch": n, "history": history, "memory": memory}
+    write_json_atomic(os.path.join(cfg.run.out_dir, "summary.json"), summary)
+    print(f"done in {fmt_time(wall)}: val acc {summary['val_acc']:.4f} "
+          f"(best {summary['best_val_acc']:.4f}); outputs in {cfg.run.out_dir}", file=sys.stderr)
 
 
 def _as_dtype(batches, dtype):
@@ -235,10 +315,11 @@ def main(argv=None) -> int:
     if world is None:
         try:
             return run(cfg, None, args.dry_run)
-        except TrainingError as e:
+        except (TrainingError, CheckpointError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-    return world.run_guarded(lambda: run(cfg, world, args.dry_run), TrainingError)
+    return world.run_guarded(lambda: run(cfg, world, args.dry_run),
+                             (TrainingError, CheckpointError))
 
 
 if __name__ == "__main__":

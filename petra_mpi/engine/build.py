@@ -23,6 +23,7 @@ def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, se
             continue
         stage = Stage(stage_blocks, s, num_stages, buffer_inputs=buffer_inputs,
                       stash_weights=stash_weights)
+        stage.partition = sizes  # blocks per stage of the whole split (checked on resume)
         stages.append(stage.to(device=device, dtype=dtype))
     return stages
 

@@ -4,7 +4,8 @@ from collections import deque
 
 import torch
 
-from ..schedule import backward_microbatch, forward_microbatch, num_ticks
+from ..schedule import backward_microbatch, forward_microbatch, num_ticks, stop_count
+from ..stopping import STOP_CHECK_TICKS
 from .metrics import EvalTotals
 
 
@@ -12,16 +13,22 @@ class LocalEngine:
     def __init__(self, workers, method: str):
         self.workers, self.method = workers, method
 
-    def train_segment(self, batches, n: int, on_loss=None):
+    def train_segment(self, batches, n: int, on_loss=None, stop=None) -> int:
         """Train on the next n micro-batches of `batches` (an iterator of (x, labels)), from an
-        empty pipeline to a full drain. on_loss(b, loss, logits, labels) sees each result."""
+        empty pipeline to a full drain; a stop request ends the segment early. on_loss(b, loss,
+        logits, labels) sees each result. Returns the number of micro-batches trained."""
         J = len(self.workers)
         for w in self.workers:
             w.begin_segment(n)
         inputs = [deque() for _ in range(J)]     # activations waiting at stage s
         grads = [deque() for _ in range(J)]      # (ỹ, δy) waiting at stage s
         labels = deque()
-        for t in range(num_ticks(self.method, J, n)):
+        t = 0
+        while t < num_ticks(self.method, J, n):
+            if stop is not None and stop.requested and t % STOP_CHECK_TICKS == 0:
+                n = stop_count(self.method, J, t, n)
+                for w in self.workers:
+                    w.begin_segment(n)  # the last backward now steps the optimizer
             for s, w in enumerate(self.workers):
                 b = forward_microbatch(self.method, J, s, t, n)
                 if b is None:
@@ -47,7 +54,12 @@ class LocalEngine:
                 x, grad_x = w.backward(b, *grads[s].popleft())
                 if s > 0:
                     grads[s - 1].append((x, grad_x))
+            t += 1
         assert not any(inputs) and not any(grads) and not labels, "pipeline not drained"
+        return n
+
+    def any_stop(self, stop) -> bool:
+        return stop is not None and stop.requested
 
     @torch.no_grad()
     def evaluate(self, batches, m=None) -> EvalTotals:

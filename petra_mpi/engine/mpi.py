@@ -6,11 +6,13 @@ reads the data and sends each micro-batch's labels straight to the last rank.
 """
 import sys
 
+import numpy as np
 import torch
 
 from ..comm import (TAG_ACTIVATION, TAG_GRADIENT, TAG_LABELS, TAG_REBUILT, Inbox, Outbox,
                     Transport, cuda_aware_mpi)
-from ..schedule import stage_ops
+from ..schedule import num_ticks, stop_count, tick_ops
+from ..stopping import STOP_CHECK_TICKS
 from .metrics import EvalTotals
 
 
@@ -77,26 +79,64 @@ class MPIEngine:
             self.labels_out.put(labels)
         return x, labels
 
-    def train_segment(self, batches, n, on_loss=None):
-        w = self.w
+    def train_segment(self, batches, n, on_loss=None, stop=None) -> int:
+        """Algorithm 1 for this rank over a segment of n micro-batches (fill to drain); a stop
+        request agreed by all ranks ends it early. Returns the micro-batches trained."""
+        w, J = self.w, self.world.size
         w.begin_segment(n)
         self._expect(n)
-        for op, b in stage_ops(self.method, self.world.size, w.index, n):
-            if op == "forward":
-                x, _ = self._input(batches)
-                self.outputs.put(w.forward(b, x))
-            elif op == "backward":
-                y = self.rebuilt_in.get() if self.rebuilt_in else None
-                x, grad_x = w.backward(b, y, self.grads_in.get())
-                self._send_down(x, grad_x)
-            else:  # last stage: forward, loss and backward at once
-                x, labels = self._input(batches)
-                labels = self.labels_in.get() if labels is None else labels
-                loss, logits, grad_x = w.forward_backward(b, x, labels)
-                if on_loss is not None:
-                    on_loss(b, loss, logits, labels)
-                self._send_down(x, grad_x)
+        self.vote = None
+        t = 0
+        while t < num_ticks(self.method, J, n):
+            if stop is not None and t % STOP_CHECK_TICKS == 0:
+                n = self._vote(t, n, stop)
+            for op, b in tick_ops(self.method, J, w.index, t, n):
+                if op == "forward":
+                    x, _ = self._input(batches)
+                    self.outputs.put(w.forward(b, x))
+                elif op == "backward":
+                    y = self.rebuilt_in.get() if self.rebuilt_in else None
+                    x, grad_x = w.backward(b, y, self.grads_in.get())
+                    self._send_down(x, grad_x)
+                else:  # last stage: forward, loss and backward at once
+                    x, labels = self._input(batches)
+                    labels = self.labels_in.get() if labels is None else labels
+                    loss, logits, grad_x = w.forward_backward(b, x, labels)
+                    if on_loss is not None:
+                        on_loss(b, loss, logits, labels)
+                    self._send_down(x, grad_x)
+            t += 1
+        if self.vote is not None:
+            self.vote[0].Wait()  # every rank posted it; the drain-point vote decides now
         self._flush()
+        return n
+
+    def _vote(self, t, n, stop):
+        """Every STOP_CHECK_TICKS ticks each rank contributes its stop flag to a non-blocking
+        all-reduce and reads the previous one: all ranks see the same result at the same tick
+        and shorten the segment identically, with no extra waiting in the common case."""
+        from mpi4py import MPI
+        if self.vote is not None:
+            request, flag = self.vote
+            request.Wait()
+            self.vote = None
+            if flag[0]:
+                shorter = stop_count(self.method, self.world.size, t, n)
+                for box in (self.inputs, self.rebuilt_in, self.grads_in, self.labels_in):
+                    if box is not None:
+                        box.shrink(n - shorter)
+                self.w.begin_segment(shorter)
+                return shorter
+        if t + 2 * STOP_CHECK_TICKS < num_ticks(self.method, self.world.size, n):
+            flag = np.array([int(stop.requested)], dtype=np.int32)
+            self.vote = (self.world.comm.Iallreduce(MPI.IN_PLACE, flag, op=MPI.MAX), flag)
+        return n
+
+    def any_stop(self, stop) -> bool:
+        """At a drain point: whether any rank was asked to stop (a blocking all-reduce)."""
+        from mpi4py import MPI
+        return bool(self.world.comm.allreduce(int(stop is not None and stop.requested),
+                                              op=MPI.MAX))
 
     def _send_down(self, x, grad_x):
         if self.rebuilt_out is not None:

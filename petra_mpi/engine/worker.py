@@ -22,6 +22,7 @@ class StageWorker:
         return self.stage.is_last
 
     def begin_segment(self, n: int):
+        """Start (or shorten, on a stop request) a segment of n micro-batches."""
         self.n = n
         self.stage.train()
 

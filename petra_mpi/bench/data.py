@@ -1,0 +1,194 @@
+"""Benchmark of the training-time reader: images/s of the BatchLoader on a fixed core budget.
+
+    python -m petra_mpi.bench data FILE|synthetic [--batch 64] [--seconds 5] [--threads 1]
+                                                 [--jpeg-demo] [--crop 224]
+
+32x32 ("array") data: the raw reader (sorted random batches), then the full loader (read +
+prefetch thread + crop/flip + uint8->normalised float), train and eval. `synthetic` measures the
+in-memory set and an HDF5 copy of it written to a temporary file, chunked like data_prep writes;
+a FILE is timed as opened (small splits are loaded whole) and streamed from the file (the
+headline `images_per_s`: what an ImageNet32-sized split gets). JPEG data (a JPEG-variant FILE, or --jpeg-demo for a
+generated set of 256-pixel JPEGs): read + decode + crop alone (the prefetch thread's work, with
+`--threads` decode threads), then the whole loader on the CPU (flip and normalisation of
+224x224 floats add ~0.5 ms per image there; on a GPU they run on the device).
+The process is pinned to `--threads` cores (the prefetch thread shares them) and torch uses as
+many threads. The last line printed is one JSON object.
+"""
+import argparse
+import io
+import json
+import os
+import tempfile
+import time
+
+import h5py
+import numpy as np
+import torch
+from PIL import Image
+
+from petra_mpi.data import BatchLoader, open_split
+
+
+def _pin_cores(n):
+    """Restrict this process to n cores (where the OS lets us), so 'one core' means one core."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))[:n]
+    os.sched_setaffinity(0, cores)
+    return cores
+
+
+def _timed(step, seconds):
+    """Call step() (which returns an image count) until `seconds` pass. Returns images per
+    wall second, images per CPU second of this process (all its threads: robust to other
+    processes sharing the core), and wall seconds per call."""
+    step()  # warm-up: opens files, first permutation, allocator
+    images, calls, t0, c0 = 0, 0, time.perf_counter(), time.process_time()
+    while True:
+        images += step()
+        calls += 1
+        dt = time.perf_counter() - t0
+        if dt >= seconds:
+            cpu = max(time.process_time() - c0, 1e-9)
+            return images / dt, images / cpu, dt / calls
+
+
+def _loader_step(loader):
+    """A step() that yields the next batch of a loader, moving on to the next epoch at the end."""
+    state = {"it": iter(loader)}
+
+    def step():
+        try:
+            x, _ = next(state["it"])
+        except StopIteration:
+            loader.set_epoch(loader.epoch)  # already rolled over to the next epoch
+            state["it"] = iter(loader)
+            x, _ = next(state["it"])
+        return len(x)
+    return step
+
+
+def _load_step(loader):
+    """The prefetch thread's work alone for one batch: read, decode, crop (JPEG)."""
+    state = {"b": 0}
+
+    def step():
+        b = state["b"] % len(loader)
+        state["b"] += 1
+        return len(loader._load(loader.epoch, b)["labels"])
+    return step
+
+
+def _reader_step(src, loader):
+    state = {"b": 0}
+
+    def step():
+        b = state["b"] % len(loader)
+        state["b"] += 1
+        images, _ = src.take(loader.batch_indices(b))
+        return len(images)
+    return step
+
+
+def _write_h5_copy(src, path):
+    """An HDF5 copy of an in-memory split, chunked as data_prep writes 32x32 data."""
+    images, labels = src.read(0, len(src))
+    with h5py.File(path, "w") as f:
+        f.attrs.update(schema_version=1, num_classes=src.num_classes, mean=src.mean, std=src.std,
+                       source="bench copy of synthetic")
+        f.create_dataset("train/images", data=images, chunks=(256,) + images.shape[1:])
+        f.create_dataset("train/labels", data=labels)
+
+
+def _write_jpeg_demo(path, n=256, side=256, seed=0):
+    """n JPEGs with shorter side `side` and ImageNet-like aspect ratios and textures."""
+    rng = np.random.default_rng(seed)
+    blobs = []
+    for _ in range(n):
+        long = int(side * rng.uniform(1.0, 1.5))
+        w, h = (long, side) if rng.random() < 0.7 else (side, long)
+        yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+        f = rng.uniform(0.01, 0.08, 3)
+        img = 128 + 60 * np.stack([np.sin(f[c] * (xx * np.cos(c + f[c] * 30) + yy * np.sin(c)))
+                                   for c in range(3)], -1)
+        img += rng.normal(0, 12, img.shape)  # texture: real photos do not compress to nothing
+        buf = io.BytesIO()
+        Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, format="JPEG", quality=90)
+        blobs.append(buf.getvalue())
+    offsets = np.concatenate([[0], np.cumsum([len(b) for b in blobs])]).astype(np.int64)
+    with h5py.File(path, "w") as f:
+        f.attrs.update(schema_version=1, num_classes=1000, mean=(0.485, 0.456, 0.406),
+                       std=(0.229, 0.224, 0.225), source="bench jpeg demo", image_size=side)
+        f.create_dataset("train/jpeg", data=np.frombuffer(b"".join(blobs), np.uint8),
+                         chunks=(64 << 10,))
+        f.create_dataset("train/offsets", data=offsets)
+        f.create_dataset("train/labels", data=np.zeros(n, np.int64))
+    return int(offsets[-1]) / n
+
+
+def main(argv):
+    p = argparse.ArgumentParser(prog="python -m petra_mpi.bench data", description=__doc__.split("\n")[0])
+    p.add_argument("file", help="an HDF5 dataset file, or 'synthetic'")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--seconds", type=float, default=5.0, help="per measurement")
+    p.add_argument("--threads", type=int, default=1, help="cores (and torch threads) to use")
+    p.add_argument("--jpeg-demo", action="store_true", help="also time a generated JPEG set")
+    p.add_argument("--crop", type=int, default=224, help="JPEG output side")
+    p.add_argument("--synthetic-n", type=int, default=20_000, help="train size of 'synthetic'")
+    a = p.parse_args(argv)
+
+    torch.set_num_threads(a.threads)
+    cores = _pin_cores(a.threads)
+    fig = {"bench": "data", "file": a.file, "batch": a.batch, "threads": a.threads,
+                     "cores": cores}
+
+    def measure(name, step, key=None):
+        ips, cpu_ips, per_call = _timed(step, a.seconds)
+        if key:
+            fig[key] = round(ips, 1)
+            fig[key.replace("images_per_s", "images_per_cpu_s")] = round(cpu_ips, 1)
+        print(f"  {name:<46s} {ips:>9.0f} {cpu_ips:>9.0f} {per_call * 1e3:9.2f}", flush=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        print(f"data bench: {a.file}, batch {a.batch}, {a.threads} core(s) {cores}, "
+              f"{a.seconds:g} s per row")
+        print(f"  {'':<46s} {'images/s':>9s} {'img/cpu-s':>9s} {'ms/batch':>9s}")
+        src = open_split(a.file, "train", synthetic_sizes=(a.synthetic_n, a.synthetic_n // 5))
+        streams = []  # (label, source) of 32x32 data
+        if src.kind == "array":
+            if a.file == "synthetic":
+                copy = os.path.join(tmp, "synthetic.h5")
+                _write_h5_copy(src, copy)
+                streams = [("memory", src), ("hdf5", open_split(copy, "train", in_memory=False))]
+            else:  # as opened (loaded whole when small), and streamed from the file
+                streams = [("memory", src)] if src.in_memory else []
+                streams.append(("hdf5", open_split(a.file, "train", in_memory=False)))
+        for label, s in streams:
+            key = "" if label == "hdf5" else "memory_"
+            probe = BatchLoader(s, a.batch, train=True, seed=0)
+            measure(f"[{label}] reader only (take of a sorted batch)", _reader_step(s, probe),
+                    f"{key}reader_images_per_s")
+            for name, kw, k in [("train loader: read+crop+flip+normalise", dict(train=True), "images_per_s"),
+                                ("train loader, no prefetch thread", dict(train=True, prefetch=0), "noprefetch_images_per_s"),
+                                ("eval loader: read+normalise", dict(train=False), "eval_images_per_s")]:
+                ld = BatchLoader(s, a.batch, seed=0, **kw)
+                measure(f"[{label}] {name}", _loader_step(ld), key + k)
+                ld.close()
+
+        jpeg_src = src if src.kind == "jpeg" else None
+        if jpeg_src is None and a.jpeg_demo:
+            path = os.path.join(tmp, "jpeg_demo.h5")
+            kb = _write_jpeg_demo(path) / 1024
+            print(f"  (jpeg demo: 256 generated JPEGs, shorter side 256, {kb:.0f} KiB each)")
+            jpeg_src = open_split(path, "train")
+        if jpeg_src is not None:
+            for train, what, k in [(True, f"random-resized-crop {a.crop}", "jpeg"),
+                                   (False, f"centre crop {a.crop}", "jpeg_eval")]:
+                ld = BatchLoader(jpeg_src, min(a.batch, len(jpeg_src)), train=train, seed=0,
+                                 crop=a.crop, decode_threads=a.threads)
+                measure(f"[jpeg] read + decode + {what}", _load_step(ld), f"{k}_decode_images_per_s")
+                measure("[jpeg]   loader: + flip + normalise (cpu)", _loader_step(ld),
+                        f"{k}_images_per_s")
+                ld.close()
+            fig["jpeg_crop"] = a.crop
+    print(json.dumps(fig))

@@ -1,0 +1,114 @@
+"""Checkpoints: taken at a drain point (no micro-batch in flight), one file per stage written
+atomically by the process that owns the stage, then a manifest that marks the checkpoint complete.
+
+Layout: out_dir/checkpoints/ckpt-e{epoch:05d}-b{position:08d}/ with stage{s}.pt, trainer.json and
+manifest.json. A directory without a manifest, or whose files do not match it, is never picked.
+"""
+import json
+import os
+import shutil
+
+import torch
+
+from .metrics import write_json_atomic
+
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def checkpoint_dir(out_dir: str, epoch: int, position: int) -> str:
+    return os.path.join(out_dir, "checkpoints", f"ckpt-e{epoch:05d}-b{position:08d}")
+
+
+def save_stage(path: str, worker):
+    """Write one stage's state (weights, batch-norm statistics, optimizer, RNG) atomically."""
+    os.makedirs(path, exist_ok=True)
+    state = {"stage": worker.stage.state_dict(), "optimizer": worker.optimizer.state_dict(),
+             "rng": torch.get_rng_state(),
+             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    final = os.path.join(path, f"stage{worker.index}.pt")
+    tmp = f"{final}.tmp-{os.getpid()}"
+    torch.save(state, tmp)
+    os.replace(tmp, final)
+
+
+def write_manifest(path: str, identity: dict, trainer_state: dict, num_stages: int):
+    """Called once every stage file exists: records their sizes, then marks completion."""
+    write_json_atomic(os.path.join(path, "trainer.json"), trainer_state)
+    files = {f"stage{s}.pt": os.path.getsize(os.path.join(path, f"stage{s}.pt"))
+             for s in range(num_stages)}
+    files["trainer.json"] = os.path.getsize(os.path.join(path, "trainer.json"))
+    write_json_atomic(os.path.join(path, MANIFEST), {**identity, "files": files,
+                                                     "epoch": trainer_state["epoch"],
+                                                     "position": trainer_state["position"]})
+
+
+def is_complete(path: str) -> bool:
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+        return all(os.path.getsize(os.path.join(path, name)) == size
+                   for name, size in manifest["files"].items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def complete_checkpoints(out_dir: str) -> list[str]:
+    """Complete checkpoints, oldest first."""
+    root = os.path.join(out_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return []
+    paths = [os.path.join(root, d) for d in sorted(os.listdir(root)) if d.startswith("ckpt-")]
+    return [p for p in paths if is_complete(p)]
+
+
+def find_resume(out_dir: str, resume: str):
+    """The checkpoint to resume from: None for `none` (or `auto` with none there)."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        found = complete_checkpoints(out_dir)
+        return found[-1] if found else None
+    if not is_complete(resume):
+        raise CheckpointError(f"run.resume {resume}: not a complete checkpoint (no valid "
+                              f"{MANIFEST})")
+    return resume
+
+
+def read_manifest(path: str, identity: dict) -> dict:
+    """The manifest, after checking it was written by the same model, split and method."""
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
+    wrong = [f"{k}: checkpoint has {manifest.get(k)!r}, this run has {v!r}"
+             for k, v in identity.items() if manifest.get(k) != v]
+    if wrong:
+        raise CheckpointError(f"cannot resume from {path}: " + "; ".join(wrong))
+    with open(os.path.join(path, "trainer.json")) as f:
+        manifest["trainer"] = json.load(f)
+    return manifest
+
+
+def load_stage(path: str, worker, device):
+    state = torch.load(os.path.join(path, f"stage{worker.index}.pt"), map_location=device,
+                       weights_only=False)
+    worker.stage.load_state_dict(state["stage"])
+    worker.optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])
+    if state["cuda_rng"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+
+
+def prune(out_dir: str, keep: int):
+    """Delete all but the `keep` newest complete checkpoints, and any incomplete ones older than
+    the newest complete one (leftovers of a crash)."""
+    complete = complete_checkpoints(out_dir)
+    root = os.path.join(out_dir, "checkpoints")
+    newest = complete[-1] if complete else None
+    for d in sorted(os.listdir(root)):
+        p = os.path.join(root, d)
+        stale = p in complete[:-keep] or (p not in complete and newest and p < newest)
+        if stale:
+            shutil.rmtree(p, ignore_errors=True)
