@@ -1,0 +1,103 @@
+"""Invariant 6 under mpirun with a real signal: stopping after a drain, checkpointing and
+resuming gives the same parameters as running on."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from petra_mpi.checkpoint import complete_checkpoints
+from petra_mpi.stopping import EXIT_REQUEUE
+from test_mpi import QUICK, ROOT
+
+LONGER = [*QUICK, "--set", "train.limit_batches=24", "--set", "train.epochs=2",
+          "--set", "run.log_every=1", "--set", "run.keep_checkpoints=10"]
+
+
+def launch(n, out_dir, *extra):
+    cmd = ["mpirun", "-n", str(n), sys.executable, "-m", "petra_mpi.train",
+           "configs/quickstart.yaml", "--set", f"run.out_dir={out_dir}", *LONGER, *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def finish(proc, timeout=180):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return proc.returncode, out + err
+
+
+def signal_once_training(proc, out_dir, sig=signal.SIGUSR1, timeout=120):
+    """Send `sig` to the launcher (mpirun forwards it to every rank) once training has begun."""
+    metrics = Path(out_dir) / "metrics.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if metrics.exists() and '"event": "train"' in metrics.read_text():
+            proc.send_signal(sig)
+            return
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    raise AssertionError("training never started: " + (proc.communicate()[1] or "")[-2000:])
+
+
+def final_state(out_dir, stages):
+    path = Path(complete_checkpoints(str(out_dir))[-1])
+    assert path.name == "ckpt-e00002-b00000000"
+    return [torch.load(path / f"stage{s}.pt", weights_only=False) for s in range(stages)]
+
+
+def assert_same_states(a, b):
+    for sa, sb in zip(a, b):
+        for key, value in sa["stage"].items():
+            assert torch.equal(value, sb["stage"][key]), key
+        ma = sa["optimizer"]["sgd"]["state"]
+        mb = sb["optimizer"]["sgd"]["state"]
+        assert ma.keys() == mb.keys()
+        for k in ma:
+            assert torch.equal(ma[k]["momentum_buffer"], mb[k]["momentum_buffer"])
+        assert sa["optimizer"]["steps"] == sb["optimizer"]["steps"]
+
+
+def events(out_dir):
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_signal_checkpoint_resume_equals_running_on(tmp_path):
+    cadence = ["--set", "run.checkpoint_every_microbatches=8"]
+    stopped, straight = tmp_path / "stopped", tmp_path / "straight"
+    proc = launch(3, stopped, *cadence)
+    signal_once_training(proc, stopped)
+    code, log = finish(proc)
+    assert code == EXIT_REQUEUE, log[-3000:]
+    stop = [e for e in events(stopped) if e["event"] == "stop"]
+    assert stop and (stop[0]["epoch"], stop[0]["position"]) < (2, 0)
+
+    code, log = finish(launch(3, stopped, *cadence, "--set", "run.resume=auto"))
+    assert code == 0, log[-3000:]
+    assert "resumed from" in log
+    code, log = finish(launch(3, straight, *cadence))
+    assert code == 0, log[-3000:]
+    assert_same_states(final_state(stopped, 3), final_state(straight, 3))
+    summary = json.loads((stopped / "summary.json").read_text())
+    assert summary["epochs"] == 2 and len(summary["history"]) == 2
+
+
+def test_sigterm_mid_segment_stops_drains_and_resumes(tmp_path):
+    proc = launch(4, tmp_path)
+    signal_once_training(proc, tmp_path, signal.SIGTERM)
+    code, log = finish(proc)
+    assert code == EXIT_REQUEUE, log[-3000:]
+    assert len(complete_checkpoints(str(tmp_path))) >= 1
+    code, log = finish(launch(4, tmp_path, "--set", "run.resume=auto"))
+    assert code == 0, log[-3000:]
+    kinds = [e["event"] for e in events(tmp_path)]
+    assert kinds.count("resume") == 1 and kinds[-1] == "checkpoint"
+    assert (tmp_path / "summary.json").exists()

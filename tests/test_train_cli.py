@@ -1,0 +1,114 @@
+"""The trainer end to end through its command line, in one process: outputs, config errors,
+diagnostics, checkpoints."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from petra_mpi.checkpoint import complete_checkpoints, find_resume, is_complete
+from petra_mpi.config import ConfigError, load_config
+from test_mpi import QUICK, check_run_outputs
+
+ROOT = Path(__file__).parent.parent
+
+
+def train(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "petra_mpi.train", "configs/quickstart.yaml",
+                           *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+
+
+def test_quickstart_shortened_end_to_end(tmp_path):
+    proc = train("--set", f"run.out_dir={tmp_path}", *QUICK, "--set", "train.epochs=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = check_run_outputs(tmp_path, epochs=2, stages=10)
+    assert summary["method"] == "petra" and summary["images_per_s"] > 0
+    assert "done in" in proc.stderr
+    assert len(complete_checkpoints(str(tmp_path))) >= 1
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.accumulation=0", "train.accumulation"),
+    ("model.width=0", "model.width"),
+    ("model.stages=11", "model.stages"),
+    ("train.epochs=two", "train.epochs: expected int"),
+    ("train.bogus=1", "unknown key train.bogus"),
+    ("model.arch=vgg", "model.arch"),
+])
+def test_bad_config_is_an_error_naming_key_and_file(tmp_path, override, message):
+    proc = train("--set", f"run.out_dir={tmp_path}", "--set", override, timeout=60)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "configs/quickstart.yaml" in proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_config_file_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  width: 8\n  depth: 3\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: unknown key model.depth"):
+        load_config(bad)
+    child = tmp_path / "child.yaml"
+    (tmp_path / "base.yaml").write_text("train:\n  epochs: 3\n  accumulation: 2\n")
+    child.write_text("base: base.yaml\ntrain:\n  epochs: 7\n")
+    cfg = load_config(child, ["optim.lr=1e-2"])
+    assert (cfg.train.epochs, cfg.train.accumulation, cfg.optim.lr) == (7, 2, 0.01)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_missing_data_file_fails_before_training(tmp_path):
+    proc = train("--set", f"run.out_dir={tmp_path}", "--set", "data.path=/nonexistent.h5",
+                 timeout=60)
+    assert proc.returncode == 1
+    assert "/nonexistent.h5" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_diagnostics_give_cosine_one_when_lr_is_zero(tmp_path):
+    proc = train("--set", f"run.out_dir={tmp_path}", *QUICK, "--set", "train.diag_every=2",
+                 "--set", "optim.lr=0", "--set", "train.limit_batches=6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    diags = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+             if '"diag"' in line]
+    assert {d["stage"] for d in diags} == set(range(10))
+    for d in diags:
+        for key in ("cos_petra_delayed", "cos_petra_e2e", "cos_delayed_e2e"):
+            assert abs(d[key] - 1) < 1e-5, (key, d)
+        if d["rebuild_error"] is not None:
+            assert d["rebuild_error"] < 1e-5
+
+
+def test_diagnostics_see_the_delay_when_lr_is_positive(tmp_path):
+    proc = train("--set", f"run.out_dir={tmp_path}", *QUICK, "--set", "train.diag_every=2",
+                 "--set", "optim.lr=2", "--set", "optim.warmup_epochs=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    diags = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+             if '"diag"' in line]
+    first = min(d["cos_petra_e2e"] for d in diags if d["stage"] == 0)
+    assert first < 0.999  # the delay is visible on the first stage
+    last = [d for d in diags if d["stage"] == 9]
+    assert all(abs(d["cos_petra_delayed"] - 1) < 1e-6 for d in last)  # no delay on the last
+
+
+def test_incomplete_checkpoint_is_never_picked(tmp_path):
+    proc = train("--set", f"run.out_dir={tmp_path}", *QUICK, "--set", "train.epochs=2",
+                 "--set", "run.keep_checkpoints=5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = complete_checkpoints(str(tmp_path))
+    assert len(found) == 2
+    newest = Path(found[-1])
+    (newest / "stage3.pt").write_bytes(b"truncated")
+    assert not is_complete(str(newest))
+    assert find_resume(str(tmp_path), "auto") == found[0]
+    (Path(found[0]) / "manifest.json").unlink()
+    assert find_resume(str(tmp_path), "auto") is None
+
+
+def test_resume_from_another_model_is_an_error(tmp_path):
+    proc = train("--set", f"run.out_dir={tmp_path}", *QUICK)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = train("--set", f"run.out_dir={tmp_path}", *QUICK, "--set", "model.width=8",
+                 "--set", "run.resume=auto", "--set", "train.epochs=2", timeout=60)
+    assert proc.returncode == 1
+    assert "cannot resume" in proc.stderr and "width" in proc.stderr
