@@ -38,7 +38,8 @@ def stage_table(cfg, num_stages: int, dtype=torch.float32) -> list[dict]:
             "param_bytes": params,
             "optimizer_bytes": params if cfg.optim.momentum > 0 else 0,
             "input_fifo_bytes": fifo * in_flight,
-            "stash_bytes": params * in_flight if cfg.train.stash_weights else 0,
+            "stash_bytes": params * in_flight if cfg.train.stash_weights and not stage.is_last
+            else 0,
         })
     return rows
 
