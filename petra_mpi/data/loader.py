@@ -14,15 +14,29 @@ A daemon thread reads (and, for JPEG on the CPU, decodes and crops) batches ahea
 of `prefetch` entries, so memory stays bounded; the main thread moves each uint8 batch to the
 device and augments / normalises it there.
 """
+import atexit
 import os
 import queue
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from . import augment as A
+
+
+_live = weakref.WeakSet()  # loaders that have started a prefetch thread
+
+
+@atexit.register
+def _stop_all_at_exit():
+    # Daemon threads are frozen wherever they stand when the interpreter finalises; one frozen
+    # inside h5py holds its global lock, and closing the HDF5 files at teardown then deadlocks
+    # (seen: a hang at exit, 1 run in ~10). So stop them first: atexit runs before that freeze.
+    for loader in list(_live):
+        loader._stop_active()
 
 
 class _Failure:
@@ -200,6 +214,7 @@ class BatchLoader:
         self._active = (stop, thread)
         try:
             if thread is not None:
+                _live.add(self)
                 thread.start()
             for b in range(start, n):
                 item = self._load(epoch, b) if q is None else self._get(q, stop, thread)
