@@ -1,0 +1,149 @@
+"""Every shipped config under configs/ loads, passes `--dry-run`, and says what its experiment needs.
+
+The dry runs are in-process (`petra_mpi.train.main`) to skip interpreter start-up; each builds the
+full-width model and pushes one image through it.
+"""
+from pathlib import Path
+
+import pytest
+
+from petra_mpi.config import load_config, num_stages
+from petra_mpi.models import num_blocks
+from petra_mpi.optim import peak_lr
+from petra_mpi.train import main
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+BASES = sorted((CONFIGS / "base").glob("*.yaml"))
+LEAVES = sorted(p for p in CONFIGS.rglob("*.yaml") if "base" not in p.relative_to(CONFIGS).parts)
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(CONFIGS).as_posix()
+
+
+def cfg_of(name: str, overrides=()):
+    return load_config(CONFIGS / name, overrides)
+
+
+def test_discovery():
+    names = {rel(p) for p in LEAVES}
+    assert "quickstart.yaml" in names
+    counts = {d: sum(n.startswith(d + "/") for n in names)
+              for d in ("table2", "fig4", "table3", "table4", "table5", "fig5")}
+    assert counts == {"table2": 27, "fig4": 7, "table3": 4, "table4": 15, "table5": 6, "fig5": 1}
+
+
+@pytest.mark.parametrize("path", LEAVES, ids=rel)
+def test_dry_run(path, capsys):
+    cfg = load_config(path)
+    J = num_stages(cfg)
+    assert J == num_blocks(cfg.model.arch), "the paper's split: one stage per block"
+    assert main([str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith(f"{cfg.model.arch} width {cfg.model.width}, {J} stages, method "
+                               f"{cfg.train.method}, batch {cfg.data.batch_size}")
+    rows = [line.split() for line in lines[2:] if line.split() and line.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == list(range(J))
+    assert rows[-1][-1] != "0.00"
+    assert "total estimated memory" in lines[-1]
+
+
+@pytest.mark.parametrize("path", BASES, ids=rel)
+def test_bases_load(path):
+    cfg = load_config(path)
+    assert cfg.optim.lr == 0.1 and cfg.optim.nesterov and cfg.optim.momentum == 0.9
+    assert cfg.model.width == 64 and cfg.run.out_dir.endswith("/default")
+
+
+def test_out_dirs_follow_file_names():
+    """runs/<path under configs without .yaml>: unique, and easy to find from the config."""
+    for path in LEAVES:
+        assert load_config(path).run.out_dir == "runs/" + rel(path)[:-len(".yaml")], path
+
+
+RECIPES = {  # dataset: (path, classes, stem, epochs, milestones, weight decay)
+    "cifar10": ("data/cifar10.h5", 10, "cifar", 300, [150, 225], 5e-4),
+    "imagenet32": ("data/imagenet32.h5", 1000, "cifar", 90, [30, 60, 80], 1e-4),
+    "imagenet": ("data/imagenet.h5", 1000, "imagenet", 90, [30, 60, 80], 1e-4),
+    "cifar100": ("data/cifar100.h5", 100, "cifar", 300, [150, 225], 5e-4),
+}
+
+
+def check_recipe(cfg, dataset):
+    path, classes, stem, epochs, milestones, wd = RECIPES[dataset]
+    assert (cfg.data.path, cfg.model.num_classes, cfg.model.stem) == (path, classes, stem)
+    assert (cfg.train.epochs, cfg.optim.milestones, cfg.optim.weight_decay) == (epochs, milestones, wd)
+    assert (cfg.optim.warmup_epochs, cfg.optim.gamma, cfg.optim.momentum) == (5, 0.1, 0.9)
+    assert cfg.optim.nesterov and cfg.model.width == 64
+    if stem == "imagenet":
+        assert cfg.data.crop == 224
+
+
+@pytest.mark.parametrize("dataset", ["cifar10", "imagenet32", "imagenet"])
+def test_table2(dataset):
+    petra_k = {"cifar10": 4, "imagenet32": 4, "imagenet": 32}[dataset]
+    backprop_batch = {"cifar10": 128, "imagenet32": 128, "imagenet": 256}[dataset]
+    for arch in ("resnet18", "resnet34", "resnet50", "revnet18", "revnet34", "revnet50"):
+        for method in ("backprop", "petra") if arch.startswith("revnet") else ("backprop",):
+            cfg = cfg_of(f"table2/{dataset}/{arch}_{method}.yaml")
+            check_recipe(cfg, dataset)
+            assert (cfg.model.arch, cfg.train.method) == (arch, method)
+            k = cfg.train.accumulation
+            peak = peak_lr(cfg.optim.lr, cfg.data.batch_size, k, cfg.optim.scale_lr)
+            if method == "petra":
+                assert (cfg.data.batch_size, k) == (64, petra_k)
+                assert peak == pytest.approx(0.1 * 64 * petra_k / 256)
+            else:
+                assert (cfg.data.batch_size, k) == (backprop_batch, 1)
+                assert peak == pytest.approx(0.1)
+
+
+def test_fig4_lr_rule():
+    for k in (1, 2, 4, 8, 16, 32):
+        cfg = cfg_of(f"fig4/revnet18_imagenet_k{k}.yaml")
+        check_recipe(cfg, "imagenet")
+        assert (cfg.model.arch, cfg.train.method, cfg.train.accumulation) == ("revnet18", "petra", k)
+        assert cfg.optim.lr == 0.1 and cfg.optim.scale_lr and cfg.data.batch_size == 64
+        assert peak_lr(cfg.optim.lr, cfg.data.batch_size, k, cfg.optim.scale_lr) == \
+            pytest.approx(0.1 * 64 * k / 256)
+    ref = cfg_of("fig4/revnet18_imagenet_backprop.yaml")
+    assert (ref.model.arch, ref.train.method, ref.train.accumulation) == ("revnet18", "backprop", 1)
+    # --set overrides apply on top of the chain of bases
+    cfg = cfg_of("fig4/revnet18_imagenet_k1.yaml", ["train.accumulation=16", "optim.lr=0.2"])
+    assert (cfg.train.accumulation, cfg.optim.lr, cfg.optim.weight_decay) == (16, 0.2, 1e-4)
+
+
+TABLE4_ROWS = {  # row: (method, buffer_inputs, stash_weights)
+    "backprop": ("backprop", False, False),
+    "delayed_both": ("delayed", True, True),
+    "delayed_inputs": ("delayed", True, False),
+    "delayed_params": ("delayed", False, True),
+    "petra": ("petra", False, False),
+}
+
+
+@pytest.mark.parametrize("depth", [18, 34, 50])
+def test_table4_inherits_cifar100_recipe(depth):
+    for row, expected in TABLE4_ROWS.items():
+        cfg = cfg_of(f"table4/revnet{depth}_{row}.yaml")
+        check_recipe(cfg, "cifar100")
+        assert cfg.model.arch == f"revnet{depth}"
+        assert (cfg.train.method, cfg.train.buffer_inputs, cfg.train.stash_weights) == expected
+        assert (cfg.train.accumulation, cfg.data.batch_size, cfg.optim.scale_lr) == (1, 64, True)
+
+
+def test_table3_and_table5():
+    for row in ("delayed_both", "delayed_inputs", "delayed_params", "petra"):
+        cfg = cfg_of(f"table3/revnet50_imagenet_{row}.yaml")
+        check_recipe(cfg, "imagenet")
+        assert (cfg.train.method, cfg.train.buffer_inputs, cfg.train.stash_weights) == TABLE4_ROWS[row]
+        assert (cfg.model.arch, cfg.data.batch_size) == ("revnet50", 64)
+    for depth in (18, 34, 50):
+        for method in ("petra", "backprop"):
+            cfg = cfg_of(f"table5/revnet{depth}_{method}.yaml")
+            assert (cfg.model.arch, cfg.train.method, cfg.data.path) == (f"revnet{depth}", method,
+                                                                         "data/cifar10.h5")
+            assert (cfg.data.batch_size, cfg.train.accumulation) == (256, 1)
+            assert cfg.model.stages == (10 if depth == 18 else 18)
+            assert cfg.train.epochs * 50000 // 256 >= 550  # 500 warm-up + 50 timed micro-batches
