@@ -142,10 +142,22 @@ def epoch_means(records: list, key: str) -> tuple:
     for r in records:
         e, v = num(r.get("epoch")), num(r.get(key))
         if e is not None and v is not None:
-            sums[e + 1][0] += v
-            sums[e + 1][1] += 1
+            sums[int(e) + 1][0] += v  # epochs are whole numbers; int keeps titles "epoch 3"
+            sums[int(e) + 1][1] += 1
     epochs = sorted(sums)
     return epochs, [sums[e][0] / sums[e][1] for e in epochs]
+
+
+def step_means(records: list, key: str) -> tuple:
+    """(steps, means of key per step): diagnostics may log several measurements under one step
+    (e.g. written at an epoch's end), so they are averaged rather than one kept."""
+    sums = defaultdict(list)
+    for r in records:
+        x, v = num(r.get("step")), num(r.get(key))
+        if x is not None and v is not None:
+            sums[x].append(v)
+    steps = sorted(sums)
+    return steps, [sum(sums[x]) / len(sums[x]) for x in steps]
 
 
 def diag_by_stage(records: list, key: str) -> dict:
@@ -167,7 +179,8 @@ def num_stages(run: Run) -> int:
 
 def stage_epochs(run: Run, count: int = 3) -> list:
     """The epochs shown in Fig. 6 style: first, middle and last epoch with diagnostics."""
-    epochs = sorted({e + 1 for e in (num(r.get("epoch")) for r in run.diag) if e is not None})
+    epochs = sorted({int(e) + 1 for e in (num(r.get("epoch")) for r in run.diag)
+                     if e is not None})
     if len(epochs) <= count:
         return epochs
     picks = [epochs[round(i * (len(epochs) - 1) / (count - 1))] for i in range(count)]
@@ -177,7 +190,7 @@ def stage_epochs(run: Run, count: int = 3) -> list:
 def by_stage_at_epoch(run: Run, epoch: int, key: str) -> tuple:
     """(stages, means of key over that epoch's diagnostics) for one (1-indexed) epoch."""
     chosen = [r for r in run.diag if num(r.get("epoch")) is not None
-              and num(r.get("epoch")) + 1 == epoch]
+              and int(num(r.get("epoch"))) + 1 == epoch]
     sums = defaultdict(list)
     for r in chosen:
         s, v = num(r.get("stage")), num(r.get(key))
@@ -241,10 +254,17 @@ def draw_overlays(plt, runs: list, out_dir: str) -> list:
                     marker="o" if len(c.x) < 30 else None, markersize=3)
         xlabel, ylabel, title = AXES[figure]
         ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+        integer_ticks(ax)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
         written.append(save(fig, plt, out_dir, f"{figure}.png"))
     return written
+
+
+def integer_ticks(ax):
+    """Steps, epochs and stages are whole numbers; no '2.5' ticks on short runs."""
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def save(fig, plt, out_dir: str, name: str) -> str:
@@ -281,6 +301,7 @@ def draw_fig5(plt, runs: list, out_dir: str, metric: str) -> str:
             if metric == "norm":
                 ax.axhline(1.0, color="grey", lw=0.8)  # equal norms
             ax.set(xlabel="epoch", ylabel=title, title=f"{run.label}: {subtitle}")
+            integer_ticks(ax)
             ax.grid(alpha=0.3)
             fig.colorbar(mappable, ax=ax, label="stage")
     name = "grad_cosine.png" if metric == "cos" else "grad_norm_ratio.png"
@@ -291,7 +312,7 @@ def draw_fig6(plt, runs: list, out_dir: str) -> str:
     """grad_by_stage.png: the three cosine similarities against stage index, one panel per
     chosen epoch (first, middle, last with diagnostics), one row per run."""
     picks = [stage_epochs(run) for run in runs]
-    cols = max(len(p) for p in picks)
+    cols = max(1, max(len(p) for p in picks))  # diag lines without epochs: one empty panel
     fig, axes = plt.subplots(len(runs), cols, figsize=(4.5 * cols, 3.8 * len(runs)),
                              squeeze=False)
     styles = {"petra_delayed": "-o", "petra_e2e": "-s", "delayed_e2e": "--^"}
@@ -304,6 +325,7 @@ def draw_fig6(plt, runs: list, out_dir: str) -> str:
                 if xs:
                     ax.plot(xs, ys, styles[pair], label=PAIR_NAMES[pair], markersize=4)
             ax.set(xlabel="stage", ylabel="cosine similarity", title=f"{run.label}: epoch {epoch}")
+            integer_ticks(ax)
             ax.grid(alpha=0.3)
             ax.legend(fontsize="small")
     return save(fig, plt, out_dir, "grad_by_stage.png")
@@ -322,7 +344,7 @@ def draw_rebuild(plt, runs: list, out_dir: str) -> str | None:
             if s is not None:
                 per_stage[int(s)].append(r)
         for stage, records in sorted(per_stage.items()):
-            xs, ys = xy(records, "step", "rebuild_error")
+            xs, ys = step_means(records, "rebuild_error")
             if xs:
                 drawn = True
                 positive = positive and min(ys) > 0
