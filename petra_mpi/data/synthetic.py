@@ -1,6 +1,7 @@
 """The built-in synthetic dataset: 10 classes of 32x32 RGB images, deterministic from a seed.
 
-Each image holds one windowed sinusoidal grating whose orientation (5 values) and spatial
+Each image holds one windowed sinusoidal grating whose orientation (5 values from 0 to 90 degrees,
+each drawn as itself or its mirror image, so that horizontal flips keep the class) and spatial
 frequency (2 values) give the class; its phase, position, window size, colours, contrast and the
 background are random, and pixel noise is added. The random phase and position make every class
 average to a flat grey image, so a linear classifier on pixels stays near chance, while a small
@@ -19,7 +20,9 @@ def make_synthetic(n: int, seed: int, size: int = 32) -> tuple[np.ndarray, np.nd
         raise ValueError(f"make_synthetic: need n >= 0 and size >= 8, got n={n}, size={size}")
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, NUM_CLASSES, size=n, dtype=np.int64)
-    theta = np.pi * (labels % _ORIENTATIONS) / _ORIENTATIONS + rng.uniform(-0.12, 0.12, n)
+    mirror = rng.choice([-1.0, 1.0], size=n)
+    theta = mirror * (np.pi / 2 * (labels % _ORIENTATIONS) / (_ORIENTATIONS - 1)
+                      + rng.uniform(-0.08, 0.08, n))
     freq = np.asarray(_FREQUENCIES)[labels // _ORIENTATIONS] * rng.uniform(0.9, 1.1, n)
     phase = rng.uniform(0, 2 * np.pi, n)
     centre = rng.uniform(0.3 * size, 0.7 * size, (n, 2))

@@ -1,0 +1,47 @@
+#!/bin/bash
+# Pack ILSVRC2012 into data/imagenet.h5 (the encoded-JPEG schema) on the cluster: a job array packs
+# one shard per task, and a merge job, which the first task submits with --dependency=afterok on
+# this array, joins the shards once every task has succeeded.
+#   SOURCE=/datasets/ILSVRC2012 sbatch slurm/pack_imagenet.sh
+# SOURCE holds train/<wnid>/*.JPEG and val/ (see python -m data_prep.imagenet --help); more packer
+# options in PACK_ARGS, e.g. PACK_ARGS="--val-labels /datasets/LOC_val_solution.csv".
+# To redo failed shards: sbatch --array=3,7 slurm/pack_imagenet.sh (its first task queues a merge).
+# The same in two sbatch lines (NO_MERGE=1: no merge from the array):
+#   jid=$(NO_MERGE=1 sbatch --parsable slurm/pack_imagenet.sh)
+#   sbatch --dependency=afterok:$jid \
+#     --wrap "python -m data_prep.imagenet merge --out data/imagenet.h5 data/imagenet_parts/part*.h5"
+#SBATCH --job-name=pack_imagenet
+#SBATCH --array=0-15
+#SBATCH --ntasks=1
+#SBATCH --cpus-per-task=16
+#SBATCH --time=12:00:00
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%x-%A_%a.out
+# ---- site settings: partition and account (or export SBATCH_PARTITION / SBATCH_ACCOUNT) ----
+##SBATCH --partition=cpu
+##SBATCH --account=myproject
+: "${SOURCE:=/datasets/ILSVRC2012}"   # the ImageNet folder
+: "${OUT:=data/imagenet.h5}"          # the merged file (data.path of the ImageNet configs)
+: "${PARTS:=data/imagenet_parts}"     # where the shard files go
+: "${SHARDS:=16}"                     # must match the --array range above (0 to SHARDS-1)
+source "${PETRA_ROOT:-${SLURM_SUBMIT_DIR:-.}}/slurm/common.sh"
+
+task=${SLURM_ARRAY_TASK_ID:?submit with sbatch: this script is a job array}
+read -r -a pack_args <<<"${PACK_ARGS:-}"
+mkdir -p "$PARTS" "$(dirname "$OUT")" || petra_die "cannot create $PARTS"
+
+# The first task of a fresh submission queues the merge, to start when all shards succeeded.
+first=${SLURM_ARRAY_TASK_MIN:-0}
+if [[ $task == "$first" && ${SLURM_RESTART_COUNT:-0} == 0 && -z ${NO_MERGE:-} ]]; then
+    merge_id=$(sbatch --parsable --job-name=pack_imagenet_merge \
+        --dependency="afterok:$SLURM_ARRAY_JOB_ID" --ntasks=1 --cpus-per-task=2 --time=6:00:00 \
+        --output="$(dirname "$OUT")/slurm-%x-%j.out" \
+        --wrap "$PYTHON -m data_prep.imagenet merge --out $OUT $PARTS/part*.h5") ||
+        petra_die "could not submit the merge job"
+    petra_say "submitted merge job $merge_id (after array $SLURM_ARRAY_JOB_ID): writes $OUT"
+fi
+
+petra_say "shard $task/$SHARDS of $SOURCE -> $PARTS/part$task.h5"
+"$PYTHON" -m data_prep.imagenet --source "$SOURCE" --out "$PARTS/part$task.h5" \
+    --shard "$task/$SHARDS" --workers "${SLURM_CPUS_PER_TASK:-1}" "${pack_args[@]}"

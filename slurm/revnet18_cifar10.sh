@@ -1,0 +1,18 @@
+#!/bin/bash
+# RevNet18 on CIFAR-10 with PETRA (paper Table 2): 10 stages, one rank and GPU each.
+# From the repository root: sbatch slurm/revnet18_cifar10.sh  (overrides: see common.sh)
+#SBATCH --job-name=revnet18_cifar10
+#SBATCH --ntasks=10
+#SBATCH --gpus-per-task=1
+#SBATCH --cpus-per-task=4
+#SBATCH --time=24:00:00
+#SBATCH --requeue
+#SBATCH --signal=B:USR1@300
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%x-%j.out
+# ---- site settings: partition and account (or export SBATCH_PARTITION / SBATCH_ACCOUNT) ----
+##SBATCH --partition=gpu
+##SBATCH --account=myproject
+CONFIG_DEFAULT=configs/table2/cifar10/revnet18_petra.yaml
+source "${PETRA_ROOT:-${SLURM_SUBMIT_DIR:-.}}/slurm/common.sh"
+petra_train

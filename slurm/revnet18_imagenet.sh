@@ -1,0 +1,21 @@
+#!/bin/bash
+# RevNet18 on ImageNet with PETRA (paper Table 2): 10 stages, one rank and GPU each, over 2 nodes.
+# From the repository root: sbatch slurm/revnet18_imagenet.sh  (overrides: see common.sh)
+#SBATCH --job-name=revnet18_imagenet
+#SBATCH --ntasks=10
+#SBATCH --gpus-per-task=1
+#SBATCH --cpus-per-task=8
+#SBATCH --time=24:00:00
+#SBATCH --requeue
+#SBATCH --signal=B:USR1@300
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%x-%j.out
+# site: ranks per node <= GPUs per node (consecutive stages share a node)
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=5
+# ---- site settings: partition and account (or export SBATCH_PARTITION / SBATCH_ACCOUNT) ----
+##SBATCH --partition=gpu
+##SBATCH --account=myproject
+CONFIG_DEFAULT=configs/table2/imagenet/revnet18_petra.yaml
+source "${PETRA_ROOT:-${SLURM_SUBMIT_DIR:-.}}/slurm/common.sh"
+petra_train

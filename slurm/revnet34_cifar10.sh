@@ -1,0 +1,18 @@
+#!/bin/bash
+# RevNet34 on CIFAR-10 with PETRA (paper Table 2): 18 stages, one rank and GPU each.
+# From the repository root: sbatch slurm/revnet34_cifar10.sh  (overrides: see common.sh)
+#SBATCH --job-name=revnet34_cifar10
+#SBATCH --ntasks=18
+#SBATCH --gpus-per-task=1
+#SBATCH --cpus-per-task=4
+#SBATCH --time=24:00:00
+#SBATCH --requeue
+#SBATCH --signal=B:USR1@300
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%x-%j.out
+# ---- site settings: partition and account (or export SBATCH_PARTITION / SBATCH_ACCOUNT) ----
+##SBATCH --partition=gpu
+##SBATCH --account=myproject
+CONFIG_DEFAULT=configs/table2/cifar10/revnet34_petra.yaml
+source "${PETRA_ROOT:-${SLURM_SUBMIT_DIR:-.}}/slurm/common.sh"
+petra_train

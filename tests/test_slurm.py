@@ -1,0 +1,276 @@
+"""The batch scripts in slurm/: syntax and config checks, then real jobs on a throwaway one-node
+SLURM cluster (tests/slurm_cluster.py): a smoke run, a failing run, preemption with checkpoint,
+requeue and resume, a job array, and the ImageNet packing array with its dependent merge."""
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import slurm_cluster
+from petra_mpi.config import load_config, num_stages, validate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "slurm", "*.sh")))
+EXPERIMENTS = [s for s in SCRIPTS if os.path.basename(s) not in ("common.sh", "pack_imagenet.sh")]
+SMOKE = ("--set run.device=cpu --set train.epochs=1 --set train.limit_batches=8 "
+         "--set data.synthetic_train=1024 --set data.synthetic_val=128 --set model.width=4 "
+         "--set run.progress=false")
+# Fewer ranks than the scripts ask for, one CPU each: command-line options override #SBATCH lines.
+SMALL = ("--ntasks=2", "--gpus-per-task=1", "--cpus-per-task=1")
+# srun with PMI-2: PyPI's MPICH cannot use the PMIx plugin (no libpmix), but PMI-2 works.
+SRUN = {"LAUNCHER": "srun", "SRUN_MPI": "pmi2"}
+
+
+def sbatch_option(script, name):
+    m = re.search(rf"^#SBATCH --{name}=(\S+)", open(script).read(), re.M)
+    return m.group(1) if m else None
+
+
+def script_configs(script):
+    """The configs a script runs: [CONFIG_DEFAULT], or CONFIGS (one per array task)."""
+    lines = [ln for ln in open(script) if ln.startswith(("CONFIG_DEFAULT=", "CONFIGS="))]
+    assert len(lines) == 1, f"{script}: expected one CONFIG_DEFAULT= or CONFIGS= line"
+    code = lines[0] + '\nprintf "%s\\n" "${CONFIGS[@]:-$CONFIG_DEFAULT}"'
+    return subprocess.run(["bash", "-c", code], capture_output=True, text=True, timeout=10,
+                          cwd=ROOT, check=True).stdout.split()
+
+
+RESOLVE = 'source slurm/common.sh && petra_resolve && echo "$CONFIG|$OUT_DIR"'
+
+
+def resolve(env, before=""):
+    """CONFIG and OUT_DIR as common.sh picks them for a job with this environment."""
+    out = subprocess.run(["bash", "-c", before + RESOLVE], capture_output=True, text=True,
+                         timeout=10, cwd=ROOT, env={"PATH": os.environ["PATH"], **env})
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout.strip().split("|")
+
+
+# ---------------------------------------------------------------- no cluster needed
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=os.path.basename)
+def test_script_syntax_and_contract(script):
+    subprocess.run(["bash", "-n", script], check=True, timeout=10)
+    if script.endswith("common.sh"):
+        return
+    text = open(script).read()
+    assert '/slurm/common.sh"' in text and "#SBATCH --requeue" in text
+    if script in EXPERIMENTS:
+        assert "#SBATCH --signal=B:USR1@300" in text and "#SBATCH --gpus-per-task=1" in text
+        assert text.rstrip().endswith("petra_train")
+    if "CONFIGS=(" in text:  # a job array: one task per config
+        lo, hi = map(int, sbatch_option(script, "array").split("-"))
+        assert (lo, hi) == (0, len(script_configs(script)) - 1), "--array must cover CONFIGS"
+
+
+@pytest.mark.parametrize("script", EXPERIMENTS, ids=os.path.basename)
+def test_configs_exist_and_match_ranks(script):
+    """Every config a script runs loads, validates, and asks for as many stages as --ntasks."""
+    ntasks = int(sbatch_option(script, "ntasks"))
+    for config in script_configs(script):
+        cfg = load_config(os.path.join(ROOT, config), [])
+        validate(cfg, ntasks)
+        assert num_stages(cfg, ntasks) == ntasks == num_stages(cfg, 1), config
+
+
+def test_dry_run_every_script():
+    """DRY_RUN=1 runs the script's trainer command with --dry-run (narrow, to stay quick): the
+    stages build and the shapes check out. Array scripts: their first task."""
+    def dry(script):
+        env = dict(os.environ, DRY_RUN="1", SLURM_ARRAY_TASK_ID="0",
+                   EXTRA_ARGS="--set model.width=2 --set run.device=cpu")
+        return script, subprocess.run(["bash", script], capture_output=True, text=True, timeout=120,
+                                      cwd=ROOT, env=env)
+
+    with ThreadPoolExecutor(2) as pool:
+        for script, proc in pool.map(dry, EXPERIMENTS):
+            assert proc.returncode == 0, f"{script}:\n{proc.stdout}\n{proc.stderr}"
+            assert "stage" in proc.stdout and "--dry-run" in proc.stdout, proc.stdout
+
+
+def test_config_and_out_dir_resolution():
+    # the default: the script's config, run dir mirroring the config path (stable across requeues)
+    assert resolve({"CONFIG_DEFAULT": "configs/quickstart.yaml"}) == ["configs/quickstart.yaml",
+                                                                      "runs/quickstart"]
+    # CONFIG and OUT_DIR override
+    assert resolve({"CONFIG_DEFAULT": "x.yaml", "CONFIG": "configs/quickstart.yaml",
+                    "OUT_DIR": "/tmp/r"}) == ["configs/quickstart.yaml", "/tmp/r"]
+    # an array task picks its entry of CONFIGS
+    script = os.path.join(ROOT, "slurm", "table4_revnet18.sh")
+    configs = script_configs(script)
+    line = next(ln for ln in open(script) if ln.startswith("CONFIGS="))
+    name = configs[3][len("configs/"):-len(".yaml")]
+    assert resolve({"SLURM_ARRAY_TASK_ID": "3"}, line) == [configs[3], f"runs/{name}"]
+    # CONFIG given to an array: every task runs it, in its own run dir
+    assert resolve({"CONFIG": "configs/quickstart.yaml", "SLURM_ARRAY_TASK_ID": "1",
+                    "OUT_DIR": "/tmp/r"}) == ["configs/quickstart.yaml", "/tmp/r/task1"]
+
+
+# ---------------------------------------------------------------- on a real SLURM cluster
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = slurm_cluster.missing()
+    if why:
+        pytest.skip(why)
+    c = slurm_cluster.Cluster(tmp_path_factory.mktemp("slurm")).start()
+    yield c
+    c.stop()
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def job_output(cluster, job):
+    """The end of the job's SLURM output file, for assertion messages."""
+    path = job.get("StdOut")
+    if path and os.path.exists(path):
+        tail = open(path, errors="replace").read()[-3000:]
+        return f"{job['JobId']} {job['JobState']} {job['ExitCode']}:\n{tail}"
+    return f"{job['JobId']} {job['JobState']} {job['ExitCode']} (no output file {path})"
+
+
+def submit(cluster, tmp_path, script, *options, **env):
+    env = {"EXTRA_ARGS": SMOKE, **SRUN, **env}
+    return cluster.sbatch(os.path.join(ROOT, "slurm", script), *SMALL,
+                          f"--output={tmp_path}/slurm-%j.out", *options, env=env, cwd=ROOT)
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if not s.endswith("common.sh")],
+                         ids=os.path.basename)
+def test_sbatch_accepts_full_request(cluster, script):
+    """sbatch --test-only: the #SBATCH lines parse and the full request (one node here, with
+    enough CPUs and GPUs; multi-node requests squeezed onto it) could be scheduled."""
+    options = []
+    if sbatch_option(script, "nodes"):
+        options = ["--nodes=1", f"--ntasks-per-node={sbatch_option(script, 'ntasks')}"]
+    proc = cluster.run("sbatch", "--test-only", *options, script, check=False, cwd=ROOT)
+    assert proc.returncode == 0 and "to start at" in proc.stderr, proc.stderr
+
+
+def test_smoke_job(cluster, tmp_path):
+    """The CIFAR RevNet18 script, small: runs 2 ranks under srun and finishes."""
+    out = tmp_path / "run"
+    jobid = submit(cluster, tmp_path, "revnet18_cifar10.sh", CONFIG="configs/quickstart.yaml",
+                   OUT_DIR=str(out))
+    (job,) = cluster.wait(jobid, timeout=120)
+    log = (out / "logs" / "train.log").read_text() if (out / "logs" / "train.log").exists() else ""
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), \
+        job_output(cluster, job) + log
+    assert any(r["event"] == "train" for r in read_jsonl(out / "metrics.jsonl"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stages"] == 2 and summary["epochs"] == 1
+    assert "run.resume=auto" in log and "srun --mpi=pmi2" in log
+
+
+def test_failing_job_reports_failure(cluster, tmp_path):
+    """A trainer error (here an unknown config key) fails the job with the trainer's status."""
+    jobid = submit(cluster, tmp_path, "revnet18_cifar10.sh", CONFIG="configs/quickstart.yaml",
+                   OUT_DIR=str(tmp_path / "run"), EXTRA_ARGS=SMOKE + " --set model.no_such_key=1")
+    (job,) = cluster.wait(jobid, timeout=60)
+    assert job["JobState"] == "FAILED" and job["ExitCode"] == "2:0", job_output(cluster, job)
+    assert "no_such_key" in (tmp_path / "run" / "logs" / "train.log").read_text()
+
+
+def start_training(cluster, tmp_path):
+    """Submit a run long enough to signal, and wait until it trains (a train line in metrics)."""
+    out = tmp_path / "run"
+    longer = SMOKE.replace("train.limit_batches=8", "train.limit_batches=0").replace(
+        "train.epochs=1", "train.epochs=2").replace("synthetic_train=1024", "synthetic_train=6400")
+    jobid = submit(cluster, tmp_path, "revnet18_cifar10.sh", CONFIG="configs/quickstart.yaml",
+                   OUT_DIR=str(out), EXTRA_ARGS=longer)
+    metrics = out / "metrics.jsonl"
+
+    def training(jobs):
+        if jobs[0]["JobState"] in slurm_cluster.TERMINAL:
+            raise AssertionError(f"job ended before the signal: {job_output(cluster, jobs[0])}")
+        return metrics.exists() and any(r["event"] == "train" for r in read_jsonl(metrics))
+
+    cluster.wait(jobid, training, timeout=90, what="to start training")
+    return jobid, out
+
+
+def test_preemption_checkpoints_requeues_and_resumes(cluster, tmp_path):
+    """USR1 to the batch shell (as --signal=B:USR1@300 sends it before the time limit): the ranks
+    checkpoint and exit 3, the job requeues itself and the requeued job resumes and finishes."""
+    jobid, out = start_training(cluster, tmp_path)
+    cluster.run("scancel", "--signal=USR1", "--batch", jobid)
+    # requeued: pending again with one restart (REQUEUED is the brief state in between)
+    cluster.wait(jobid, lambda jobs: (jobs[0]["Restarts"], jobs[0]["JobState"]) == ("1", "PENDING"),
+                 timeout=120, what="back requeued")
+    # Skip the requeue delay (~2 minutes), but not within the second of the requeue: slurmd
+    # refuses a job credential created in the same second as the revocation of the old one.
+    time.sleep(2)
+    cluster.run("scontrol", "update", f"jobid={jobid}", "starttime=now")
+    (job,) = cluster.wait(jobid, timeout=150)
+    log = (out / "logs" / "train.log").read_text()
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), \
+        job_output(cluster, job) + log
+    records = read_jsonl(out / "metrics.jsonl")
+    resumes = [r for r in records if r["event"] == "resume"]
+    assert len(resumes) == 1 and "checkpoints" in resumes[0]["from"], records
+    assert "got SIGUSR1" in log and "requeued job" in log and "restart 1" in log, log
+    assert (out / "summary.json").exists()
+
+
+def test_scancel_checkpoints_and_stays_cancelled(cluster, tmp_path):
+    """A plain scancel (SIGTERM): the ranks still checkpoint, but the job does not requeue."""
+    jobid, out = start_training(cluster, tmp_path)
+    cluster.run("scancel", jobid)
+    # JobState reads CANCELLED at once; the batch script ends (after the checkpoint) a bit later.
+    log_file = out / "logs" / "train.log"
+    deadline = time.time() + 60
+    while "not requeueing" not in log_file.read_text() and time.time() < deadline:
+        time.sleep(0.5)
+    time.sleep(1)
+    (job,) = cluster.jobs(jobid)
+    log = log_file.read_text()
+    assert job["JobState"] == "CANCELLED" and job["Restarts"] == "0", job_output(cluster, job) + log
+    assert "not requeueing" in log, log
+    assert glob.glob(str(out / "checkpoints" / "*" / "manifest.json")), log
+
+
+def test_job_array(cluster, tmp_path):
+    """Two tasks of the Table 4 array, both pointed at the small config, under mpirun."""
+    out = tmp_path / "arr"
+    jobid = submit(cluster, tmp_path, "table4_revnet18.sh", "--array=0-1",
+                   f"--output={tmp_path}/slurm-%A_%a.out", CONFIG="configs/quickstart.yaml",
+                   OUT_DIR=str(out), LAUNCHER="mpirun")
+    jobs = cluster.wait(jobid, timeout=150)
+    assert len(jobs) == 2 and all(j["JobState"] == "COMPLETED" for j in jobs), \
+        "\n".join(job_output(cluster, j) for j in jobs)
+    for task in (0, 1):
+        summary = json.loads((out / f"task{task}" / "summary.json").read_text())
+        assert summary["stages"] == 2
+        assert "mpirun -n 2" in (out / f"task{task}" / "logs" / "train.log").read_text()
+
+
+def test_pack_imagenet_array_and_merge(cluster, tmp_path):
+    """pack_imagenet.sh: two shard tasks, then the merge job that the first task queued."""
+    from test_data_prep import make_imagenet
+    make_imagenet(tmp_path / "src", val_folders=True)
+    merged = tmp_path / "imagenet.h5"
+    env = {"SOURCE": str(tmp_path / "src"), "OUT": str(merged), "PARTS": str(tmp_path / "parts"),
+           "SHARDS": "2", "PACK_ARGS": "--size 40", "PYTHON": sys.executable}
+    jobid = cluster.sbatch(os.path.join(ROOT, "slurm", "pack_imagenet.sh"), "--array=0-1",
+                           "--cpus-per-task=1", f"--output={tmp_path}/slurm-%A_%a.out", env=env,
+                           cwd=ROOT)
+    jobs = cluster.wait(jobid, timeout=120)
+    assert all(j["JobState"] == "COMPLETED" for j in jobs), \
+        "\n".join(job_output(cluster, j) for j in jobs)
+    merge = cluster.run("squeue", "-h", "-t", "all", "-n", "pack_imagenet_merge", "-o", "%i")
+    merge = merge.stdout.split()
+    assert len(merge) == 1
+    (job,) = cluster.wait(merge[0], timeout=60)
+    assert job["JobState"] == "COMPLETED", job_output(cluster, job)
+    verify = subprocess.run([sys.executable, "-m", "data_prep.verify", str(merged)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
