@@ -37,7 +37,8 @@ def test_discovery():
 def test_dry_run(path, capsys):
     cfg = load_config(path)
     J = num_stages(cfg)
-    assert J == num_blocks(cfg.model.arch), "the paper's split: one stage per block"
+    if path.name != "quickstart.yaml":  # the quickstart uses 4 stages to be quick
+        assert J == num_blocks(cfg.model.arch), "the paper's split: one stage per block"
     assert main([str(path), "--dry-run"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()

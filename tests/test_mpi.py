@@ -70,9 +70,10 @@ def test_invariant3_mpi_equals_local_bitwise(tmp_path, J, method, k, flags):
     assert last == ref_eval
 
 
+# The quickstart shortened; model.stages=0: one stage per rank (or per block in one process).
 QUICK = ["--set", "train.limit_batches=12", "--set", "train.epochs=1", "--set",
          "data.synthetic_train=1024", "--set", "data.synthetic_val=128", "--set", "model.width=4",
-         "--set", "run.progress=false"]
+         "--set", "run.progress=false", "--set", "model.stages=0"]
 
 
 def test_rank_failure_ends_every_rank(tmp_path):
@@ -102,7 +103,7 @@ def test_nonfinite_loss_stops_with_the_step(tmp_path):
 ])
 def test_wrong_world_size_is_an_error_before_training(tmp_path, n, sets, expect):
     proc = mpirun(n, ["-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",
-                      f"run.out_dir={tmp_path}", *sets, *QUICK], timeout=60)
+                      f"run.out_dir={tmp_path}", *QUICK, *sets], timeout=60)
     assert proc.returncode != 0
     assert expect in proc.stderr
     assert not (tmp_path / "metrics.jsonl").exists()

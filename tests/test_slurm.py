@@ -18,7 +18,7 @@ from petra_mpi.config import load_config, num_stages, validate
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "slurm", "*.sh")))
 EXPERIMENTS = [s for s in SCRIPTS if os.path.basename(s) not in ("common.sh", "pack_imagenet.sh")]
-SMOKE = ("--set run.device=cpu --set train.epochs=1 --set train.limit_batches=8 "
+SMOKE = ("--set run.device=cpu --set model.stages=0 --set train.epochs=1 --set train.limit_batches=8 "
          "--set data.synthetic_train=1024 --set data.synthetic_val=128 --set model.width=4 "
          "--set run.progress=false")
 # Fewer ranks than the scripts ask for, one CPU each: command-line options override #SBATCH lines.
