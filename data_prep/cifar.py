@@ -52,7 +52,7 @@ def download(url, dest, md5):
                 while chunk := resp.read(1 << 20):
                     out.write(chunk)
                     digest.update(chunk)
-                    bar.update(len(chunk))
+                    bar.advance(len(chunk))
             bar.close()
             if digest.hexdigest() != md5:
                 raise PrepError(f"MD5 mismatch for {url}: got {digest.hexdigest()}, expected {md5}; "
@@ -98,7 +98,7 @@ def read_tarball(path, spec, variant, label_kind):
                 head, _, base = name.rpartition("/")
                 if head == spec["root"] and base in wanted and member.isfile():
                     found[base] = load_pickle(tar.extractfile(member), f"{path}:{name}")
-                    bar.update()
+                    bar.advance()
             bar.close()
     except (tarfile.TarError, OSError, EOFError) as e:
         raise PrepError(f"{path}: not a readable tar archive ({e})") from None

@@ -23,6 +23,9 @@ import time
 import h5py
 import numpy as np
 
+from petra_mpi.data.stats import ChannelStats  # noqa: F401 (the packers' statistics)
+from petra_mpi.metrics import Progress  # noqa: F401 (the packers' progress line)
+
 SCHEMA_VERSION = 1
 SPLITS = ("train", "val")
 
@@ -90,88 +93,6 @@ def load_pickle(fileobj, where):
     if not isinstance(d, dict):
         raise PrepError(f"{where}: expected a pickled dict, got {type(d).__name__}")
     return {(k.decode() if isinstance(k, bytes) else k): v for k, v in d.items()}
-
-
-class Progress:
-    """A tiny progress printer on stderr (tqdm is not a dependency).
-
-    On a terminal it redraws one line; into a log file it writes a line every `log_every` s."""
-
-    def __init__(self, total, desc, log_every=10.0):
-        self.total, self.desc, self.done = total, desc, 0
-        self.tty = sys.stderr.isatty()
-        self.every = 0.2 if self.tty else log_every
-        self.start = self.last = time.monotonic()
-
-    def update(self, n=1):
-        self.done += n
-        now = time.monotonic()
-        if now - self.last >= self.every:
-            self.last = now
-            self._print(end="\r" if self.tty else "\n")
-
-    def close(self):
-        self._print(end="\n")
-
-    def _print(self, end):
-        elapsed = time.monotonic() - self.start
-        rate = self.done / elapsed if elapsed > 0 else 0.0
-        pct = 100.0 * self.done / self.total if self.total else 100.0
-        eta = (self.total - self.done) / rate if rate > 0 else 0.0
-        print(f"{self.desc}: {self.done}/{self.total} ({pct:.0f}%) {rate:.0f}/s "
-              f"elapsed {elapsed:.0f}s eta {eta:.0f}s", end=end, file=sys.stderr, flush=True)
-
-
-class ChannelStats:
-    """Exact per-channel pixel statistics as integer sums, so that they merge exactly across
-    batches, worker processes and shards, and the result does not depend on the order."""
-
-    def __init__(self):
-        self.count = 0          # pixels per channel
-        self.sum = [0, 0, 0]    # sum of values (0-255)
-        self.sumsq = [0, 0, 0]  # sum of squared values
-
-    def update(self, images):
-        """Add uint8 pixels of shape (..., 3)."""
-        flat = np.asarray(images, dtype=np.uint8).reshape(-1, 3)
-        step = 1 << 20  # bounds the uint16 temporary below
-        for lo in range(0, len(flat), step):
-            part = flat[lo:lo + step]
-            s = part.sum(axis=0, dtype=np.uint64)
-            q = np.square(part, dtype=np.uint16).sum(axis=0, dtype=np.uint64)  # 255^2 fits
-            self.sum = [a + int(b) for a, b in zip(self.sum, s)]
-            self.sumsq = [a + int(b) for a, b in zip(self.sumsq, q)]
-        self.count += len(flat)
-        return self
-
-    def add(self, other):
-        self.count += other.count
-        self.sum = [a + b for a, b in zip(self.sum, other.sum)]
-        self.sumsq = [a + b for a, b in zip(self.sumsq, other.sumsq)]
-        return self
-
-    def mean_std(self):
-        """(mean, std), each 3 floats on the 0-1 scale (population std)."""
-        if self.count == 0:
-            raise PrepError("no training pixels to compute mean/std from (empty training set?)")
-        n = self.count
-        mean = [s / n / 255.0 for s in self.sum]
-        # n*Q - S^2 is exact in Python integers: no cancellation error.
-        std = [math.sqrt((n * q - s * s) / (n * n)) / 255.0 for s, q in zip(self.sum, self.sumsq)]
-        return mean, std
-
-    def to_attrs(self, attrs):
-        attrs["pixel_count"] = np.int64(self.count)
-        attrs["pixel_sum"] = np.array(self.sum, dtype=np.int64)
-        attrs["pixel_sumsq"] = np.array(self.sumsq, dtype=np.int64)
-
-    @classmethod
-    def from_attrs(cls, attrs):
-        st = cls()
-        st.count = int(attrs["pixel_count"])
-        st.sum = [int(v) for v in attrs["pixel_sum"]]
-        st.sumsq = [int(v) for v in attrs["pixel_sumsq"]]
-        return st
 
 
 @contextlib.contextmanager
@@ -281,7 +202,10 @@ class JpegWriter(_LabelsMixin):
 
 def write_root_attrs(f, *, num_classes, stats, source, classes=None, **extra):
     """The root attributes of the schema (+ optional /classes and extra attributes)."""
-    mean, std = stats.mean_std()
+    try:
+        mean, std = stats.mean_std()
+    except ValueError as e:  # an empty training split
+        raise PrepError(str(e)) from None
     f.attrs["schema_version"] = np.int64(SCHEMA_VERSION)
     f.attrs["num_classes"] = np.int64(num_classes)
     f.attrs["mean"] = np.asarray(mean, dtype=np.float64)

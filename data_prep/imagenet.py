@@ -190,7 +190,7 @@ def pack(args):
             writers[split].append(data, label)
             if split == "train":
                 stats.add(st)
-            bar.update()
+            bar.advance()
         bar.close()
         for writer in writers.values():
             writer.close()
@@ -252,7 +252,7 @@ def merge(args):
                         b = min(max(b, a + 1), len(labels))
                         writer.append_many(jpeg[offsets[a]:offsets[b]], offsets[a:b + 1] - offsets[a],
                                            labels[a:b])
-                        bar.update(b - a)
+                        bar.advance(b - a)
                         a = b
                 writer.close()
             for _, f in ordered:

@@ -98,7 +98,7 @@ def main(argv=None):
                 writers[split].append(images, labels[lo:lo + ROWS_PER_WRITE])
                 if split == "train":
                     stats.update(images)
-            bar.update()
+            bar.advance()
         bar.close()
         for writer in writers.values():
             writer.close()

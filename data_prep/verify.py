@@ -134,6 +134,9 @@ def check_pixels(f, kinds, sample, bad):
     if kinds["train"] is None or mean.shape != (3,) or std.shape != (3,):
         return
     n = len(f["train/labels"])
+    if n == 0:
+        bad.append("the training split is empty: no mean/std to check")
+        return
     idx = np.arange(n) if n <= sample else np.sort(rng.choice(n, sample, replace=False))
     stats = ChannelStats()
     try:

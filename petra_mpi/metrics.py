@@ -13,30 +13,38 @@ def fmt_time(seconds: float) -> str:
 
 
 class Progress:
-    """One status line on stderr: redrawn in place on a terminal, else printed every ~10% (so
-    batch logs stay readable)."""
+    """One status line on stderr: redrawn in place on a terminal (at most 5 times a second),
+    else printed as a new line every 10 % or 30 s, so that logs stay readable."""
 
     def __init__(self, total: int, label: str, enabled: bool = True, stream=None):
         self.total, self.label, self.enabled = total, label, enabled
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
-        self.start = time.perf_counter()
-        self.done = 0
-        self.next_print = 0
+        self.start = self.last_print = time.perf_counter()
+        self.done = self.next_done = 0
+
+    def advance(self, n: int = 1, **fields):
+        self.update(self.done + n, **fields)
 
     def update(self, done: int, **fields):
+        """`done` of `total` finished; `fields` are shown after the count."""
         self.done = done
-        if not self.enabled or (not self.tty and done < self.next_print and done < self.total):
-            return
-        self.next_print = done + max(1, self.total // 10)
-        elapsed = time.perf_counter() - self.start
-        eta = elapsed / done * (self.total - done) if done else 0.0
-        width = 24
-        filled = int(width * done / max(1, self.total))
-        bar = "#" * filled + "." * (width - filled)
-        extra = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                         for k, v in fields.items())
-        line = f"{self.label} [{bar}] {done}/{self.total} {extra} ETA {fmt_time(eta)}"
+        now = time.perf_counter()
+        due = (now - self.last_print >= 0.2) if self.tty else (
+            done >= self.next_done or now - self.last_print >= 30)
+        if self.enabled and (due or done >= self.total):
+            self.last_print, self.next_done = now, done + max(1, self.total // 10)
+            self._print(now, fields)
+
+    def _print(self, now, fields):
+        elapsed = now - self.start
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        eta = (self.total - self.done) / rate if rate > 0 else 0.0
+        filled = int(24 * self.done / max(1, self.total))
+        extra = "".join(f" {k} {v:.4g}" if isinstance(v, float) else f" {k} {v}"
+                        for k, v in fields.items())
+        line = (f"{self.label} [{'#' * filled}{'.' * (24 - filled)}] {self.done}/{self.total} "
+                f"{rate:.4g}/s{extra} elapsed {fmt_time(elapsed)} ETA {fmt_time(eta)}")
         self.stream.write(("\r" + line + "\x1b[K") if self.tty else line + "\n")
         self.stream.flush()
 

@@ -302,8 +302,12 @@ def _as_dtype(batches, dtype):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from .engine.world import World
-    world = World.from_environment()
+    from .engine.world import LaunchError, World
+    try:
+        world = World.from_environment()
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     rank, size = (world.rank, world.size) if world else (0, 1)
     try:
         cfg = load_config(args.config, args.set)

@@ -65,6 +65,23 @@ def test_missing_data_file_fails_before_training(tmp_path):
     assert "/nonexistent.h5" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_data_with_other_class_count_fails_before_training(tmp_path):
+    proc = train("--set", f"run.out_dir={tmp_path}", "--set", "model.num_classes=5", timeout=60)
+    assert proc.returncode == 1
+    assert "has 10 classes but model.num_classes is 5" in proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_srun_without_mpi_is_an_error(tmp_path):
+    """srun without a PMI would start independent copies of the whole run: refuse."""
+    proc = subprocess.run([sys.executable, "-m", "petra_mpi.train", "configs/quickstart.yaml",
+                           "--set", f"run.out_dir={tmp_path}"], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, env={"PATH": "/usr/bin:/bin", "SLURM_STEP_ID": "0",
+                                                     "SLURM_STEP_NUM_TASKS": "4"})
+    assert proc.returncode == 2 and "srun --mpi=pmix" in proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_diagnostics_give_cosine_one_when_lr_is_zero(tmp_path):
     proc = train("--set", f"run.out_dir={tmp_path}", *QUICK, "--set", "train.diag_every=2",
                  "--set", "optim.lr=0", "--set", "train.limit_batches=6")

@@ -1,6 +1,16 @@
-"""Training-time data: dataset sources, the batch loader, augmentation, the synthetic set."""
-from .loader import BatchLoader
-from .source import ArraySource, H5Source, channel_stats, open_split
-from .synthetic import make_synthetic
+"""Training-time data: dataset sources, the batch loader, augmentation, the synthetic set.
 
-__all__ = ["open_split", "BatchLoader", "ArraySource", "H5Source", "channel_stats", "make_synthetic"]
+Names are imported on first use, so that `petra_mpi.data.stats` or `.synthetic` (used by the
+offline packers) do not pull in torch and the loader."""
+import importlib
+
+_WHERE = {"open_split": "source", "ArraySource": "source", "H5Source": "source",
+          "channel_stats": "source", "BatchLoader": "loader", "make_synthetic": "synthetic",
+          "ChannelStats": "stats"}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)

@@ -28,6 +28,7 @@ import threading
 import h5py
 import numpy as np
 
+from .stats import ChannelStats
 from .synthetic import NUM_CLASSES as SYNTHETIC_CLASSES
 from .synthetic import make_synthetic
 
@@ -68,17 +69,8 @@ def _synthetic_stats(n_train, seed):
 
 def channel_stats(images):
     """Per-channel mean and std of uint8 NHWC images on a 0-1 scale, as two 3-tuples."""
-    flat = images.reshape(-1, 3)
-    s = np.zeros(3, np.float64)
-    sq = np.zeros(3, np.float64)
-    for lo in range(0, len(flat), 1 << 20):  # bounded float temporaries
-        part = flat[lo:lo + (1 << 20)].astype(np.float64)
-        s += part.sum(0)
-        sq += np.square(part).sum(0)
-    n = max(1, len(flat))
-    mean = s / n
-    std = np.sqrt(np.maximum(sq / n - mean ** 2, 0.0))
-    return tuple(float(v) for v in mean / 255), tuple(float(v) for v in std / 255)
+    mean, std = ChannelStats().update(images).mean_std()
+    return tuple(mean), tuple(std)
 
 
 def _runs(idx):

@@ -11,6 +11,22 @@ _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRA
                   "MV2_COMM_WORLD_SIZE", "PETRA_MPI")
 
 
+class LaunchError(RuntimeError):
+    pass
+
+
+def _srun_step_tasks() -> int:
+    """Tasks of the srun job step this process belongs to (1 outside srun; SLURM's batch,
+    extern and interactive steps have ids near 2**32)."""
+    step = os.environ.get("SLURM_STEP_ID", "")
+    if not step.isdigit() or int(step) >= 0xFFFFFFF0:
+        return 1
+    try:
+        return int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
+    except ValueError:
+        return 1
+
+
 class World:
     def __init__(self, comm):
         from mpi4py import MPI
@@ -23,10 +39,15 @@ class World:
     @classmethod
     def from_environment(cls):
         """The world when launched by mpirun/srun with more than one rank, else None."""
-        if not any(v in os.environ for v in _LAUNCHER_VARS):
+        srun_tasks = _srun_step_tasks()
+        if not any(v in os.environ for v in _LAUNCHER_VARS) and srun_tasks <= 1:
             return None
         from mpi4py import MPI
         if MPI.COMM_WORLD.Get_size() == 1:
+            if srun_tasks > 1:  # else each task would train the whole net on its own
+                raise LaunchError(f"started by srun as one of {srun_tasks} tasks, but MPI sees a "
+                                  f"single rank: give srun the PMI of your MPI (srun --mpi=pmix "
+                                  f"or --mpi=pmi2; `srun --mpi=list` shows them)")
             return None
         return cls(MPI.COMM_WORLD)
 
