@@ -46,13 +46,6 @@ def backward_microbatch(method: str, num_stages: int, stage: int, tick: int, n: 
     return _valid(tick - delay(num_stages, stage) - stage, n)
 
 
-def stage_ops(method: str, num_stages: int, stage: int, n: int):
-    """All operations of one stage over a segment, in order. This order is all an MPI rank
-    needs: its neighbours' messages provide the synchronisation."""
-    for t in range(num_ticks(method, num_stages, n)):
-        yield from tick_ops(method, num_stages, stage, t, n)
-
-
 def entered_before(method: str, num_stages: int, tick: int) -> int:
     """How many micro-batches entered stage 0 before `tick`."""
     if method == "backprop":
@@ -68,7 +61,8 @@ def stop_count(method: str, num_stages: int, tick: int, n: int, margin: int = 3)
 
 def tick_ops(method: str, num_stages: int, stage: int, tick: int, n: int):
     """The operations of `stage` at `tick`, in order: ("forward", b) then ("backward", b); the
-    last stage has ("forward_backward", b)."""
+    last stage has ("forward_backward", b). This order is all an MPI rank needs: its
+    neighbours' messages provide the synchronisation."""
     last = stage == num_stages - 1
     ops = []
     b = forward_microbatch(method, num_stages, stage, tick, n)

@@ -4,7 +4,7 @@ from collections import Counter
 import pytest
 
 from petra_mpi.schedule import (backward_microbatch, delay, forward_microbatch, num_ticks,
-                                stage_ops, updates_after)
+                                tick_ops, updates_after)
 
 
 @pytest.mark.parametrize("J", list(range(1, 19)))
@@ -57,6 +57,10 @@ def test_backprop_one_stage_busy_at_a_time(J):
     for mb in range(n):
         expected += [("f", s, mb) for s in range(J)] + [("b", s, mb) for s in reversed(range(J - 1))]
     assert order == expected
+
+
+def stage_ops(method, J, stage, n):
+    return [op for t in range(num_ticks(method, J, n)) for op in tick_ops(method, J, stage, t, n)]
 
 
 def test_stage_ops_interleave_forward_and_backward():
