@@ -82,12 +82,16 @@ def test_srun_without_mpi_is_an_error(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def diag_records(out_dir):
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["event"] == "diag"]
+
+
 def test_diagnostics_give_cosine_one_when_lr_is_zero(tmp_path):
     proc = train("--set", f"run.out_dir={tmp_path}", *QUICK, "--set", "train.diag_every=2",
                  "--set", "optim.lr=0", "--set", "train.limit_batches=6")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    diags = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
-             if '"diag"' in line]
+    diags = diag_records(tmp_path)
     assert {d["stage"] for d in diags} == set(range(10))
     for d in diags:
         for key in ("cos_petra_delayed", "cos_petra_e2e", "cos_delayed_e2e"):
@@ -100,8 +104,7 @@ def test_diagnostics_see_the_delay_when_lr_is_positive(tmp_path):
     proc = train("--set", f"run.out_dir={tmp_path}", *QUICK, "--set", "train.diag_every=2",
                  "--set", "optim.lr=2", "--set", "optim.warmup_epochs=0")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    diags = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
-             if '"diag"' in line]
+    diags = diag_records(tmp_path)
     first = min(d["cos_petra_e2e"] for d in diags if d["stage"] == 0)
     assert first < 0.999  # the delay is visible on the first stage
     last = [d for d in diags if d["stage"] == 9]
