@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 TAG_ACTIVATION, TAG_REBUILT, TAG_GRADIENT, TAG_LABELS = 11, 12, 13, 14
+RECEIVE_DEPTH = 2  # receives posted ahead per stream
 
-_MPI_DTYPES = {torch.float32: "f", torch.float64: "d", torch.int64: "q", torch.float16: "e"}
+_MPI_DTYPES = {torch.float32: "f", torch.float64: "d", torch.int64: "q"}
 
 
 def cuda_aware_mpi() -> tuple[bool, str]:
@@ -49,7 +50,7 @@ def _loaded_mpi_libraries():
 
 def _host_view(t: torch.Tensor):
     """A buffer object mpi4py can read or write for a contiguous CPU tensor (no copy)."""
-    return t.numpy() if t.dtype in _MPI_DTYPES and t.dtype != torch.float16 else t
+    return t.numpy()
 
 
 class Transport:
@@ -97,7 +98,7 @@ class Transport:
 class Inbox:
     """Receives `count` tensors of at most `shape` from `source` under `tag`, posted ahead."""
 
-    def __init__(self, comm, transport, source, tag, shape, dtype, depth=2):
+    def __init__(self, comm, transport, source, tag, shape, dtype, depth=RECEIVE_DEPTH):
         self.comm, self.transport, self.source, self.tag = comm, transport, source, tag
         self.shape, self.dtype, self.depth = tuple(shape), dtype, depth
         self.per_sample = int(np.prod(self.shape[1:], dtype=np.int64))

@@ -53,9 +53,11 @@ def entered_before(method: str, num_stages: int, tick: int) -> int:
     return tick
 
 
-def stop_count(method: str, num_stages: int, tick: int, n: int, margin: int = 3) -> int:
+def stop_count(method: str, num_stages: int, tick: int, n: int, margin: int = 0) -> int:
     """The segment length when a stop is applied at `tick`: what has entered plus `margin`
-    (covering receives an MPI rank may already have posted), at most n."""
+    (the MPI engine covers the receives a rank may already have posted), at most n. The local
+    engine applies a stop at once, the MPI engine one vote later, so a run stopped mid-segment
+    is not comparable between the two engines."""
     return min(n, entered_before(method, num_stages, tick) + margin)
 
 

@@ -73,7 +73,7 @@ class Stage(nn.Module):
         if self.buffered[i]:
             x = self.fifos[i].popleft()
         else:  # rebuild with the current weights, differentiate with the stashed ones
-            with torch.no_grad():
+            with torch.no_grad(), frozen_bn_stats():  # the graph pass below updates the stats
                 x = block.inverse(y)
         with _weights(block, stashed):
             x_leaf = x.detach().requires_grad_(need_grad_x)

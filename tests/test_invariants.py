@@ -118,9 +118,12 @@ def bn_layers(stages):
 
 
 @pytest.mark.parametrize("J", [2, 10])
-def test_invariant5_bn_stats_updated_once_per_microbatch_in_backward(J):
+@pytest.mark.parametrize("method,flags", [
+    ("petra", {}), ("delayed", {"stash_weights": True}), ("delayed", {"buffer_inputs": True}),
+    ("delayed", {"buffer_inputs": True, "stash_weights": True})])
+def test_invariant5_bn_stats_updated_once_per_microbatch_in_backward(J, method, flags):
     batches = make_batches(5)
-    stages = build_stages("revnet18", 4, 10, J, seed=0, dtype=torch.float64)
+    stages = build_stages("revnet18", 4, 10, J, seed=0, dtype=torch.float64, **flags)
     bns = bn_layers(stages)
     stage0 = stages[0]
     before = [bn.running_mean.clone() for bn in bns]
@@ -132,7 +135,7 @@ def test_invariant5_bn_stats_updated_once_per_microbatch_in_backward(J):
     # a full run: every BN counted exactly once per micro-batch
     from petra_mpi.engine.build import build_workers
     from petra_mpi.engine.local import LocalEngine
-    LocalEngine(build_workers(stages, LRSchedule(0.0, 10)), "petra").train_segment(iter(batches), 5)
+    LocalEngine(build_workers(stages, LRSchedule(0.0, 10)), method).train_segment(iter(batches), 5)
     assert all(bn.num_batches_tracked.item() == 5 for bn in bns)
     # and the running statistics equal those of plain training-mode forwards (lr = 0)
     (ref,) = build_stages("revnet18", 4, 10, 1, seed=0, dtype=torch.float64)

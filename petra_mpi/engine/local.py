@@ -4,7 +4,7 @@ from collections import deque
 
 import torch
 
-from ..schedule import backward_microbatch, forward_microbatch, num_ticks, stop_count
+from ..schedule import num_ticks, stop_count, tick_ops
 from ..stopping import STOP_CHECK_TICKS
 from .metrics import EvalTotals
 
@@ -29,31 +29,28 @@ class LocalEngine:
                 n = stop_count(self.method, J, t, n)
                 for w in self.workers:
                     w.begin_segment(n)  # the last backward now steps the optimizer
+            # Stage by stage: each op only needs what a neighbour produced at an earlier tick.
             for s, w in enumerate(self.workers):
-                b = forward_microbatch(self.method, J, s, t, n)
-                if b is None:
-                    continue
-                if s == 0:
-                    x, y = next(batches)
-                    labels.append(y)
-                else:
-                    x = inputs[s].popleft()
-                if w.is_last:
+                for op, b in tick_ops(self.method, J, s, t, n):
+                    if op == "backward":
+                        x, grad_x = w.backward(b, *grads[s].popleft())
+                        if s > 0:
+                            grads[s - 1].append((x, grad_x))
+                        continue
+                    if s == 0:
+                        x, y = next(batches)
+                        labels.append(y)
+                    else:
+                        x = inputs[s].popleft()
+                    if op == "forward":
+                        inputs[s + 1].append(w.forward(b, x))
+                        continue
                     y = labels.popleft()
                     loss, logits, grad_x = w.forward_backward(b, x, y)
                     if on_loss is not None:
                         on_loss(b, loss, logits, y)
                     if s > 0:
                         grads[s - 1].append((x, grad_x))
-                else:
-                    inputs[s + 1].append(w.forward(b, x))
-            for s, w in enumerate(self.workers[:-1]):
-                b = backward_microbatch(self.method, J, s, t, n)
-                if b is None:
-                    continue
-                x, grad_x = w.backward(b, *grads[s].popleft())
-                if s > 0:
-                    grads[s - 1].append((x, grad_x))
             t += 1
         assert not any(inputs) and not any(grads) and not labels, "pipeline not drained"
         return n

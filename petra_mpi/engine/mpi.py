@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import torch
 
-from ..comm import (TAG_ACTIVATION, TAG_GRADIENT, TAG_LABELS, TAG_REBUILT, Inbox, Outbox,
-                    Transport, cuda_aware_mpi)
+from ..comm import (RECEIVE_DEPTH, TAG_ACTIVATION, TAG_GRADIENT, TAG_LABELS, TAG_REBUILT, Inbox,
+                    Outbox, Transport, cuda_aware_mpi)
 from ..schedule import num_ticks, stop_count, tick_ops
 from ..stopping import STOP_CHECK_TICKS
 from .metrics import EvalTotals
@@ -106,8 +106,9 @@ class MPIEngine:
                         on_loss(b, loss, logits, labels)
                     self._send_down(x, grad_x)
             t += 1
-        if self.vote is not None:
-            self.vote[0].Wait()  # every rank posted it; the drain-point vote decides now
+        # A vote is posted only while 2 checks remain, so none is pending here; a request that
+        # arrives later is seen by any_stop at the drain.
+        assert self.vote is None
         self._flush()
         return n
 
@@ -121,7 +122,8 @@ class MPIEngine:
             request.Wait()
             self.vote = None
             if flag[0]:
-                shorter = stop_count(self.method, self.world.size, t, n)
+                # what has entered, plus what a rank may already have posted receives for
+                shorter = stop_count(self.method, self.world.size, t, n, RECEIVE_DEPTH + 1)
                 for box in (self.inputs, self.rebuilt_in, self.grads_in, self.labels_in):
                     if box is not None:
                         box.shrink(n - shorter)
