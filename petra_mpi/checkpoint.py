@@ -23,8 +23,19 @@ def checkpoint_dir(out_dir: str, epoch: int, position: int) -> str:
     return os.path.join(out_dir, "checkpoints", f"ckpt-e{epoch:05d}-b{position:08d}")
 
 
-def save_stage(path: str, worker):
-    """Write one stage's state (weights, batch-norm statistics, optimizer, RNG) atomically."""
+def invalidate(path: str):
+    """Before a checkpoint directory is (re)written: drop its manifest, so that a crash halfway
+    cannot leave old and new stage files under a manifest that looks complete."""
+    for name in (MANIFEST, "trainer.json"):
+        try:
+            os.remove(os.path.join(path, name))
+        except FileNotFoundError:
+            pass
+
+
+def save_stage(path: str, worker) -> tuple[str, int]:
+    """Write one stage's state (weights, batch-norm statistics, optimizer, RNG) atomically;
+    returns (file name, size) for the manifest."""
     os.makedirs(path, exist_ok=True)
     state = {"stage": worker.stage.state_dict(), "optimizer": worker.optimizer.state_dict(),
              "rng": torch.get_rng_state(),
@@ -33,13 +44,14 @@ def save_stage(path: str, worker):
     tmp = f"{final}.tmp-{os.getpid()}"
     torch.save(state, tmp)
     os.replace(tmp, final)
+    return os.path.basename(final), os.path.getsize(final)
 
 
-def write_manifest(path: str, identity: dict, trainer_state: dict, num_stages: int):
-    """Called once every stage file exists: records their sizes, then marks completion."""
+def write_manifest(path: str, identity: dict, trainer_state: dict, stage_files: dict):
+    """Called once every stage file exists, with their sizes as their writers saw them (a shared
+    file system may not show another node's file size yet): marks the checkpoint complete."""
     write_json_atomic(os.path.join(path, "trainer.json"), trainer_state)
-    files = {f"stage{s}.pt": os.path.getsize(os.path.join(path, f"stage{s}.pt"))
-             for s in range(num_stages)}
+    files = dict(stage_files)
     files["trainer.json"] = os.path.getsize(os.path.join(path, "trainer.json"))
     write_json_atomic(os.path.join(path, MANIFEST), {**identity, "files": files,
                                                      "epoch": trainer_state["epoch"],
@@ -66,8 +78,12 @@ def complete_checkpoints(out_dir: str) -> list[str]:
 
 
 def find_resume(out_dir: str, resume: str):
-    """The checkpoint to resume from: None for `none` (or `auto` with none there)."""
+    """The checkpoint to resume from: None for a fresh start (`auto` with none there). `none`
+    with checkpoints already in out_dir is an error: they would mix with the new run's."""
     if resume == "none":
+        if complete_checkpoints(out_dir):
+            raise CheckpointError(f"run.out_dir {out_dir} holds checkpoints of an earlier run: "
+                                  f"continue it with run.resume=auto, or use another run.out_dir")
         return None
     if resume == "auto":
         found = complete_checkpoints(out_dir)
@@ -96,9 +112,9 @@ def load_stage(path: str, worker, device):
                        weights_only=False)
     worker.stage.load_state_dict(state["stage"])
     worker.optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"])
+    torch.set_rng_state(state["rng"].cpu())  # map_location moved it to the device
     if state["cuda_rng"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda_rng"]])
 
 
 def prune(out_dir: str, keep: int):

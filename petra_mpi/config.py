@@ -37,9 +37,9 @@ class RunConfig:
     """Write a train line to metrics.jsonl every this many optimizer steps."""
     tensorboard: bool = False
     """Also write TensorBoard events (when the tensorboard package is installed)."""
-    resume: str = "none"
-    """none, auto (the newest complete checkpoint in out_dir/checkpoints, if any) or a
-    checkpoint directory."""
+    resume: str = "auto"
+    """auto (the newest complete checkpoint in out_dir/checkpoints, or a fresh start), none (a
+    fresh start; an error if out_dir already holds checkpoints) or a checkpoint directory."""
     checkpoint_every: int = 1
     """Checkpoint every this many epochs (0: only at the end and on SIGUSR1/SIGTERM)."""
     checkpoint_every_microbatches: int = 0
@@ -268,6 +268,9 @@ def validate(cfg: Config, world_size: int | None = None):
     need(cfg.train.method in METHODS, "train.method", f"must be one of {', '.join(METHODS)}")
     need(cfg.train.epochs >= 1, "train.epochs", "must be >= 1")
     need(cfg.train.accumulation >= 1, "train.accumulation", "k must be >= 1")
+    need(cfg.run.checkpoint_every_microbatches % cfg.train.accumulation == 0,
+         "run.checkpoint_every_microbatches", "must be a multiple of train.accumulation (a "
+         "checkpoint drains the pipeline and flushes the accumulated gradients)")
     need(cfg.train.limit_batches >= 0, "train.limit_batches", "must be >= 0")
     need(cfg.train.limit_eval_batches >= 0, "train.limit_eval_batches", "must be >= 0")
     if cfg.train.method != "delayed":
@@ -278,6 +281,8 @@ def validate(cfg: Config, world_size: int | None = None):
     need(cfg.optim.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     need(cfg.optim.warmup_epochs >= 0, "optim.warmup_epochs", "must be >= 0")
     if world_size is not None and world_size > 1:
+        need(not cfg.train.diag_every, "train.diag_every",
+             "the diagnostics need every stage in one process: run them without mpirun")
         need(world_size <= blocks, "world size",
              f"{world_size} ranks cannot each hold a stage of {cfg.model.arch}, which has "
              f"{blocks} blocks: run 1 to {blocks} ranks (one rank per stage)")

@@ -48,7 +48,7 @@ def report(cfg, num_stages: int, world=None) -> int:
     if world is not None and world.rank != 0:
         world.comm.barrier()
         return 0
-    rows = stage_table(cfg, num_stages)
+    rows = stage_table(cfg, num_stages, getattr(torch, cfg.run.dtype))
     mib = 2 ** 20
     print(f"{cfg.model.arch} width {cfg.model.width}, {num_stages} stages, method "
           f"{cfg.train.method}, batch {cfg.data.batch_size} (config {cfg.source})")

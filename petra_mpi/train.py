@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from .checkpoint import (CheckpointError, checkpoint_dir, find_resume, load_stage, prune,
-                         read_manifest, save_stage, write_manifest)
+from .checkpoint import (CheckpointError, checkpoint_dir, find_resume, invalidate, load_stage,
+                         prune, read_manifest, save_stage, write_manifest)
 from .config import ConfigError, load_config, num_stages, validate
 from .engine.build import build_stages, build_workers
 from .engine.metrics import correct
@@ -128,8 +128,9 @@ class TrainLog:
                 "images_per_s": self.epoch_count / max(seconds, 1e-9)}
 
 
-def run(cfg, world, dry_run=False) -> int:
-    """Train on this process's stages; `world` is the MPI context (None in one process)."""
+def run(cfg, world, dry_run=False, stop=None) -> int:
+    """Train on this process's stages; `world` is the MPI context (None in one process);
+    `stop` is set by SIGUSR1/SIGTERM."""
     rank, size = (world.rank, world.size) if world else (0, 1)
     J = num_stages(cfg, size)
     device = pick_device(cfg, world.local_rank if world else 0)
@@ -140,10 +141,6 @@ def run(cfg, world, dry_run=False) -> int:
     if dry_run:
         from .dryrun import report
         return report(cfg, J, world)
-    if cfg.train.diag_every and world:
-        raise TrainingError("train.diag_every needs all stages in one process: run the "
-                            "diagnostics without mpirun")
-    stop = StopRequest().install()
 
     stages = build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, J,
                           seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
@@ -175,11 +172,15 @@ def run(cfg, world, dry_run=False) -> int:
         engine = Diagnostics(engine, cfg.train.diag_every, emit=lambda record: writer.write(
             "diag", step=last.optimizer.steps, epoch=current_epoch[0], **record))
 
+    # What a checkpoint must share with this run (the sampler position and the learning-rate
+    # schedule depend on the batch size, k, the seed and the data too).
     identity = {"arch": cfg.model.arch, "width": cfg.model.width,
                 "num_classes": cfg.model.num_classes, "stages": J,
                 "partition": stages[0].partition, "method": cfg.train.method,
                 "buffer_inputs": cfg.train.buffer_inputs,
-                "stash_weights": cfg.train.stash_weights}
+                "stash_weights": cfg.train.stash_weights, "batch_size": cfg.data.batch_size,
+                "accumulation": cfg.train.accumulation, "seed": cfg.run.seed,
+                "data": cfg.data.path, "microbatches_per_epoch": n}
     state = {"epoch": 0, "position": 0, "best_val_acc": None, "history": [], "wall_time_s": 0.0}
     resume = find_resume(cfg.run.out_dir, cfg.run.resume) if rank == 0 else None
     if world:
@@ -200,14 +201,17 @@ def run(cfg, world, dry_run=False) -> int:
 
     def checkpoint(epoch, position):
         path = checkpoint_dir(cfg.run.out_dir, epoch, position)
-        for w in workers:
-            save_stage(path, w)
+        if rank == 0:
+            invalidate(path)
         if world:
-            world.comm.Barrier()  # every stage file is in place before the manifest
+            world.comm.Barrier()
+        files = [save_stage(path, w) for w in workers]
+        if world:
+            files = world.gather_to_last(files)  # also: every stage file is in place
         state.update(epoch=epoch, position=position)
         if computes_loss:
             write_manifest(path, identity, {**state, "wall_time_s": prior_wall +
-                                            time.perf_counter() - start}, J)
+                                            time.perf_counter() - start}, dict(files))
             prune(cfg.run.out_dir, cfg.run.keep_checkpoints)
             writer.write("checkpoint", path=path, epoch=epoch, position=position)
         if world:
@@ -302,6 +306,7 @@ def _as_dtype(batches, dtype):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    stop = StopRequest().install()  # first: a signal during start-up still means "stop cleanly"
     from .engine.world import LaunchError, World
     try:
         world = World.from_environment()
@@ -318,11 +323,11 @@ def main(argv=None) -> int:
         return 2
     if world is None:
         try:
-            return run(cfg, None, args.dry_run)
+            return run(cfg, None, args.dry_run, stop)
         except (TrainingError, CheckpointError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-    return world.run_guarded(lambda: run(cfg, world, args.dry_run),
+    return world.run_guarded(lambda: run(cfg, world, args.dry_run, stop),
                              (TrainingError, CheckpointError))
 
 

@@ -100,6 +100,7 @@ def test_nonfinite_loss_stops_with_the_step(tmp_path):
 @pytest.mark.parametrize("n,sets,expect", [
     (11, [], "run 1 to 10 ranks"),
     (3, ["--set", "model.stages=4"], "run mpirun -n 4"),
+    (2, ["--set", "train.diag_every=2"], "run them without mpirun"),
 ])
 def test_wrong_world_size_is_an_error_before_training(tmp_path, n, sets, expect):
     proc = mpirun(n, ["-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",

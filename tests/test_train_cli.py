@@ -125,6 +125,25 @@ def test_incomplete_checkpoint_is_never_picked(tmp_path):
     assert find_resume(str(tmp_path), "auto") is None
 
 
+def test_rerun_resumes_by_default_and_none_refuses_to_mix(tmp_path):
+    proc = train("--set", f"run.out_dir={tmp_path}", *QUICK)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = train("--set", f"run.out_dir={tmp_path}", *QUICK, timeout=60)  # resume: auto
+    assert again.returncode == 0 and "resumed from" in again.stderr
+    fresh = train("--set", f"run.out_dir={tmp_path}", *QUICK, "--set", "run.resume=none",
+                  timeout=60)
+    assert fresh.returncode == 1 and "holds checkpoints of an earlier run" in fresh.stderr
+
+
+@pytest.mark.parametrize("override,message", [
+    ("run.checkpoint_every_microbatches=5", "multiple of train.accumulation"),
+])
+def test_checkpoint_cadence_must_keep_accumulation_groups(tmp_path, override, message):
+    proc = train("--set", f"run.out_dir={tmp_path}", "--set", "train.accumulation=2",
+                 "--set", override, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr
+
+
 def test_resume_from_another_model_is_an_error(tmp_path):
     proc = train("--set", f"run.out_dir={tmp_path}", *QUICK)
     assert proc.returncode == 0, proc.stderr[-3000:]
