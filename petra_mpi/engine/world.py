@@ -72,14 +72,22 @@ class World:
         return [x for part in gathered for x in part] if self.is_last else None
 
     def run_guarded(self, fn, expected_errors) -> int:
+        from mpi4py import MPI
         """Run fn(); on any exception print it once from the failing rank and abort every rank
-        (no rank is left waiting for a neighbour that died)."""
+        (no rank is left waiting for a neighbour that died). Abort is called inside the except
+        blocks: there the traceback still holds the engine, so buffers of sends in flight stay
+        valid while the neighbours may still be reading them."""
         try:
             return fn()
         except expected_errors as e:
             print(f"error (rank {self.rank}): {e}", file=sys.stderr, flush=True)
+            self.comm.Abort(1)
+        except MPI.Exception as e:  # most often a neighbour that is being aborted: one line
+            print(f"rank {self.rank}: MPI error ({e.Get_error_string().splitlines()[0]}); "
+                  f"aborting", file=sys.stderr, flush=True)
+            self.comm.Abort(1)
         except BaseException:  # noqa: B036 - KeyboardInterrupt must abort the others too
-            print(f"rank {self.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        self.comm.Abort(1)
+            print(f"rank {self.rank} failed:\n{traceback.format_exc()}", file=sys.stderr,
+                  flush=True)
+            self.comm.Abort(1)
         return 1
