@@ -107,8 +107,8 @@ class BatchLoader:
         return np.arange(lo, min(hi, len(self.src)), dtype=np.int64)
 
     def batch_labels(self, batch, epoch=None):
-        """The int64 labels of a batch (on the device) without reading its images: what a
-        pipeline's last stage needs. Same order as the images of that batch."""
+        """The int64 labels of a batch (on the device) without reading its images, in the order
+        of that batch's images (the MPI engine sends labels from rank 0 instead)."""
         y = torch.from_numpy(self.src.take_labels(self.batch_indices(batch, epoch)))
         return y.to(self.device)
 
