@@ -5,12 +5,21 @@ overlap compute) into fresh buffers sized for the largest batch; the true batch 
 message comes from the MPI status, so a smaller last evaluation batch needs no header.
 Outbox: non-blocking sends; a tensor stays referenced until its send completes.
 
-GPU tensors: with a CUDA-aware MPI the device buffers go to MPI directly (after the producing
-stream is synchronised, since MPI knows nothing of CUDA streams); otherwise they are staged
-through pinned host buffers.
+GPU tensors: with a CUDA-aware MPI the device buffers go to MPI directly, otherwise they are
+staged through pinned host buffers. MPI knows nothing of CUDA streams, so a send is posted only
+once an event recorded on the producing stream has completed (the host never waits for the
+stream: the send is posted by a later poll).
+
+Progress: large messages (rendezvous) move only while the library is inside an MPI call, so the
+engine calls Transport.poll() between blocks; it tests the pending requests (which drives MPI's
+progress engine) and posts the GPU sends whose data are ready.
+
+CPU receive buffers come from a pool and are reused once every tensor viewing them is gone,
+instead of a fresh allocation (page faults on every large message) per message.
 """
 import ctypes
 import os
+import sys
 import time
 from collections import deque
 
@@ -53,12 +62,49 @@ def _host_view(t: torch.Tensor):
     return t.numpy()
 
 
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int64}
+
+
+class HostPool:
+    """Reusable CPU receive buffers. Each is a numpy array wrapped by torch.from_numpy: torch's
+    storage holds a reference to the array until its last view is freed, so an array that only
+    the pool references is free to receive again."""
+
+    def __init__(self):
+        self.arrays = {}  # (shape, numpy dtype) -> arrays
+
+    def tensor(self, shape, dtype) -> torch.Tensor:
+        np_dtype = _NUMPY_DTYPES.get(dtype)
+        if np_dtype is None:
+            return torch.empty(shape, dtype=dtype)
+        arrays = self.arrays.setdefault((tuple(shape), np_dtype), [])
+        for array in arrays:
+            if sys.getrefcount(array) == 3:  # the list, this loop's name, getrefcount's argument
+                return torch.from_numpy(array)
+        arrays.append(np.empty(shape, dtype=np_dtype))
+        return torch.from_numpy(arrays[-1])
+
+
 class Transport:
     """How tensors reach MPI on this rank: CPU, CUDA-aware device buffers or pinned staging."""
 
     def __init__(self, device: torch.device, cuda_aware: bool):
         self.device = device
         self.direct = device.type != "cuda" or cuda_aware
+        self.pool = HostPool() if device.type != "cuda" else None
+        self.boxes = []  # every Inbox and Outbox on this transport, for poll()
+
+    def poll(self):
+        """Drive MPI's progress and post the sends whose GPU data are ready (between blocks)."""
+        for box in self.boxes:
+            box.poll()
+
+    def post_all(self):
+        """Post every send still waiting for its GPU data: called before this rank blocks, since
+        the neighbour it waits for may itself be waiting for one of them."""
+        for box in self.boxes:
+            if isinstance(box, Outbox):
+                box._post(wait=True)
 
     @property
     def mode(self):
@@ -67,22 +113,25 @@ class Transport:
         return "cuda-aware" if self.direct else "pinned-host-staging"
 
     def send_buffer(self, t: torch.Tensor):
-        """(the object to hand to MPI, what must stay alive until the send completes)."""
+        """(the object to hand to MPI, what must stay alive until the send completes, a CUDA
+        event that must complete before the send is posted or None)."""
         t = t.detach().contiguous()
         if t.device.type != "cuda":
-            return _host_view(t), t
-        if self.direct:
-            torch.cuda.current_stream(t.device).synchronize()  # MPI must see finished data
-            return t, t
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        torch.cuda.current_stream(t.device).synchronize()
-        return _host_view(host), host
+            return _host_view(t), t, None
+        if not self.direct:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            t, buf = host, _host_view(host)
+        else:
+            buf = t
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        return buf, t, ready
 
     def recv_buffer(self, shape, dtype):
         """(the tensor MPI writes into, the object to hand to MPI)."""
         if self.device.type != "cuda":
-            t = torch.empty(shape, dtype=dtype)
+            t = self.pool.tensor(shape, dtype)
             return t, _host_view(t)
         if self.direct:
             t = torch.empty(shape, dtype=dtype, device=self.device)
@@ -105,6 +154,11 @@ class Inbox:
         self.pending = deque()
         self.remaining = 0
         self.waited = 0.0  # seconds blocked in MPI, for the pipeline benchmark
+        transport.boxes.append(self)
+
+    def poll(self):
+        if self.pending:
+            self.pending[0][0].Test()  # any test drives MPI's progress engine
 
     def expect(self, count: int):
         """Announce the next `count` messages and post the first receives."""
@@ -127,6 +181,7 @@ class Inbox:
 
     def get(self) -> torch.Tensor:
         req, tensor, status = self.pending.popleft()
+        self.transport.post_all()
         start = time.perf_counter()
         req.Wait(status)
         self.waited += time.perf_counter() - start
@@ -136,23 +191,43 @@ class Inbox:
 
 
 class Outbox:
-    """Non-blocking sends to `dest` under `tag`; at most `depth` in flight."""
+    """Non-blocking sends to `dest` under `tag`; at most `depth` in flight (posted or waiting for
+    their GPU data). Sends are posted in order: MPI matches messages of one tag in posting order."""
 
     def __init__(self, comm, transport, dest, tag, depth=2):
         self.comm, self.transport, self.dest, self.tag, self.depth = comm, transport, dest, tag, depth
-        self.pending = deque()
+        self.unposted = deque()  # (buffer, tensor kept alive, CUDA event) not yet handed to MPI
+        self.pending = deque()   # (request, tensor kept alive)
         self.waited = 0.0
+        transport.boxes.append(self)
 
     def put(self, t: torch.Tensor):
-        buf, keep = self.transport.send_buffer(t)
-        self.pending.append((self.comm.Isend(buf, dest=self.dest, tag=self.tag), keep))
+        self.unposted.append(self.transport.send_buffer(t))
+        self._post(wait=False)
         self._drain(self.depth)
+
+    def poll(self):
+        self._post(wait=False)
+        if self.pending:
+            self.pending[0][0].Test()
 
     def flush(self):
         self._drain(0)
 
+    def _post(self, wait: bool):
+        while self.unposted:
+            buf, keep, ready = self.unposted[0]
+            if ready is not None and not ready.query():
+                if not wait:
+                    return
+                ready.synchronize()
+            self.unposted.popleft()
+            self.pending.append((self.comm.Isend(buf, dest=self.dest, tag=self.tag), keep))
+
     def _drain(self, keep: int):
         start = time.perf_counter()
+        if len(self.unposted) + len(self.pending) > keep:
+            self._post(wait=True)
         while len(self.pending) > keep:
             self.pending.popleft()[0].Wait()
         self.waited += time.perf_counter() - start

@@ -64,7 +64,12 @@ class ModelConfig:
     per block)."""
     partition: typing.Optional[list[int]] = None
     """Blocks per stage, e.g. [3, 3, 4]; default: one block per stage when the stage count equals
-    the block count, else contiguous stages balanced by estimated cost."""
+    the block count, else contiguous stages balanced as model.balance says."""
+    balance: str = "measure"
+    """How contiguous stages are balanced when J is smaller than the block count: measure (rank 0
+    times every block at start-up on the run's device, dtype and batch, then the split minimises
+    the slowest stage; a resumed run keeps its checkpoint's split) or estimate (a deterministic
+    cost model of multiply-accumulates and activation sizes, no timing)."""
 
 
 @dataclass
@@ -252,6 +257,8 @@ def validate(cfg: Config, world_size: int | None = None):
     need(cfg.model.width > 0, "model.width", "must be > 0")
     need(cfg.model.num_classes >= 2, "model.num_classes", "must be >= 2")
     need(cfg.model.stem in ("cifar", "imagenet"), "model.stem", "must be cifar or imagenet")
+    need(cfg.model.balance in ("measure", "estimate"), "model.balance",
+         "must be measure or estimate")
     blocks = num_blocks(cfg.model.arch)
     need(0 <= cfg.model.stages <= blocks, "model.stages",
          f"{cfg.model.arch} has {blocks} blocks: use 1 to {blocks} stages (0: automatic)")

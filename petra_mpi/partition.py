@@ -40,17 +40,24 @@ def block_costs(blocks, image_size: int) -> list[float]:
     return costs
 
 
-def balanced_partition(costs, num_stages: int, last_factor: float = 0.75) -> list[int]:
+def balanced_partition(costs, num_stages: int, last_factor: float = 0.75,
+                       last_costs=None) -> list[int]:
     """Block counts per stage that minimise the most expensive stage (contiguous, none empty).
 
-    A stage's work per micro-batch is a forward, a recomputing forward and a backward (about 4
-    forward costs); the last stage skips the recomputation (about 3), hence `last_factor`."""
+    `costs[b]` is what block b costs in any stage but the last, `last_costs[b]` what it costs in
+    the last stage (measured: see blockcost.py). Without `last_costs` the last stage is counted
+    at `last_factor` of `costs`: a stage's work per micro-batch is a forward, a recomputing
+    forward and a backward (about 4 forward costs), and the last stage skips the recomputation
+    (about 3). Ties go to the first split found, so equal costs give equal splits."""
     n = len(costs)
     if not 1 <= num_stages <= n:
         raise ValueError(f"cannot split {n} blocks into {num_stages} stages: use 1 to {n}")
-    prefix = [0.0]
-    for c in costs:
+    if last_costs is None:
+        last_costs = [c * last_factor for c in costs]
+    prefix, last_prefix = [0.0], [0.0]
+    for c, lc in zip(costs, last_costs):
         prefix.append(prefix[-1] + c)
+        last_prefix.append(last_prefix[-1] + lc)
     # best[j][i]: minimal max-cost of splitting the first i blocks into j stages
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
@@ -59,8 +66,9 @@ def balanced_partition(costs, num_stages: int, last_factor: float = 0.75) -> lis
     for j in range(1, num_stages + 1):
         for i in range(j, n - (num_stages - j) + 1):
             for m in range(j - 1, i):
-                v = max(best[j - 1][m], (prefix[i] - prefix[m]) *
-                        (last_factor if j == num_stages else 1.0))
+                stage = (last_prefix[i] - last_prefix[m] if j == num_stages
+                         else prefix[i] - prefix[m])
+                v = max(best[j - 1][m], stage)
                 if v < best[j][i]:
                     best[j][i], cut[j][i] = v, m
     sizes, i = [], n
@@ -70,9 +78,11 @@ def balanced_partition(costs, num_stages: int, last_factor: float = 0.75) -> lis
     return sizes[::-1]
 
 
-def resolve_partition(blocks, num_stages: int, fixed=None, image_size: int = 32) -> list[int]:
+def resolve_partition(blocks, num_stages: int, fixed=None, image_size: int = 32,
+                      costs=None) -> list[int]:
     """Block counts per stage: `fixed` if given (checked), one block per stage when J equals the
-    block count (the paper's split), else balanced by estimated cost."""
+    block count (the paper's split), else balanced by measured `costs` (a blockcost.BlockCosts)
+    or, without them, by estimated cost."""
     n = len(blocks)
     if fixed:
         if len(fixed) != num_stages or sum(fixed) != n or min(fixed) < 1:
@@ -81,6 +91,9 @@ def resolve_partition(blocks, num_stages: int, fixed=None, image_size: int = 32)
         return list(fixed)
     if num_stages == n:
         return [1] * n
+    if costs is not None:
+        middle = [f + b for f, b in zip(costs.forward, costs.backward)]
+        return balanced_partition(middle, num_stages, last_costs=costs.last)
     return balanced_partition(block_costs(blocks, image_size), num_stages)
 
 

@@ -33,6 +33,7 @@ class Stage(nn.Module):
         self.fifos = [deque() for _ in blocks]   # inputs of buffered blocks, oldest first
         self.stashes = [deque() for _ in blocks]  # weights of in-flight micro-batches
         self.peak_fifo_bytes = self.peak_stash_bytes = 0  # for the memory report
+        self.between_blocks = None  # called between blocks (the MPI engine polls its transport)
 
     @property
     def needs_rebuilt_input(self) -> bool:
@@ -52,6 +53,8 @@ class Stage(nn.Module):
                 if self.stash_weights:
                     stash.append([p.detach().clone() for p in block.parameters()])
                 x = block(x)
+                if self.between_blocks is not None:
+                    self.between_blocks()
         self.peak_fifo_bytes = max(self.peak_fifo_bytes, _queued_bytes(self.fifos))
         self.peak_stash_bytes = max(self.peak_stash_bytes, _queued_bytes(self.stashes))
         return x
@@ -62,6 +65,8 @@ class Stage(nn.Module):
         the network's input)."""
         for i in reversed(range(len(self.blocks))):
             y, grad_y = self._block_backward(i, y, grad_y)
+            if self.between_blocks is not None:
+                self.between_blocks()
         return y, grad_y
 
     def _block_backward(self, i, y, grad_y):

@@ -6,6 +6,7 @@ stage's process computes the loss and writes metrics.jsonl and summary.json.
 """
 import argparse
 import itertools
+import json
 import math
 import os
 import sys
@@ -13,12 +14,13 @@ import time
 
 import torch
 
-from .checkpoint import (CheckpointError, checkpoint_dir, find_resume, invalidate, load_stage,
+from .checkpoint import (MANIFEST, CheckpointError, checkpoint_dir, find_resume, invalidate, load_stage,
                          prune, read_manifest, save_stage, write_manifest)
 from .config import ConfigError, load_config, num_stages, validate
 from .engine.build import build_stages, build_workers
 from .engine.metrics import correct
 from .metrics import MetricsWriter, Progress, fmt_time, stage_memory, write_json_atomic
+from .models import num_blocks
 from .optim import LRSchedule, peak_lr
 from .stopping import EXIT_REQUEUE, StopRequest
 
@@ -70,6 +72,34 @@ def open_data(cfg, device):
     return (BatchLoader(train, cfg.data.batch_size, train=True, augment=cfg.data.augment, **common),
             BatchLoader(val, cfg.data.batch_size, train=False, augment=False, **common),
             (3, side, side))
+
+
+def choose_partition(cfg, J, world, device, dtype, input_shape, resume):
+    """Blocks per stage, the same on every rank: the config's; the checkpoint's when resuming
+    (a measured split may come out differently on another start); else None (one block per
+    stage, or the estimate) unless model.balance is measure, when rank 0 times every block on
+    this run's device, dtype and batch and tells the others the balanced split."""
+    blocks_total = num_blocks(cfg.model.arch)
+    if cfg.model.partition or J == blocks_total:
+        return cfg.model.partition
+    if resume:
+        with open(os.path.join(resume, MANIFEST)) as f:
+            return json.load(f).get("partition")
+    if cfg.model.balance != "measure":
+        return None
+    sizes = None
+    if world is None or world.rank == 0:
+        from .blockcost import measured_partition
+        start = time.perf_counter()
+        sizes, costs = measured_partition(cfg.model.arch, cfg.model.width, cfg.model.num_classes,
+                                          J, input_shape, cfg.data.batch_size,
+                                          imagenet_stem=cfg.model.stem == "imagenet",
+                                          device=device, dtype=dtype)
+        per_stage = " ".join(f"{1e3 * c:.0f}" for c in costs.stage_seconds(sizes))
+        print(f"petra_mpi: stages balanced by measured cost ({time.perf_counter() - start:.1f} s "
+              f"to time {blocks_total} blocks): blocks per stage {sizes}, ms per micro-batch "
+              f"{per_stage}", file=sys.stderr, flush=True)
+    return world.comm.bcast(sizes, root=0) if world else sizes
 
 
 def segment_lengths(cfg, train_batches: int, val_batches: int):
@@ -142,12 +172,6 @@ def run(cfg, world, dry_run=False, stop=None) -> int:
         from .dryrun import report
         return report(cfg, J, world)
 
-    stages = build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, J,
-                          seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
-                          partition=cfg.model.partition, buffer_inputs=cfg.train.buffer_inputs,
-                          stash_weights=cfg.train.stash_weights, device=device, dtype=dtype,
-                          image_size=224 if cfg.model.stem == "imagenet" else 32,
-                          only=rank if world else None)
     train_loader = val_loader = None
     if reads_data:
         train_loader, val_loader, input_shape = open_data(cfg, device)
@@ -155,6 +179,16 @@ def run(cfg, world, dry_run=False, stop=None) -> int:
     if world:
         lengths = world.share_lengths(lengths if reads_data else None)
     n, m = segment_lengths(cfg, *lengths[:2])
+    resume = find_resume(cfg.run.out_dir, cfg.run.resume) if rank == 0 else None
+    if world:
+        resume = world.comm.bcast(resume, root=0)
+    partition = choose_partition(cfg, J, world, device, dtype, lengths[2], resume)
+    stages = build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, J,
+                          seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
+                          partition=partition, buffer_inputs=cfg.train.buffer_inputs,
+                          stash_weights=cfg.train.stash_weights, device=device, dtype=dtype,
+                          image_size=224 if cfg.model.stem == "imagenet" else 32,
+                          only=rank if world else None)
     steps_per_epoch = -(-n // cfg.train.accumulation)
     workers = build_workers(stages, lr_schedule(cfg, steps_per_epoch), cfg.train.accumulation,
                             cfg.optim.momentum, cfg.optim.nesterov, cfg.optim.weight_decay)
@@ -182,9 +216,6 @@ def run(cfg, world, dry_run=False, stop=None) -> int:
                 "accumulation": cfg.train.accumulation, "seed": cfg.run.seed,
                 "data": cfg.data.path, "microbatches_per_epoch": n}
     state = {"epoch": 0, "position": 0, "best_val_acc": None, "history": [], "wall_time_s": 0.0}
-    resume = find_resume(cfg.run.out_dir, cfg.run.resume) if rank == 0 else None
-    if world:
-        resume = world.comm.bcast(resume, root=0)
     if resume:
         manifest = read_manifest(resume, identity)
         for w in workers:

@@ -14,8 +14,11 @@ from petra_mpi.checkpoint import complete_checkpoints
 from petra_mpi.stopping import EXIT_REQUEUE
 from test_mpi import QUICK, ROOT
 
+# The estimated split: the interrupted and the uninterrupted runs are separate starts, and a
+# measured split could differ between them (a resumed run keeps its checkpoint's split).
 LONGER = [*QUICK, "--set", "train.limit_batches=24", "--set", "train.epochs=2",
-          "--set", "run.log_every=1", "--set", "run.keep_checkpoints=10"]
+          "--set", "run.log_every=1", "--set", "run.keep_checkpoints=10",
+          "--set", "model.balance=estimate"]
 
 
 def launch(n, out_dir, *extra):

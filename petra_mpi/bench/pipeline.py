@@ -1,8 +1,10 @@
 """Under `mpirun -n J`: the same model, batch and ranks trained with PETRA and with backprop
 (model parallelism, one stage busy at a time), alternated in one run. Reports images/s of each,
-the speed-up, and per rank the fraction of wall time spent waiting on MPI."""
+the speed-up, and per rank the fraction of wall time spent waiting on MPI and the compute-only
+time per tick next to the wall time per tick."""
 import argparse
 import statistics
+import sys
 import time
 
 import torch
@@ -11,7 +13,22 @@ from ..engine.build import build_stages, build_workers
 from ..engine.mpi import MPIEngine
 from ..engine.world import World
 from ..optim import LRSchedule
+from ..schedule import num_ticks
 from .common import emit
+
+
+def split_for(a, world):
+    """Blocks per stage: measured on rank 0 and shared (as training does by default), or the
+    estimate."""
+    if a.balance == "estimate" or world.size == 10:
+        return None
+    sizes = None
+    if world.rank == 0:
+        from ..blockcost import measured_partition
+        sizes, costs = measured_partition(a.arch, a.width, 10, world.size, (3, 32, 32), a.batch)
+        print(f"measured split {sizes}: ms per micro-batch per stage "
+              f"{[round(1e3 * c) for c in costs.stage_seconds(sizes)]}", flush=True)
+    return world.comm.bcast(sizes, root=0)
 
 
 def main(argv):
@@ -23,13 +40,18 @@ def main(argv):
     p.add_argument("--microbatches", type=int, default=24, help="per timed segment")
     p.add_argument("--rounds", type=int, default=3, help="alternated rounds of each method")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: share)")
+    p.add_argument("--balance", choices=("measure", "estimate"), default="measure",
+                   help="how the stages are balanced (as model.balance)")
+    p.add_argument("--no-poll", action="store_true",
+                   help="do not poll MPI between blocks (to measure what polling gives)")
     a = p.parse_args(argv)
     world = World.from_environment()
     if world is None:
         raise SystemExit("run under mpirun with at least 2 ranks")
     torch.set_num_threads(a.threads or world.thread_share())
     comm, J = world.comm, world.size
-    stages = build_stages(a.arch, a.width, 10, J, seed=0, only=world.rank)
+    sizes = split_for(a, world)
+    stages = build_stages(a.arch, a.width, 10, J, seed=0, only=world.rank, partition=sizes)
     (worker,) = build_workers(stages, LRSchedule(0.01, 10**6))
     engines = {m: MPIEngine(worker, m, world, torch.float32, (3, 32, 32), a.batch)
                for m in ("petra", "backprop")}
@@ -41,11 +63,15 @@ def main(argv):
     def segment(method, n):
         batches = (data[i % len(data)] for i in range(n)) if world.rank == 0 else None
         engine = engines[method]
+        if a.no_poll:
+            engine.transport.boxes = []  # poll() then does nothing
         comm.Barrier()
-        start, waited = time.perf_counter(), engine.wait_seconds()
+        start, waited, computed = (time.perf_counter(), engine.wait_seconds(),
+                                   engine.compute_seconds)
         engine.train_segment(batches, n)
         comm.Barrier()
-        return time.perf_counter() - start, engine.wait_seconds() - waited
+        return (time.perf_counter() - start, engine.wait_seconds() - waited,
+                engine.compute_seconds - computed)
 
     for m in engines:  # warm-up
         segment(m, J + 2)
@@ -56,21 +82,30 @@ def main(argv):
     rows = {}
     for m, runs in results.items():
         wall = statistics.median(r[0] for r in runs)
-        wait_frac = sum(r[1] for r in runs) / sum(r[0] for r in runs)
+        ticks = num_ticks(m, J, a.microbatches) * len(runs)
+        total = sum(r[0] for r in runs)
         rows[m] = {"images_per_s": a.microbatches * a.batch / wall,
-                   "wait_fraction": comm.gather(wait_frac, root=0)}
+                   "wait_fraction": comm.gather(sum(r[1] for r in runs) / total, root=0),
+                   "compute_ms_per_tick": comm.gather(1e3 * sum(r[2] for r in runs) / ticks,
+                                                      root=0),
+                   "wall_ms_per_tick": 1e3 * total / ticks}
     if world.rank == 0:
         speedup = rows["petra"]["images_per_s"] / rows["backprop"]["images_per_s"]
         print(f"{a.arch} width {a.width}, batch {a.batch}, {J} ranks x "
-              f"{torch.get_num_threads()} threads, {a.microbatches} micro-batches per segment "
-              f"(fill and drain included), median of {a.rounds} alternated rounds")
-        print(f"{'method':<10} {'images/s':>10}  MPI wait fraction per rank")
+              f"{torch.get_num_threads()} threads, split {stages[0].partition}, "
+              f"{a.microbatches} micro-batches per segment (fill and drain included), median of "
+              f"{a.rounds} alternated rounds{', no polling' if a.no_poll else ''}")
+        print(f"{'method':<10} {'images/s':>9} {'wall ms/tick':>13}  per rank: MPI wait fraction "
+              f"| compute ms/tick")
         for m, r in rows.items():
             fr = " ".join(f"{f:.2f}" for f in r["wait_fraction"])
-            print(f"{m:<10} {r['images_per_s']:>10.1f}  {fr}")
+            ct = " ".join(f"{c:.0f}" for c in r["compute_ms_per_tick"])
+            print(f"{m:<10} {r['images_per_s']:>9.1f} {r['wall_ms_per_tick']:>13.0f}  {fr} | {ct}")
         print(f"speed-up PETRA / backprop: {speedup:.2f} (ideal {J}.0)")
+        sys.stdout.flush()
         emit({"bench": "pipeline", "arch": a.arch, "width": a.width, "batch": a.batch,
-              "ranks": J, "petra_images_per_s": rows["petra"]["images_per_s"],
+              "ranks": J, "split": stages[0].partition, "poll": not a.no_poll,
+              "petra_images_per_s": rows["petra"]["images_per_s"],
               "backprop_images_per_s": rows["backprop"]["images_per_s"], "speedup": speedup,
-              "petra_wait_fraction": rows["petra"]["wait_fraction"],
-              "backprop_wait_fraction": rows["backprop"]["wait_fraction"]})
+              **{f"{m}_{k}": rows[m][k] for m in rows
+                 for k in ("wait_fraction", "compute_ms_per_tick", "wall_ms_per_tick")}})

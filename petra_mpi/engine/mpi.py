@@ -5,6 +5,7 @@ then backward of each tick); waiting on a neighbour's message is the only synchr
 reads the data and sends each micro-batch's labels straight to the last rank.
 """
 import sys
+import time
 
 import numpy as np
 import torch
@@ -45,6 +46,7 @@ class MPIEngine:
         self.labels_out = Outbox(comm, t, J - 1, TAG_LABELS, depth=J + 2) if r == 0 else None
         self.labels_in = (Inbox(comm, t, 0, TAG_LABELS, (batch_size,), torch.int64)
                           if r == J - 1 else None)
+        self.compute_seconds = 0.0  # in the stage's own work (forward, backward, optimizer step)
 
     @torch.no_grad()
     def _output_shape(self, in_shape, device, dtype):
@@ -84,6 +86,8 @@ class MPIEngine:
         request agreed by all ranks ends it early. Returns the micro-batches trained."""
         w, J = self.w, self.world.size
         w.begin_segment(n)
+        # Large messages move only while MPI is called: poll between blocks (docs/performance.md).
+        w.stage.between_blocks = self.transport.poll
         self._expect(n)
         self.vote = None
         t = 0
@@ -93,18 +97,26 @@ class MPIEngine:
             for op, b in tick_ops(self.method, J, w.index, t, n):
                 if op == "forward":
                     x, _ = self._input(batches)
-                    self.outputs.put(w.forward(b, x))
+                    start = time.perf_counter()
+                    y = w.forward(b, x)
+                    self.compute_seconds += time.perf_counter() - start
+                    self.outputs.put(y)
                 elif op == "backward":
                     y = self.rebuilt_in.get() if self.rebuilt_in else None
-                    x, grad_x = w.backward(b, y, self.grads_in.get())
+                    grad_y = self.grads_in.get()
+                    start = time.perf_counter()
+                    x, grad_x = w.backward(b, y, grad_y)
+                    self.compute_seconds += time.perf_counter() - start
                     self._send_down(x, grad_x)
                 else:  # last stage: forward, loss and backward at once
                     x, labels = self._input(batches)
                     labels = self.labels_in.get() if labels is None else labels
+                    start = time.perf_counter()
                     loss, logits, grad_x = w.forward_backward(b, x, labels)
-                    if on_loss is not None:
-                        on_loss(b, loss, logits, labels)
+                    self.compute_seconds += time.perf_counter() - start
                     self._send_down(x, grad_x)
+                    if on_loss is not None:  # after the send: .item() and logging wait here
+                        on_loss(b, loss, logits, labels)
             t += 1
         # A vote is posted only while 2 checks remain, so none is pending here; a request that
         # arrives later is seen by any_stop at the drain.
@@ -119,6 +131,7 @@ class MPIEngine:
         from mpi4py import MPI
         if self.vote is not None:
             request, flag = self.vote
+            self.transport.post_all()
             request.Wait()
             self.vote = None
             if flag[0]:

@@ -1,0 +1,209 @@
+"""Under `mpirun -n P` (or in one process, P = 1): measure the per-block costs and the
+point-to-point link between the actual ranks, predict images/s of PETRA, reversible backprop
+and 1F1B (plain ResNet of the same depth and width) for every stage count J from 1 to the number
+of blocks with the performance model (petra_mpi/perfmodel.py), validate the prediction against
+runs of PETRA and backprop at every J from 1 to P, and print the predicted speed-up curve beside
+the paper's Table 5 (and draw it as a PNG when matplotlib is there)."""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from .. import perfmodel
+from ..blockcost import measure_autograd_costs, measure_block_costs
+from ..engine.build import build_stages, build_workers
+from ..engine.local import LocalEngine
+from ..engine.world import World
+from ..models import build_blocks
+from ..optim import LRSchedule
+from ..partition import resolve_partition
+from .common import emit
+
+# Paper Table 5: mean time per micro-batch of 256 CIFAR-10 images, reversible backprop vs PETRA.
+PAPER_TABLE5 = {"revnet18": {"gpus": 10, "backprop_ms": 160.3, "petra_ms": 53.4, "speedup": 3.0},
+                "revnet34": {"gpus": 18, "backprop_ms": 235.6, "petra_ms": 97.1, "speedup": 2.4}}
+
+
+def measure_link(comm, nbytes, repeats=20) -> perfmodel.Link:
+    """Latency and bandwidth between ranks 0 and 1 from ping-pong round trips (half of each)."""
+    def half_round_trip(size):
+        buf = np.zeros(max(1, size), dtype=np.uint8)
+        times = []
+        for _ in range(repeats):
+            comm.Barrier()
+            start = time.perf_counter()
+            if comm.rank == 0:
+                comm.Send(buf, dest=1)
+                comm.Recv(buf, source=1)
+            elif comm.rank == 1:
+                comm.Recv(buf, source=0)
+                comm.Send(buf, dest=0)
+            times.append((time.perf_counter() - start) / 2)
+        return statistics.median(times)
+
+    small, large = half_round_trip(8), half_round_trip(nbytes)
+    link = perfmodel.Link(small, nbytes / max(large - small, 1e-9))
+    return comm.bcast(link, root=0)
+
+
+def measured_images_per_s(a, world, J, sizes, method, data):
+    """images/s of a segment of a.microbatches on the first J ranks (J = 1: one process)."""
+    rank = world.rank if world else 0
+    if J > 1:
+        from mpi4py import MPI
+        sub_comm = world.comm.Split(0 if rank < J else MPI.UNDEFINED, rank)  # collective
+    if J == 1:
+        if rank != 0:
+            return None
+        stages = build_stages(a.arch, a.width, 10, 1, seed=0)
+        engine = LocalEngine(build_workers(stages, LRSchedule(0.01, 10**6)), method)
+    else:
+        if rank >= J:
+            return None
+        from ..engine.mpi import MPIEngine
+        sub = World(sub_comm)
+        stages = build_stages(a.arch, a.width, 10, J, seed=0, only=rank, partition=sizes)
+        (worker,) = build_workers(stages, LRSchedule(0.01, 10**6))
+        engine = MPIEngine(worker, method, sub, torch.float32, (3, 32, 32), a.batch)
+
+    def segment(n):
+        batches = (data[i % len(data)] for i in range(n)) if rank == 0 else None
+        if J > 1:
+            sub.comm.Barrier()
+        start = time.perf_counter()
+        engine.train_segment(batches, n)
+        if J > 1:
+            sub.comm.Barrier()
+        return time.perf_counter() - start
+
+    segment(J + 2)  # warm-up
+    wall = statistics.median(segment(a.microbatches) for _ in range(a.rounds))
+    return a.microbatches * a.batch / wall
+
+
+def main(argv):
+    p = argparse.ArgumentParser(prog="[mpirun -n P] python -m petra_mpi.bench scaling",
+                                description=__doc__)
+    p.add_argument("--arch", default="revnet18", help="revnet18/34/50 (1F1B runs the ResNet twin)")
+    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--microbatches", type=int, default=24,
+                   help="per PETRA/backprop segment (fill and drain included)")
+    p.add_argument("--pt-microbatches", type=int, default=8, help="micro-batches per 1F1B step")
+    p.add_argument("--rounds", type=int, default=3, help="timed segments per measured point")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: share)")
+    p.add_argument("--png", default="runs/bench/scaling.png", help="'' to skip the figure")
+    a = p.parse_args(argv)
+    world = World.from_environment()
+    P = world.size if world else 1
+    rank = world.rank if world else 0
+    torch.set_num_threads(a.threads or (world.thread_share() if world else 1))
+
+    # 1. What each block costs, with this rank's threads (rank 0 measures, the others wait).
+    blocks = build_blocks(a.arch, a.width, 10)
+    plain = build_blocks(a.arch.replace("revnet", "resnet"), a.width, 10)
+    costs = plain_costs = None
+    if rank == 0:
+        costs = measure_block_costs(blocks, (3, 32, 32), a.batch, 10)
+        plain_costs = measure_autograd_costs(plain, (3, 32, 32), a.batch, 10)
+    if world:
+        costs, plain_costs = world.comm.bcast((costs, plain_costs), root=0)
+    # 2. The link between the actual ranks.
+    link = (measure_link(world.comm, max(costs.output_bytes)) if world
+            else perfmodel.Link(0.0, float("inf")))
+
+    # 3. Predictions for every J.
+    predictions = []
+    for J in range(1, len(blocks) + 1):
+        sizes = resolve_partition(blocks, J, costs=costs)
+        sc = perfmodel.stage_costs(costs, sizes)
+        plain_sizes = resolve_partition(plain, J, costs=plain_costs)
+        pc = perfmodel.stage_costs(plain_costs, plain_sizes, rebuilt_down=[False] * J)
+        row = {"ranks": J, "split": sizes,
+               "petra": perfmodel.predict_images_per_s("petra", sc, link, a.microbatches, a.batch),
+               "backprop": perfmodel.predict_images_per_s("backprop", sc, link, a.microbatches,
+                                                          a.batch),
+               "1f1b": perfmodel.predict_images_per_s("1f1b", pc, link, a.pt_microbatches,
+                                                      a.batch)}
+        row["speedup"] = row["petra"] / row["backprop"]
+        predictions.append(row)
+
+    # 4. Validation at every J the ranks allow, alternating the two methods.
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(a.batch, 3, 32, 32, generator=g),
+             torch.randint(0, 10, (a.batch,), generator=g)) for _ in range(4)]
+    validation = []
+    for J in range(1, min(P, len(blocks)) + 1):
+        for method in ("petra", "backprop"):
+            measured = measured_images_per_s(a, world, J, predictions[J - 1]["split"], method, data)
+            if world:
+                world.comm.Barrier()
+            if rank == 0:
+                predicted = predictions[J - 1][method]
+                validation.append({"ranks": J, "method": method, "predicted": predicted,
+                                   "measured": measured,
+                                   "error": predicted / measured - 1})
+
+    if rank != 0:
+        return
+    print(f"{a.arch} width {a.width}, batch {a.batch}, {torch.get_num_threads()} threads per "
+          f"rank; link latency {1e6 * link.latency:.1f} us, bandwidth "
+          f"{link.bandwidth / 1e9:.2f} GB/s; PETRA/backprop segments of {a.microbatches} "
+          f"micro-batches, 1F1B steps of {a.pt_microbatches}")
+    print(f"{'J':>3} {'split':<32} {'petra':>8} {'backprop':>9} {'1f1b':>8} {'speed-up':>9}  "
+          f"(predicted images/s)")
+    for r in predictions:
+        paper = [f"paper Table 5: {v['speedup']}x ({name}, {v['gpus']} GPUs)"
+                 for name, v in PAPER_TABLE5.items() if v["gpus"] == r["ranks"]]
+        print(f"{r['ranks']:>3} {str(r['split']):<32} {r['petra']:>8.1f} {r['backprop']:>9.1f} "
+              f"{r['1f1b']:>8.1f} {r['speedup']:>8.2f}x  {' '.join(paper)}")
+    print(f"{'J':>3} {'method':<9} {'predicted':>10} {'measured':>9} {'error':>7}")
+    for v in validation:
+        print(f"{v['ranks']:>3} {v['method']:<9} {v['predicted']:>10.1f} {v['measured']:>9.1f} "
+              f"{100 * v['error']:>+6.1f}%")
+    if a.png:
+        _plot(a, predictions, validation)
+    sys.stdout.flush()
+    emit({"bench": "scaling", "arch": a.arch, "width": a.width, "batch": a.batch, "ranks": P,
+          "threads": torch.get_num_threads(),
+          "link": {"latency_s": link.latency, "bandwidth_bytes_per_s": link.bandwidth},
+          "block_costs": costs.to_dict(), "predictions": predictions, "validation": validation,
+          "paper_table5": PAPER_TABLE5})
+
+
+def _plot(a, predictions, validation):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no figure", file=sys.stderr)
+        return
+    J = [r["ranks"] for r in predictions]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(J, [r["speedup"] for r in predictions], "o-", label="predicted PETRA / backprop")
+    ax.plot(J, [r["1f1b"] / predictions[0]["1f1b"] for r in predictions], "s--",
+            label="predicted 1F1B (ResNet) over 1 rank")
+    measured = {}
+    for v in validation:
+        measured.setdefault(v["ranks"], {})[v["method"]] = v["measured"]
+    mj = sorted(j for j, m in measured.items() if len(m) == 2)
+    ax.plot(mj, [measured[j]["petra"] / measured[j]["backprop"] for j in mj], "k^",
+            markersize=9, label="measured PETRA / backprop")
+    for name, v in PAPER_TABLE5.items():
+        ax.plot([v["gpus"]], [v["speedup"]], "r*", markersize=12)
+        ax.annotate(f"paper {name}", (v["gpus"], v["speedup"]), textcoords="offset points",
+                    xytext=(-40, 8))
+    ax.plot(J, J, ":", color="grey", label="linear")
+    ax.set_xlabel("stages J (ranks)")
+    ax.set_ylabel("speed-up")
+    ax.set_title(f"{a.arch} width {a.width}, batch {a.batch}")
+    ax.legend(fontsize=8)
+    os.makedirs(os.path.dirname(a.png) or ".", exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(a.png, dpi=100)
+    print(f"wrote {a.png}")

@@ -1,0 +1,145 @@
+"""The performance pieces: the balanced split on given costs, the performance model's arithmetic,
+the receive-buffer pool, the measured split in a run, and the benchmarks under real mpirun."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from petra_mpi import perfmodel
+from petra_mpi.blockcost import BlockCosts, measure_block_costs
+from petra_mpi.comm import HostPool
+from petra_mpi.models import build_blocks
+from petra_mpi.partition import balanced_partition, resolve_partition
+from test_mpi import ROOT, mpirun
+
+
+def test_balanced_split_on_measured_costs_is_deterministic():
+    # Middle-stage costs 4 per block, 3 in the last stage: 10 blocks over 2 stages.
+    costs = BlockCosts(forward=[1.0] * 10, backward=[3.0] * 10, last=[3.0] * 10,
+                       step=[0.0] * 10, output_bytes=[1] * 10)
+    blocks = build_blocks("revnet18", 4, 10)
+    first = resolve_partition(blocks, 2, costs=costs)
+    assert first == [4, 6]  # 16 vs 18; [5, 5] would be 20 vs 15
+    assert all(resolve_partition(blocks, 2, costs=costs) == first for _ in range(3))
+    # A slow last block moves the cut towards the end: 32 vs 33 (and [9, 1]: 36 vs 30).
+    slow_head = BlockCosts([1.0] * 10, [3.0] * 10, [3.0] * 9 + [30.0], [0.0] * 10, [1] * 10)
+    assert resolve_partition(blocks, 2, costs=slow_head) == [8, 2]
+    # The last stage counted with its own costs, not a factor.
+    assert balanced_partition([4, 4, 4, 4], 2, last_costs=[1, 1, 1, 1]) == [1, 3]
+    assert balanced_partition([4, 4, 4, 4], 2) == [2, 2]
+
+
+def test_measured_block_costs_leave_the_model_untouched():
+    blocks = build_blocks("revnet18", 4, 10)
+    before = [t.clone() for b in blocks for t in list(b.parameters()) + list(b.buffers())]
+    costs = measure_block_costs(blocks, (3, 8, 8), 4, 10, repeats=1)
+    after = [t for b in blocks for t in list(b.parameters()) + list(b.buffers())]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+    assert all(p.grad is None for b in blocks for p in b.parameters())
+    assert len(costs.forward) == len(costs.backward) == len(costs.last) == 10
+    assert all(c > 0 for c in costs.forward + costs.backward + costs.last)
+    assert costs.output_bytes[-1] == 4 * 10 * 4  # the logits, float32
+
+
+def equal_stages(J, c=1.0, nbytes=0):
+    return [perfmodel.StageCosts(forward=c / 4, backward=3 * c / 4, fused=c, step=0.0,
+                                 out_bytes=nbytes, down_bytes=2 * nbytes) for _ in range(J)]
+
+
+FREE = perfmodel.Link(0.0, float("inf"))
+
+
+@pytest.mark.parametrize("J", [2, 4, 10])
+def test_model_equal_stages_give_J_times(J):
+    n = 400
+    one = perfmodel.predict_images_per_s("petra", equal_stages(1, c=J), FREE, n, 1)
+    many = perfmodel.predict_images_per_s("petra", equal_stages(J), FREE, n, 1)
+    # J times, less the fill and drain: n micro-batches in at most n + 2(J-1) ticks.
+    assert J * n / (n + 2 * (J - 1)) <= many / one <= J + 1e-9
+    # Backprop has one stage busy at a time: no speed-up at all.
+    bp = perfmodel.predict_images_per_s("backprop", equal_stages(J), FREE, n, 1)
+    assert bp == pytest.approx(one, rel=1e-12)
+
+
+def test_model_one_stage_twice_as_slow_halves_it():
+    n, J = 400, 4
+    costs = equal_stages(J)
+    fast = perfmodel.predict_images_per_s("petra", costs, FREE, n, 1)
+    costs[1] = perfmodel.StageCosts(0.5, 1.5, 2.0, 0.0, 0, 0)
+    slow = perfmodel.predict_images_per_s("petra", costs, FREE, n, 1)
+    assert slow / fast == pytest.approx(0.5, rel=0.02)
+
+
+def test_model_textbook_formulas():
+    J, m, f, b = 4, 8, 1.0, 2.0
+    costs = [perfmodel.StageCosts(f, b, f + b, 0.0, 0, 0) for _ in range(J)]
+    # 1F1B and GPipe: (m + J - 1)(f + b) per step with equal stages.
+    for method in ("1f1b", "gpipe"):
+        orders = (perfmodel.one_f_one_b_order(J, m) if method == "1f1b"
+                  else perfmodel.gpipe_order(J, m))
+        assert perfmodel.simulate(orders, costs, FREE) == pytest.approx((m + J - 1) * (f + b))
+    # Backprop: every micro-batch crosses 2(J-1) links, each costing its latency.
+    link = perfmodel.Link(0.25, float("inf"))
+    orders = perfmodel.petra_orders("backprop", J, m)
+    no_link = perfmodel.simulate(orders, costs, FREE)
+    assert perfmodel.simulate(orders, costs, link) == pytest.approx(no_link + m * 2 * (J - 1)
+                                                                     * 0.25)
+
+
+def test_model_detects_a_deadlocking_order():
+    costs = equal_stages(2)
+    with pytest.raises(ValueError, match="deadlock"):
+        perfmodel.simulate([[("backward", 0)], [("forward", 0)]], costs, FREE)
+
+
+def test_host_pool_reuses_a_buffer_only_once_released():
+    pool = HostPool()
+    a = pool.tensor((4, 3), torch.float32)
+    view = a[:2]
+    del a
+    b = pool.tensor((4, 3), torch.float32)
+    assert b.data_ptr() != view.data_ptr()  # a view keeps the first buffer in use
+    address = b.data_ptr()
+    del b
+    c = pool.tensor((4, 3), torch.float32)
+    assert c.data_ptr() == address  # released: reused
+    assert pool.tensor((2, 3), torch.float32).data_ptr() not in (c.data_ptr(), view.data_ptr())
+
+
+def test_training_prints_the_measured_split(tmp_path):
+    cmd = [sys.executable, "-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",
+           f"run.out_dir={tmp_path}", "--set", "train.epochs=1", "--set", "train.limit_batches=4",
+           "--set", "data.synthetic_train=256", "--set", "data.synthetic_val=64", "--set",
+           "model.width=4", "--set", "run.progress=false", "--set", "model.stages=3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "stages balanced by measured cost" in proc.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stages"] == 3
+
+
+def last_json(proc):
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_bench_scaling_under_mpirun_2():
+    proc = mpirun(2, ["-m", "petra_mpi.bench", "scaling", "--width", "4", "--batch", "4",
+                      "--microbatches", "4", "--rounds", "1", "--png", ""], timeout=600)
+    out = last_json(proc)
+    assert out["bench"] == "scaling" and out["ranks"] == 2
+    assert [p["ranks"] for p in out["predictions"]] == list(range(1, 11))
+    assert {(v["ranks"], v["method"]) for v in out["validation"]} == {
+        (1, "petra"), (1, "backprop"), (2, "petra"), (2, "backprop")}
+    assert all(v["measured"] > 0 and v["predicted"] > 0 for v in out["validation"])
+
+
+def test_bench_pipeline_reports_compute_time_per_rank():
+    proc = mpirun(2, ["-m", "petra_mpi.bench", "pipeline", "--width", "4", "--batch", "4",
+                      "--microbatches", "6", "--rounds", "1"], timeout=600)
+    out = last_json(proc)
+    for method in ("petra", "backprop"):
+        compute = out[f"{method}_compute_ms_per_tick"]
+        assert len(compute) == 2 and all(0 < c <= out[f"{method}_wall_ms_per_tick"] for c in compute)
