@@ -1,6 +1,7 @@
 #!/bin/bash
 # RevNet50 on ImageNet with PETRA (paper Table 2): 18 stages, one rank and GPU each, over 3 nodes.
 # From the repository root: sbatch slurm/revnet50_imagenet.sh  (overrides: see common.sh)
+# configs/imagenet.yaml is configs/table2/imagenet/revnet50_petra.yaml writing to runs/imagenet.
 #SBATCH --job-name=revnet50_imagenet
 #SBATCH --ntasks=18
 #SBATCH --gpus-per-task=1
@@ -16,6 +17,6 @@
 # ---- site settings: partition and account (or export SBATCH_PARTITION / SBATCH_ACCOUNT) ----
 ##SBATCH --partition=gpu
 ##SBATCH --account=myproject
-CONFIG_DEFAULT=configs/table2/imagenet/revnet50_petra.yaml
+CONFIG_DEFAULT=configs/imagenet.yaml
 source "${PETRA_ROOT:-${SLURM_SUBMIT_DIR:-.}}/slurm/common.sh"
 petra_train

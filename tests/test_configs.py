@@ -148,3 +148,47 @@ def test_table3_and_table5():
             assert (cfg.data.batch_size, cfg.train.accumulation) == (256, 1)
             assert cfg.model.stages == (10 if depth == 18 else 18)
             assert cfg.train.epochs * 50000 // 256 >= 550  # 500 warm-up + 50 timed micro-batches
+
+
+@pytest.mark.parametrize("name,table2", [("cifar10.yaml", "table2/cifar10/revnet18_petra.yaml"),
+                                         ("imagenet.yaml", "table2/imagenet/revnet50_petra.yaml")])
+def test_mission_configs_are_table2_runs(name, table2):
+    """configs/cifar10.yaml and configs/imagenet.yaml are Table 2 PETRA runs under another run dir."""
+    cfg, ref = cfg_of(name), cfg_of(table2)
+    assert cfg.run.out_dir == "runs/" + name[:-len(".yaml")]
+    same = cfg_of(table2, [f"run.out_dir={cfg.run.out_dir}"])
+    for section in ("run", "model", "data", "train", "optim"):
+        assert getattr(cfg, section) == getattr(same, section), section
+    assert num_stages(cfg) == {"cifar10.yaml": 10, "imagenet.yaml": 18}[name] == num_stages(ref)
+
+
+def test_mission_command_cifar10_under_mpirun_10(tmp_path):
+    """`mpirun -n 10 python -m petra_mpi.train configs/cifar10.yaml` for real, on a CIFAR-10 file
+    packed by data_prep.cifar from a small tarball in the upstream format, shrunk only by --set."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from test_data_prep import make_cifar10
+
+    root = CONFIGS.parent
+    make_cifar10(tmp_path / "src", n=80, n_test=64)  # 400 train, 64 val images of 10 classes
+    data = tmp_path / "cifar10.h5"
+    subprocess.run([sys.executable, "-m", "data_prep.cifar", "--variant", "cifar10", "--source",
+                    str(tmp_path / "src"), "--out", str(data)], check=True, capture_output=True,
+                   timeout=120, cwd=root)
+    out = tmp_path / "run"
+    sets = [f"data.path={data}", f"run.out_dir={out}", "run.device=cpu", "run.progress=false",
+            "model.width=4", "train.epochs=1", "train.limit_batches=6", "train.limit_eval_batches=1"]
+    proc = subprocess.run(["mpirun", "-n", "10", sys.executable, "-m", "petra_mpi.train",
+                           "configs/cifar10.yaml"] + [a for s in sets for a in ("--set", s)],
+                          capture_output=True, text=True, timeout=400, cwd=root,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in records if r["event"] == "train"]
+    assert len([r for r in records if r["event"] == "eval"]) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stages"] == 10 and summary["epochs"] == 1 and summary["method"] == "petra"
+    assert len(summary["memory"]) == 10 and 0 <= summary["val_acc"] <= 1
