@@ -61,7 +61,26 @@ def end_to_end_gradients(arch, k, batches, dtype=torch.float64, width=4):
     return total
 
 
-def max_relative_error(got, want):
-    num = max((g - w).abs().max().item() for g, w in zip(got, want))
-    den = max(w.abs().max().item() for w in want)
-    return num / den
+def max_relative_error(got, want, floor=0.0):
+    """The largest relative error over the tensors, each measured against its own scale (its
+    largest entry): a small tensor gets no slack from a large one elsewhere in the net, so a tiny
+    gradient that came out zero, or wrong, is caught.
+
+    A reference tensor that is exactly zero has no scale of its own: it is measured against the
+    smallest normal number of its dtype, so passing needs the engine's tensor to be zero too.
+    `floor` (a fraction of the largest reference entry, 0 by default) is for a test whose net has
+    tensors that are zero in exact arithmetic but rounding noise in practice, where relative
+    error means nothing: a tensor whose scale is below it is measured against it instead. A test
+    that passes a floor must say which tensors need it and why."""
+    assert len(got) == len(want), "different numbers of tensors"
+    largest = max((w.abs().max().item() for w in want if w.numel()), default=0.0)
+    worst = 0.0
+    for g, w in zip(got, want):
+        assert g.shape == w.shape, (g.shape, w.shape)
+        if not w.numel():
+            continue
+        scale = max(w.abs().max().item(), floor * largest)
+        if scale == 0.0:  # an exactly zero reference
+            scale = torch.finfo(w.dtype).tiny
+        worst = max(worst, (g - w).abs().max().item() / scale)
+    return worst

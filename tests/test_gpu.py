@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 def test_stage_backward_on_gpu_matches_cpu():
     from petra_mpi.engine.build import build_stages
-    from helpers import flat_params, make_batches, run_engine
+    from helpers import make_batches, run_engine
     batches = make_batches(5, dtype=torch.float64)
     cpu = run_engine("revnet18", 4, 2, batches, lr=0.1)
     gpu_batches = [(x.cuda(), y.cuda()) for x, y in batches]
@@ -23,8 +23,29 @@ def test_stage_backward_on_gpu_matches_cpu():
     from petra_mpi.optim import LRSchedule
     workers = build_workers(stages, LRSchedule(0.1, 10**6), 2, weight_decay=0.0)
     LocalEngine(workers, "petra").train_segment(iter(gpu_batches), len(gpu_batches))
-    for a, b in zip(flat_params(cpu), flat_params(stages)):
-        torch.testing.assert_close(a, b.cpu(), rtol=1e-7, atol=1e-9)
+    # every stage's parameters and BN buffers (float64: only kernel rounding differs)
+    assert_states_close([s.state_dict() for s in cpu], [s.state_dict() for s in stages],
+                        rtol=1e-7, atol=1e-9)
+
+
+def assert_states_close(want, got, rtol, atol):
+    """Stage state dicts (parameters and buffers) equal within tolerance, key by key; integer
+    buffers (num_batches_tracked) exactly."""
+    assert len(want) == len(got)
+    for s, (w, g) in enumerate(zip(want, got)):
+        assert w.keys() == g.keys(), f"stage {s}"
+        for key in w:
+            torch.testing.assert_close(g[key].cpu(), w[key].cpu(), rtol=rtol, atol=atol,
+                                       msg=lambda m: f"stage {s} {key}: {m}")
+
+
+def final_stage_states(out_dir, stages):
+    """Every stage's parameters and buffers from the run's last checkpoint (end of epoch 1)."""
+    from petra_mpi.checkpoint import complete_checkpoints
+    path = complete_checkpoints(str(out_dir))[-1]
+    assert path.endswith("ckpt-e00001-b00000000"), path
+    return [torch.load(os.path.join(path, f"stage{s}.pt"), map_location="cpu",
+                       weights_only=False)["stage"] for s in range(stages)]
 
 
 @pytest.mark.parametrize("aware", ["0", "1"])
@@ -42,7 +63,8 @@ def test_mpi_training_on_gpu(tmp_path, aware):
 
 
 def test_mpi_equivalence_cpu_vs_gpu_staging(tmp_path):
-    """The same training on GPU ranks (staged through pinned memory) and in one GPU process."""
+    """The same training on GPU ranks (staged through pinned memory) and in one GPU process ends
+    with the same parameters and buffers on every stage."""
     env = {"PETRA_MPI_CUDA_AWARE": "0"}
     proc = mpirun(2, ["-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",
                       f"run.out_dir={tmp_path / 'mpi'}", *QUICK, "--set", "run.device=cuda",
@@ -56,7 +78,7 @@ def test_mpi_equivalence_cpu_vs_gpu_staging(tmp_path):
                            text=True, timeout=300, cwd=HERE.parent,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert local.returncode == 0, local.stderr[-3000:]
-    import json
-    a = json.loads((tmp_path / "mpi" / "summary.json").read_text())
-    b = json.loads((tmp_path / "local" / "summary.json").read_text())
-    assert abs(a["val_loss"] - b["val_loss"]) < 1e-3
+    # Same device and kernels, so only non-deterministic reductions (atomics in cuDNN's weight
+    # gradients) may differ: every parameter and BN buffer of both stages must agree closely.
+    assert_states_close(final_stage_states(tmp_path / "local", 2),
+                        final_stage_states(tmp_path / "mpi", 2), rtol=1e-4, atol=1e-6)

@@ -15,7 +15,7 @@ from petra_mpi.optim import LRSchedule
 HERE = Path(__file__).parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE / "mpi"))
-from equivalence import batches  # noqa: E402
+from equivalence import batches, eval_batches  # noqa: E402
 
 
 def mpirun(n, args, timeout=180, env=None):
@@ -26,7 +26,7 @@ def mpirun(n, args, timeout=180, env=None):
                           env=full_env)
 
 
-def local_reference(J, method, k, n, **flags):
+def local_reference(J, method, k, n, short_eval=False, **flags):
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     try:
@@ -36,7 +36,7 @@ def local_reference(J, method, k, n, **flags):
         engine = LocalEngine(workers, method)
         engine.train_segment(batches(n), n)
         engine.train_segment(batches(n, seed=2), n)
-        totals = engine.evaluate(batches(3, seed=3), 3)
+        totals = engine.evaluate(eval_batches(short_eval), 3 + short_eval)
     finally:
         torch.use_deterministic_algorithms(False)
     return stages, totals.result()
@@ -47,12 +47,14 @@ def local_reference(J, method, k, n, **flags):
     (2, "backprop", 1, ()), (3, "backprop", 2, ()), (4, "backprop", 1, ()),
     (3, "delayed", 1, ("buffer", "stash")), (4, "delayed", 2, ("stash",)),
     (2, "delayed", 2, ("buffer",)),
+    (3, "petra", 1, ("short_eval",)),  # evaluation's last batch has 2 samples, not 4
 ])
 def test_invariant3_mpi_equals_local_bitwise(tmp_path, J, method, k, flags):
     n = 6
     proc = mpirun(J, [HERE / "mpi" / "equivalence.py", tmp_path, method, k, n, *flags])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    stages, ref_eval = local_reference(J, method, k, n, buffer_inputs="buffer" in flags,
+    stages, ref_eval = local_reference(J, method, k, n, short_eval="short_eval" in flags,
+                                       buffer_inputs="buffer" in flags,
                                        stash_weights="stash" in flags)
     initial = build_stages("revnet18", 4, 10, J, seed=0)
     moved = 0.0
@@ -68,6 +70,7 @@ def test_invariant3_mpi_equals_local_bitwise(tmp_path, J, method, k, flags):
     assert moved > 1e-3  # it trained
     last = torch.load(tmp_path / f"rank{J - 1}.pt")["eval"]
     assert last == ref_eval
+    assert last["val_count"] == (14 if "short_eval" in flags else 12)
 
 
 # The quickstart shortened; model.stages=0: one stage per rank (or per block in one process).

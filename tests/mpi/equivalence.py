@@ -1,6 +1,7 @@
 """Run under mpirun: train a few micro-batches with the MPI engine and save each rank's stage.
 
-Usage: mpirun -n J python tests/mpi/equivalence.py OUT_DIR METHOD K N [delayed flags]
+Usage: mpirun -n J python tests/mpi/equivalence.py OUT_DIR METHOD K N [buffer] [stash] [short_eval]
+(buffer, stash: the delayed method's switches; short_eval: evaluation ends with a batch of 2)
 """
 import sys
 
@@ -19,6 +20,15 @@ def batches(n, batch=4, size=16, seed=1):
                torch.randint(0, 10, (batch,), generator=g))
 
 
+def eval_batches(short=False):
+    """3 full evaluation batches of 4, and with `short` a last one of 2 (as when the validation
+    set does not divide by the batch size: receivers learn the size from the message)."""
+    yield from batches(3, seed=3)
+    if short:
+        x, y = next(batches(1, seed=4))
+        yield x[:2], y[:2]
+
+
 def main():
     out, method, k, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     flags = dict(buffer_inputs="buffer" in sys.argv[5:], stash_weights="stash" in sys.argv[5:])
@@ -32,7 +42,8 @@ def main():
     data = batches(n) if world.rank == 0 else None
     engine.train_segment(data, n)
     engine.train_segment(batches(n, seed=2) if world.rank == 0 else None, n)  # a second segment
-    totals = engine.evaluate(batches(3, seed=3) if world.rank == 0 else None, 3)
+    short = "short_eval" in sys.argv[5:]
+    totals = engine.evaluate(eval_batches(short) if world.rank == 0 else None, 3 + short)
     state = {"params": [p.detach() for p in worker.stage.parameters()],
              "buffers": [b.detach() for b in worker.stage.buffers()],
              "eval": totals.result() if totals else None}
