@@ -47,6 +47,9 @@ class RunConfig:
     epochs that outlast a job's time limit."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept; older ones are deleted."""
+    trace: bool = False
+    """Write a per-rank timeline of this job (forward, backward, step, loss, MPI waits, planned
+    ticks) to out_dir/trace.json in Chrome-trace format, for Perfetto; see docs/timeline.md."""
 
 
 @dataclass

@@ -5,6 +5,9 @@ Reads each RUN_DIR/metrics.jsonl (and RUN_DIR/summary.json when there) and write
   loss.png, accuracy.png, lr.png, throughput.png      several runs overlaid, one legend entry each
   grad_cosine.png, grad_norm_ratio.png,               when the runs logged "diag" events (paper
   grad_by_stage.png, rebuild_error.png                App. B, Fig. 5 and 6); one row per run
+  timeline.png                                        when RUN_DIR/trace.json exists (run.trace):
+                                                      one row per rank, spans coloured by kind
+A RUN_DIR may also be a trace JSON file itself (e.g. from `bench pipeline --trace FILE`).
 
 Reading is forgiving on purpose: a run killed mid-write leaves a truncated last line, older or
 newer trainers add events and keys, and non-finite numbers are logged as strings ("nan"). All of
@@ -379,17 +382,130 @@ def plot_runs(runs: list, out_dir: str) -> list:
     return written
 
 
+# ---- timeline (trace.json, see petra_mpi/trace.py) ----
+
+# Colours of the measured kinds; plan ticks are drawn as a grey strip above each row.
+TIMELINE_KINDS = {"forward": "tab:blue", "backward": "tab:orange", "step": "tab:green",
+                  "loss": "tab:red", "log": "tab:pink", "wait": "tab:gray",
+                  "checkpoint": "tab:brown", "eval": "#d8e8f0"}
+
+
+def load_trace(path: str) -> list:
+    """The complete ("X") events of a Chrome-trace file: a {"traceEvents": [...]} object or a
+    bare list (both are valid Trace Event Format)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise PlotError(f"{path}: not a readable trace ({e})") from None
+    events = data.get("traceEvents", []) if isinstance(data, dict) else data
+    spans = [e for e in events if isinstance(e, dict) and e.get("ph") == "X"
+             and num(e.get("ts")) is not None and num(e.get("dur")) is not None]
+    if not spans:
+        raise PlotError(f"{path}: no spans in the trace")
+    return spans
+
+
+def timeline_rows(spans: list, window: float = 5.0, start: float | None = None):
+    """{pid: {kind: [(start_s, duration_s), ...]}} of the spans that overlap the window, and the
+    window (t0, t1) in seconds. By default the window opens at the first forward (after start-up)
+    and lasts `window` seconds; window <= 0 shows the whole trace."""
+    first = min(e["ts"] for e in spans) / 1e6
+    last = max(e["ts"] + e["dur"] for e in spans) / 1e6
+    if start is None:
+        forwards = [e["ts"] for e in spans if e.get("cat") == "forward"]
+        start = min(forwards) / 1e6 if forwards else first
+    t0, t1 = (first, last) if window <= 0 else (start, min(last, start + window))
+    rows = defaultdict(lambda: defaultdict(list))
+    for e in spans:
+        s, d = e["ts"] / 1e6, e["dur"] / 1e6
+        if s + d >= t0 and s <= t1:
+            rows[int(num(e.get("pid")) or 0)][e.get("cat", "")].append((s, d, e.get("name", "")))
+    return rows, (t0, t1)
+
+
+def draw_timeline(plt, trace_path: str, out_path: str, window: float = 5.0,
+                  start: float | None = None) -> str:
+    """timeline.png: one row per rank (rank 0 on top); measured spans coloured by kind, the
+    planned ticks (schedule.tick_ops) as a strip above, labelled when few enough to read."""
+    rows, (t0, t1) = timeline_rows(load_trace(trace_path), window, start)
+    pids = sorted(rows)
+    fig, ax = plt.subplots(figsize=(14, 1.0 + 0.8 * len(pids)))
+    for pid in pids:
+        y = -pid  # rank 0 on top
+        kinds = rows[pid]
+        for kind, colour in TIMELINE_KINDS.items():
+            bars = [(s, d) for s, d, _ in kinds.get(kind, [])]
+            if bars:  # eval/checkpoint first: they contain the waits drawn over them
+                ax.broken_barh(bars, (y - 0.35, 0.5), facecolors=colour,
+                               zorder=1 if kind in ("eval", "checkpoint") else 2)
+        ticks = sorted(kinds.get("plan", []))
+        for i, (s, d, name) in enumerate(ticks):
+            ax.broken_barh([(s, d)], (y + 0.18, 0.14), facecolors="#bbbbbb" if i % 2 else "#dddddd")
+            if len(ticks) <= 40 and t0 <= s + d / 2 <= t1:
+                ax.text(s + d / 2, y + 0.25, name, ha="center", va="center", fontsize=6,
+                        clip_on=True)
+    ax.set_yticks([-p for p in pids], [f"rank {p}" for p in pids])
+    ax.set_ylim(-pids[-1] - 0.6, 0.6)
+    ax.set_xlim(t0, t1)
+    ax.set(xlabel="seconds", title=f"Timeline ({os.path.basename(trace_path)}; grey strip: "
+                                   f"planned ticks)")
+    from matplotlib.patches import Patch
+    present = {k for p in pids for k in rows[p]}
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in TIMELINE_KINDS.items() if k in present],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    ax.grid(axis="x", alpha=0.3)
+    return save(fig, plt, os.path.dirname(out_path) or ".", os.path.basename(out_path))
+
+
+def trace_file(run_dir: str) -> str | None:
+    """RUN_DIR/trace.json, or RUN_DIR when it is a trace file itself."""
+    if run_dir.endswith(".json") and os.path.isfile(run_dir):
+        return run_dir
+    path = os.path.join(run_dir, "trace.json")
+    return path if os.path.isfile(path) else None
+
+
+def plot_timelines(run_dirs: list, out_dir: str, window: float, start: float | None) -> list:
+    traces = [t for t in map(trace_file, run_dirs) if t]
+    if not traces:
+        return []
+    plt = import_pyplot()
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    for path in traces:
+        # several runs into one folder: name each timeline after its run
+        name = "timeline.png" if len(traces) == 1 else \
+            f"timeline_{os.path.basename(os.path.dirname(os.path.abspath(path)))}.png"
+        written.append(draw_timeline(plt, path, os.path.join(out_dir, name), window, start))
+    return written
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m petra_mpi.plot",
                                      description="PNG figures from petra_mpi run directories.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     parser.add_argument("--out", help="folder for the PNGs (default: the first RUN_DIR)")
     parser.add_argument("--labels", help="comma-separated legend names, one per RUN_DIR")
+    parser.add_argument("--trace-window", type=float, default=5.0, metavar="SECONDS",
+                        help="timeline.png shows this many seconds (0: the whole trace)")
+    parser.add_argument("--trace-start", type=float, metavar="SECONDS",
+                        help="where the timeline window opens (default: the first forward)")
     args = parser.parse_args(argv)
     labels = [s.strip() for s in args.labels.split(",")] if args.labels else None
+    first = args.run_dirs[0]
+    out = args.out or (os.path.dirname(first) or "." if first.endswith(".json") else first)
+    # A run dir (or file) with a trace but no metrics (the benchmark's) gets its timeline only.
+    with_metrics = [i for i, d in enumerate(args.run_dirs)
+                    if os.path.isfile(os.path.join(d, "metrics.jsonl")) or not trace_file(d)]
     try:
-        runs = load_runs(args.run_dirs, labels)
-        written = plot_runs(runs, args.out or args.run_dirs[0])
+        written = []
+        if with_metrics:
+            runs = load_runs([args.run_dirs[i] for i in with_metrics],
+                             [labels[i] for i in with_metrics] if labels and
+                             len(labels) == len(args.run_dirs) else labels)
+            written = plot_runs(runs, out)
+        written += plot_timelines(args.run_dirs, out, args.trace_window, args.trace_start)
     except PlotError as e:
         print(f"petra_mpi.plot: {e}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .models import frozen_bn_stats
+from .trace import BACKWARD, FORWARD, LOSS, NULL_TRACER
 
 
 class Stage(nn.Module):
@@ -87,15 +88,19 @@ class Stage(nn.Module):
             out.backward(grad_y)
         return x, x_leaf.grad
 
-    def forward_backward_loss(self, x, labels):
-        """Last stage: forward, cross-entropy loss and backward at once. Returns (loss, logits, δx)."""
+    def forward_backward_loss(self, x, labels, tracer=NULL_TRACER, b=-1):
+        """Last stage: forward, cross-entropy loss and backward at once. Returns (loss, logits, δx).
+        The tracer (trace.py) times the three parts as spans of micro-batch b."""
         x_leaf = x.detach().requires_grad_(not self.is_first)
         with torch.enable_grad():
-            logits = x_leaf
-            for block in self.blocks:
-                logits = block(logits)
-            loss = F.cross_entropy(logits, labels)
-        loss.backward()
+            with tracer.span(FORWARD, b):
+                logits = x_leaf
+                for block in self.blocks:
+                    logits = block(logits)
+            with tracer.span(LOSS, b):
+                loss = F.cross_entropy(logits, labels)
+        with tracer.span(BACKWARD, b):
+            loss.backward()
         return loss.detach(), logits.detach(), x_leaf.grad
 
     @torch.no_grad()

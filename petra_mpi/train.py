@@ -23,6 +23,7 @@ from .metrics import MetricsWriter, Progress, fmt_time, stage_memory, write_json
 from .models import num_blocks
 from .optim import LRSchedule, peak_lr
 from .stopping import EXIT_REQUEUE, StopRequest
+from . import trace
 
 
 class TrainingError(RuntimeError):
@@ -192,10 +193,16 @@ def run(cfg, world, dry_run=False, stop=None) -> int:
     steps_per_epoch = -(-n // cfg.train.accumulation)
     workers = build_workers(stages, lr_schedule(cfg, steps_per_epoch), cfg.train.accumulation,
                             cfg.optim.momentum, cfg.optim.nesterov, cfg.optim.weight_decay)
+    # Collective (a Barrier fixes the common time origin); NULL_TRACERs when run.trace is off.
+    tracers = trace.start(cfg.run.trace, world, [w.index for w in workers], device)
+    for w, tracer in zip(workers, tracers):
+        w.tracer = tracer
+    tracer = tracers[0]  # this process's eval and checkpoint spans
     if world:
         from .engine.mpi import MPIEngine
         engine = MPIEngine(workers[0], cfg.train.method, world, dtype, lengths[2],
                            cfg.data.batch_size)
+        tracer.wrap_boxes(engine)  # time the MPI waits of each stream
     else:
         from .engine.local import LocalEngine
         engine = LocalEngine(workers, cfg.train.method)
@@ -231,6 +238,10 @@ def run(cfg, world, dry_run=False, stop=None) -> int:
                   f"{state['position']})", file=sys.stderr, flush=True)
 
     def checkpoint(epoch, position):
+        with tracer.span(trace.CHECKPOINT):
+            save_checkpoint(epoch, position)
+
+    def save_checkpoint(epoch, position):
         path = checkpoint_dir(cfg.run.out_dir, epoch, position)
         if rank == 0:
             invalidate(path)
@@ -261,9 +272,10 @@ def run(cfg, world, dry_run=False, stop=None) -> int:
             train_loader.load_state_dict({"epoch": epoch, "position": position})
             batches = _as_dtype(iter(train_loader), dtype)
         log = TrainLog(cfg, workers[-1], writer, n, epoch, position) if computes_loss else None
+        on_loss = workers[-1].tracer.wrap_callback(trace.LOG, log)  # log itself when off
         while position < n and not stopping:
             length = n - position if not cadence else min(n - position, cadence - position % cadence)
-            position += engine.train_segment(batches, length, on_loss=log, stop=stop)
+            position += engine.train_segment(batches, length, on_loss=on_loss, stop=stop)
             stopping = engine.any_stop(stop)
             if position < n and (stopping or (cadence and position % cadence == 0)):
                 checkpoint(epoch, position)
@@ -273,7 +285,8 @@ def run(cfg, world, dry_run=False, stop=None) -> int:
         if reads_data:
             val_loader.load_state_dict({"epoch": 0, "position": 0})
             val_batches = _as_dtype(itertools.islice(iter(val_loader), m), dtype)
-        totals = engine.evaluate(val_batches, m)
+        with tracer.span(trace.EVAL):
+            totals = engine.evaluate(val_batches, m)
         if computes_loss:
             log_epoch(cfg, writer, state, epoch, workers[-1].optimizer.steps, log.finish(),
                       totals.result())
@@ -289,6 +302,9 @@ def run(cfg, world, dry_run=False, stop=None) -> int:
     if train_loader is not None:
         train_loader.close()
         val_loader.close()
+    trace.finish(tracers, world, os.path.join(cfg.run.out_dir, "trace.json"),
+                 {"method": cfg.train.method, "arch": cfg.model.arch, "stages": J,
+                  "batch_size": cfg.data.batch_size, "accumulation": cfg.train.accumulation})
     if stopping and state["epoch"] < cfg.train.epochs:
         if computes_loss:
             writer.write("stop", epoch=state["epoch"], position=state["position"],

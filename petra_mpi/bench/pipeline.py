@@ -14,6 +14,7 @@ from ..engine.mpi import MPIEngine
 from ..engine.world import World
 from ..optim import LRSchedule
 from ..schedule import num_ticks
+from .. import trace
 from .common import emit
 
 
@@ -44,6 +45,8 @@ def main(argv):
                    help="how the stages are balanced (as model.balance)")
     p.add_argument("--no-poll", action="store_true",
                    help="do not poll MPI between blocks (to measure what polling gives)")
+    p.add_argument("--trace", metavar="FILE",
+                   help="write the Chrome-trace timeline of the last timed PETRA segment")
     a = p.parse_args(argv)
     world = World.from_environment()
     if world is None:
@@ -60,25 +63,37 @@ def main(argv):
                                                                             generator=g))
             for _ in range(4)]
 
-    def segment(method, n):
+    def segment(method, n, traced=False):
         batches = (data[i % len(data)] for i in range(n)) if world.rank == 0 else None
         engine = engines[method]
         if a.no_poll:
             engine.transport.boxes = []  # poll() then does nothing
+        if traced:  # this segment only: the other ones keep the untraced NULL_TRACER
+            (worker.tracer,) = trace.start(True, world, [world.rank],
+                                           next(worker.stage.parameters()).device)
+            worker.tracer.wrap_boxes(engine)
         comm.Barrier()
         start, waited, computed = (time.perf_counter(), engine.wait_seconds(),
                                    engine.compute_seconds)
         engine.train_segment(batches, n)
         comm.Barrier()
-        return (time.perf_counter() - start, engine.wait_seconds() - waited,
-                engine.compute_seconds - computed)
+        result = (time.perf_counter() - start, engine.wait_seconds() - waited,
+                  engine.compute_seconds - computed)
+        if traced:
+            trace.unwrap_boxes(engine)
+            trace.finish([worker.tracer], world, a.trace,
+                         {"bench": "pipeline", "arch": a.arch, "width": a.width, "batch": a.batch,
+                          "method": method, "microbatches": n})
+            worker.tracer = trace.NULL_TRACER
+        return result
 
     for m in engines:  # warm-up
         segment(m, J + 2)
     results = {m: [] for m in engines}
-    for _ in range(a.rounds):
+    for r in range(a.rounds):
         for m in engines:
-            results[m].append(segment(m, a.microbatches))
+            traced = bool(a.trace) and m == "petra" and r == a.rounds - 1
+            results[m].append(segment(m, a.microbatches, traced))
     rows = {}
     for m, runs in results.items():
         wall = statistics.median(r[0] for r in runs)

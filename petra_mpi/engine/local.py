@@ -31,7 +31,7 @@ class LocalEngine:
                     w.begin_segment(n)  # the last backward now steps the optimizer
             # Stage by stage: each op only needs what a neighbour produced at an earlier tick.
             for s, w in enumerate(self.workers):
-                for op, b in tick_ops(self.method, J, s, t, n):
+                for op, b in w.tracer.plan(t, tick_ops(self.method, J, s, t, n)):
                     if op == "backward":
                         x, grad_x = w.backward(b, *grads[s].popleft())
                         if s > 0:

@@ -94,7 +94,8 @@ class MPIEngine:
         while t < num_ticks(self.method, J, n):
             if stop is not None and t % STOP_CHECK_TICKS == 0:
                 n = self._vote(t, n, stop)
-            for op, b in tick_ops(self.method, J, w.index, t, n):
+            # w.tracer.plan passes the ops through (it records the tick when tracing is on)
+            for op, b in w.tracer.plan(t, tick_ops(self.method, J, w.index, t, n)):
                 if op == "forward":
                     x, _ = self._input(batches)
                     start = time.perf_counter()

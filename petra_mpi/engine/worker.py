@@ -4,9 +4,12 @@ tensors between workers."""
 from ..optim import StageOptimizer
 from ..schedule import updates_after
 from ..stages import Stage
+from ..trace import BACKWARD, FORWARD, NULL_TRACER, STEP
 
 
 class StageWorker:
+    tracer = NULL_TRACER  # train.py sets a recording one when run.trace is on
+
     def __init__(self, stage: Stage, optimizer: StageOptimizer, accumulation: int = 1,
                  on_update=None):
         self.stage, self.optimizer, self.k = stage, optimizer, accumulation
@@ -27,15 +30,18 @@ class StageWorker:
         self.stage.train()
 
     def forward(self, b, x):
-        return self.stage(x)
+        with self.tracer.span(FORWARD, b):
+            return self.stage(x)
 
     def backward(self, b, y, grad_y):
-        x, grad_x = self.stage.backward(y, grad_y)
+        with self.tracer.span(BACKWARD, b):
+            x, grad_x = self.stage.backward(y, grad_y)
         self._accumulated(b)
         return x, grad_x
 
     def forward_backward(self, b, x, labels):
-        loss, logits, grad_x = self.stage.forward_backward_loss(x, labels)
+        # the stage splits this op into forward, loss and backward spans
+        loss, logits, grad_x = self.stage.forward_backward_loss(x, labels, self.tracer, b)
         self._accumulated(b)
         return loss, logits, grad_x
 
@@ -44,4 +50,5 @@ class StageWorker:
         if updates_after(b, self.n, self.k):
             if self.on_update is not None:
                 self.on_update(self)
-            self.optimizer.step()
+            with self.tracer.span(STEP, b):
+                self.optimizer.step()

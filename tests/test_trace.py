@@ -1,0 +1,89 @@
+"""run.trace: the per-rank Chrome-trace timeline (petra_mpi/trace.py) from real runs, under
+mpirun and in one process, its drawing by the plot command, and nothing when it is off."""
+import json
+import subprocess
+import sys
+from collections import Counter
+
+from test_mpi import QUICK, ROOT, mpirun
+from test_plot import check_png, run_plot
+
+from petra_mpi import trace
+
+MICROBATCHES = 6
+SHORT = QUICK + ["--set", f"train.limit_batches={MICROBATCHES}", "--set",
+                 "train.limit_eval_batches=2"]
+
+
+def train_args(out_dir, *extra):
+    return ["-m", "petra_mpi.train", "configs/quickstart.yaml", *SHORT, "--set",
+            f"run.out_dir={out_dir}", *extra]
+
+
+def spans_of(out_dir):
+    with open(out_dir / "trace.json") as f:
+        data = json.load(f)  # it parses
+    return [e for e in data["traceEvents"] if e["ph"] == "X"]
+
+
+def check_spans(spans, pids):
+    assert {e["pid"] for e in spans} == set(pids)
+    for e in spans:
+        assert e["dur"] >= 0 and e["ts"] >= 0, e
+    kinds = Counter(e["cat"] for e in spans)
+    for kind in ("forward", "backward", "step", "loss", "plan"):
+        assert kinds[kind] > 0, kind
+    forwards = Counter(e["pid"] for e in spans if e["cat"] == "forward")
+    assert all(forwards[p] == MICROBATCHES for p in pids), forwards
+    for e in spans:
+        if e["cat"] in ("forward", "backward"):
+            assert 0 <= e["args"]["microbatch"] < MICROBATCHES and e["args"]["tick"] >= 0, e
+
+
+def test_traced_mpi_run_has_every_rank_and_kind_and_plots(tmp_path):
+    proc = mpirun(3, train_args(tmp_path, "--set", "run.trace=true"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    spans = spans_of(tmp_path)
+    check_spans(spans, range(3))
+    waits = [e for e in spans if e["cat"] == "wait"]
+    assert {e["pid"] for e in waits} == {0, 1, 2}
+    # every stream shows up, with message sizes
+    assert {e["name"] for e in waits} >= {"activation in", "gradient in", "labels in",
+                                          "activation out", "gradient out", "labels out"}
+    assert all(e["args"]["bytes"] > 0 for e in waits if e["name"].endswith(" in"))
+    # the loss is computed on the last rank only
+    assert {e["pid"] for e in spans if e["cat"] == "loss"} == {2}
+    proc = run_plot(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    check_png(tmp_path / "timeline.png")
+
+
+def test_traced_one_process_run_gives_each_stage_a_pid(tmp_path):
+    cmd = [sys.executable, *train_args(tmp_path, "--set", "run.trace=true", "--set",
+                                       "model.stages=3")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    spans = spans_of(tmp_path)
+    check_spans(spans, range(3))
+    assert not [e for e in spans if e["cat"] == "wait"]  # no MPI in one process
+    # one process, one clock: the stages' spans never overlap
+    work = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans
+                  if e["cat"] in ("forward", "backward", "step", "loss"))
+    assert all(a[1] <= b[0] + 1e-3 for a, b in zip(work, work[1:]))
+
+
+def test_no_trace_when_off(tmp_path):
+    proc = mpirun(2, train_args(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "summary.json").is_file()
+    assert not (tmp_path / "trace.json").exists()
+
+
+def test_null_tracer_allocates_nothing():
+    """Off costs a method call and a shared null context per operation: the same objects."""
+    t = trace.NULL_TRACER
+    assert t.span("forward", 3) is t.span("backward", 4)
+    ops = [("forward", 0)]
+    assert t.plan(0, ops) is ops
+    fn = print
+    assert t.wrap_callback("log", fn) is fn
