@@ -15,7 +15,7 @@ import torch
 
 from .checkpoint import (CheckpointError, checkpoint_dir, find_resume, invalidate, load_stage,
                          prune, read_manifest, save_stage, write_manifest)
-from .config import ConfigError, load_config, num_stages, validate
+from .config import ConfigError, load_config, model_kwargs, num_stages, validate
 from .engine.build import build_stages, build_workers
 from .engine.metrics import correct
 from .metrics import MetricsWriter, Progress, fmt_time, stage_memory, write_json_atomic
@@ -48,7 +48,8 @@ def pick_device(cfg, local_rank: int = 0) -> torch.device:
 def lr_schedule(cfg, steps_per_epoch: int) -> LRSchedule:
     peak = peak_lr(cfg.optim.lr, cfg.data.batch_size, cfg.train.accumulation, cfg.optim.scale_lr)
     return LRSchedule(peak, steps_per_epoch, cfg.optim.warmup_epochs, tuple(cfg.optim.milestones),
-                      cfg.optim.gamma)
+                      cfg.optim.gamma, kind=cfg.optim.schedule,
+                      total_steps=steps_per_epoch * cfg.train.epochs)
 
 
 def open_data(cfg, device):
@@ -147,7 +148,7 @@ def run(cfg, world, dry_run=False, stop=None) -> int:
                           partition=cfg.model.partition, buffer_inputs=cfg.train.buffer_inputs,
                           stash_weights=cfg.train.stash_weights, device=device, dtype=dtype,
                           image_size=224 if cfg.model.stem == "imagenet" else 32,
-                          only=rank if world else None)
+                          only=rank if world else None, model_kw=model_kwargs(cfg))
     train_loader = val_loader = None
     if reads_data:
         train_loader, val_loader, input_shape = open_data(cfg, device)
@@ -157,7 +158,8 @@ def run(cfg, world, dry_run=False, stop=None) -> int:
     n, m = segment_lengths(cfg, *lengths[:2])
     steps_per_epoch = -(-n // cfg.train.accumulation)
     workers = build_workers(stages, lr_schedule(cfg, steps_per_epoch), cfg.train.accumulation,
-                            cfg.optim.momentum, cfg.optim.nesterov, cfg.optim.weight_decay)
+                            cfg.optim.momentum, cfg.optim.nesterov, cfg.optim.weight_decay,
+                            optimizer=cfg.optim.name, betas=tuple(cfg.optim.betas))
     if world:
         from .engine.mpi import MPIEngine
         engine = MPIEngine(workers[0], cfg.train.method, world, dtype, lengths[2],
@@ -180,7 +182,9 @@ def run(cfg, world, dry_run=False, stop=None) -> int:
                 "buffer_inputs": cfg.train.buffer_inputs,
                 "stash_weights": cfg.train.stash_weights, "batch_size": cfg.data.batch_size,
                 "accumulation": cfg.train.accumulation, "seed": cfg.run.seed,
-                "data": cfg.data.path, "microbatches_per_epoch": n}
+                "data": cfg.data.path, "microbatches_per_epoch": n,
+                "optimizer": cfg.optim.name, "lr_schedule": cfg.optim.schedule,
+                **model_kwargs(cfg)}
     state = {"epoch": 0, "position": 0, "best_val_acc": None, "history": [], "wall_time_s": 0.0}
     resume = find_resume(cfg.run.out_dir, cfg.run.resume) if rank == 0 else None
     if world:
