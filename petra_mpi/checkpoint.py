@@ -13,6 +13,8 @@ import torch
 from .metrics import write_json_atomic
 
 MANIFEST = "manifest.json"
+# Identity keys added after the first checkpoints were written, with the value those runs had.
+IDENTITY_DEFAULTS = {"optimizer": "sgd", "lr_schedule": "step"}
 
 
 class CheckpointError(RuntimeError):
@@ -98,6 +100,7 @@ def read_manifest(path: str, identity: dict) -> dict:
     """The manifest, after checking it was written by the same model, split and method."""
     with open(os.path.join(path, MANIFEST)) as f:
         manifest = json.load(f)
+    manifest = {**IDENTITY_DEFAULTS, **manifest}
     wrong = [f"{k}: checkpoint has {manifest.get(k)!r}, this run has {v!r}"
              for k, v in identity.items() if manifest.get(k) != v]
     if wrong:

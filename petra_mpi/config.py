@@ -11,7 +11,9 @@ from pathlib import Path
 
 import yaml
 
-from .models import ARCHS, num_blocks
+from .models import ARCH_NAMES, num_blocks
+from .models.vit import VIT_ARCHS, default_heads
+from .optim import OPTIMIZERS
 from .schedule import METHODS
 
 
@@ -55,9 +57,17 @@ class RunConfig:
 @dataclass
 class ModelConfig:
     arch: str = "revnet18"
-    """revnet18, revnet34, revnet50, resnet18, resnet34 or resnet50."""
+    """revnet18, revnet34, revnet50, resnet18, resnet34, resnet50, revvit (reversible vision
+    transformer) or vit (its non-reversible twin)."""
     width: int = 64
-    """Base channels per stream (64 in the paper)."""
+    """Base channels per stream (64 in the paper); for revvit/vit the token features per stream
+    (192 for a tiny ViT)."""
+    depth: int = 8
+    """revvit/vit: transformer blocks (the net has depth + 2 blocks: patch embedding and head)."""
+    heads: int = 0
+    """revvit/vit: attention heads, dividing model.width; 0: one per 64 features (at least 1)."""
+    patch: int = 4
+    """revvit/vit: patch side in pixels; must divide the image side."""
     num_classes: int = 10
     """Classes of the head; must match the dataset."""
     stem: str = "cifar"
@@ -135,6 +145,13 @@ class OptimConfig:
     """Epochs at which the learning rate is multiplied by gamma."""
     gamma: float = 0.1
     """Step-decay factor."""
+    name: str = "sgd"
+    """sgd (Nesterov momentum, the paper's) or adamw (decoupled weight decay; for transformers)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """adamw: the two moment decay rates."""
+    schedule: str = "step"
+    """step (decays at the milestones) or cosine (after warm-up, from the peak down to 0 at the
+    end of the run; milestones are then unused)."""
 
 
 @dataclass
@@ -256,13 +273,20 @@ def validate(cfg: Config, world_size: int | None = None):
          "must be >= 0")
     need(cfg.run.keep_checkpoints >= 1, "run.keep_checkpoints", "must be >= 1")
     need(cfg.train.diag_every >= 0, "train.diag_every", "must be >= 0")
-    need(cfg.model.arch in ARCHS, "model.arch", f"must be one of {', '.join(ARCHS)}")
+    need(cfg.model.arch in ARCH_NAMES, "model.arch", f"must be one of {', '.join(ARCH_NAMES)}")
     need(cfg.model.width > 0, "model.width", "must be > 0")
     need(cfg.model.num_classes >= 2, "model.num_classes", "must be >= 2")
     need(cfg.model.stem in ("cifar", "imagenet"), "model.stem", "must be cifar or imagenet")
     need(cfg.model.balance in ("measure", "estimate"), "model.balance",
          "must be measure or estimate")
-    blocks = num_blocks(cfg.model.arch)
+    if cfg.model.arch in VIT_ARCHS:
+        need(cfg.model.depth >= 1, "model.depth", "must be >= 1")
+        need(cfg.model.heads >= 0, "model.heads", "must be >= 0 (0: one per 64 features)")
+        heads = cfg.model.heads or default_heads(cfg.model.width)
+        need(cfg.model.width % heads == 0, "model.heads",
+             f"{heads} heads must divide model.width {cfg.model.width}")
+        need(cfg.model.patch >= 1, "model.patch", "must be >= 1")
+    blocks = num_blocks(cfg.model.arch, cfg.model.depth)
     need(0 <= cfg.model.stages <= blocks, "model.stages",
          f"{cfg.model.arch} has {blocks} blocks: use 1 to {blocks} stages (0: automatic)")
     if cfg.model.partition is not None:
@@ -290,6 +314,10 @@ def validate(cfg: Config, world_size: int | None = None):
     need(cfg.optim.momentum >= 0, "optim.momentum", "must be >= 0")
     need(cfg.optim.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     need(cfg.optim.warmup_epochs >= 0, "optim.warmup_epochs", "must be >= 0")
+    need(cfg.optim.name in OPTIMIZERS, "optim.name", f"must be one of {', '.join(OPTIMIZERS)}")
+    need(len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas), "optim.betas",
+         "must be two numbers in [0, 1)")
+    need(cfg.optim.schedule in ("step", "cosine"), "optim.schedule", "must be step or cosine")
     if world_size is not None and world_size > 1:
         need(not cfg.train.diag_every, "train.diag_every",
              "the diagnostics need every stage in one process: run them without mpirun")
@@ -308,4 +336,13 @@ def num_stages(cfg: Config, world_size: int = 1) -> int:
         return world_size
     if cfg.model.partition:
         return len(cfg.model.partition)
-    return cfg.model.stages or num_blocks(cfg.model.arch)
+    return cfg.model.stages or num_blocks(cfg.model.arch, cfg.model.depth)
+
+
+def model_kwargs(cfg: Config) -> dict:
+    """The model keys beyond arch/width/classes/stem that build_stages needs (model_kw), and that a
+    checkpoint must share: depth, heads and patch for revvit/vit, nothing for the CNNs."""
+    if cfg.model.arch not in VIT_ARCHS:
+        return {}
+    return {"depth": cfg.model.depth, "heads": cfg.model.heads, "patch": cfg.model.patch}
+

@@ -4,6 +4,7 @@ import sys
 
 import torch
 
+from .config import model_kwargs
 from .engine.build import build_stages
 from .schedule import delay
 
@@ -14,7 +15,8 @@ def stage_table(cfg, num_stages: int, dtype=torch.float32) -> list[dict]:
                           seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
                           partition=cfg.model.partition, buffer_inputs=cfg.train.buffer_inputs,
                           stash_weights=cfg.train.stash_weights, dtype=dtype,
-                          image_size=224 if cfg.model.stem == "imagenet" else 32)
+                          image_size=224 if cfg.model.stem == "imagenet" else 32,
+                          model_kw=model_kwargs(cfg))
     side = cfg.data.crop if cfg.model.stem == "imagenet" else 32
     batch = cfg.data.batch_size
     x = torch.zeros(1, 3, side, side, dtype=dtype)
@@ -36,7 +38,9 @@ def stage_table(cfg, num_stages: int, dtype=torch.float32) -> list[dict]:
             "kind": "+".join("rev" if not b else "buf" for b in stage.buffered),
             "input": in_shape, "output": tuple(x.shape[1:]),
             "param_bytes": params,
-            "optimizer_bytes": params if cfg.optim.momentum > 0 else 0,
+            # SGD: one momentum buffer; AdamW: two moments
+            "optimizer_bytes": 2 * params if cfg.optim.name == "adamw"
+            else params if cfg.optim.momentum > 0 else 0,
             "input_fifo_bytes": fifo * in_flight,
             "stash_bytes": params * in_flight if cfg.train.stash_weights and not stage.is_last
             else 0,

@@ -1,5 +1,8 @@
-"""Per-stage optimizer: SGD with Nesterov momentum, no weight decay on batch-norm parameters and
-biases, gradients averaged over the accumulated backwards, linear warm-up then step decays."""
+"""Per-stage optimizer: SGD with Nesterov momentum (the paper's) or AdamW (decoupled weight decay,
+for transformers); no weight decay on normalisation parameters, biases and position embeddings;
+gradients averaged over the accumulated backwards; linear warm-up, then step decays or a cosine
+decay to 0 at the end of the run."""
+import math
 from dataclasses import dataclass
 
 import torch
@@ -13,11 +16,18 @@ class LRSchedule:
     warmup_epochs: float = 0.0
     milestones: tuple = ()
     gamma: float = 0.1
+    kind: str = "step"
+    """step (milestones) or cosine (from the peak after warm-up down to 0 at total_steps)."""
+    total_steps: int = 0
+    """Optimizer steps of the whole run (cosine only)."""
 
     def __call__(self, step: int) -> float:
         warmup_steps = self.warmup_epochs * self.steps_per_epoch
         if step < warmup_steps:  # linear from 0: the first step already moves
             return self.peak * (step + 1) / warmup_steps
+        if self.kind == "cosine":
+            progress = min(1.0, (step - warmup_steps) / max(1.0, self.total_steps - warmup_steps))
+            return self.peak * 0.5 * (1.0 + math.cos(math.pi * progress))
         epoch = step // max(1, self.steps_per_epoch)
         return self.peak * self.gamma ** sum(epoch >= m for m in self.milestones)
 
@@ -27,20 +37,36 @@ def peak_lr(base_lr: float, batch_size: int, accumulation: int, scale: bool) -> 
     return base_lr * batch_size * accumulation / 256 if scale else base_lr
 
 
+OPTIMIZERS = ("sgd", "adamw")
+NO_DECAY_NAMES = ("pos_embed",)  # parameters named so take no weight decay, whatever their shape
+
+
 class StageOptimizer:
-    """Owns one stage's SGD; the engine calls step() when the schedule says so."""
+    """Owns one stage's SGD or AdamW; the engine calls step() when the schedule says so."""
 
     def __init__(self, module: torch.nn.Module, schedule: LRSchedule, momentum: float = 0.9,
-                 nesterov: bool = True, weight_decay: float = 0.0):
+                 nesterov: bool = True, weight_decay: float = 0.0, *, name: str = "sgd",
+                 betas=(0.9, 0.999)):
+        if name not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
         decay, no_decay = [], []
-        for p in module.parameters():
-            (no_decay if p.ndim <= 1 else decay).append(p)  # BN weights/biases and all biases
+        for pname, p in module.named_parameters():
+            # norm weights/biases, all biases, position embeddings
+            skip = p.ndim <= 1 or pname.rsplit(".", 1)[-1] in NO_DECAY_NAMES
+            (no_decay if skip else decay).append(p)
         groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
         self.params = decay + no_decay
         self.schedule = schedule
-        self.sgd = torch.optim.SGD(groups, lr=schedule(0), momentum=momentum,
-                                   nesterov=nesterov and momentum > 0) if self.params else None
+        self.name = name
+        # self.sgd: the torch optimizer, SGD or AdamW (the name predates AdamW; metrics reads it)
+        if not self.params:
+            self.sgd = None
+        elif name == "sgd":
+            self.sgd = torch.optim.SGD(groups, lr=schedule(0), momentum=momentum,
+                                       nesterov=nesterov and momentum > 0)
+        else:  # decoupled weight decay: p ← p − lr·wd·p beside the Adam step
+            self.sgd = torch.optim.AdamW(groups, lr=schedule(0), betas=tuple(betas))
         self.steps = 0       # optimizer steps taken
         self.pending = 0     # backwards accumulated since the last step
         self.last_lr = schedule(0)
@@ -66,10 +92,14 @@ class StageOptimizer:
         self.pending = 0
 
     def state_dict(self):
-        return {"sgd": self.sgd.state_dict() if self.sgd else None, "steps": self.steps,
+        """The torch optimizer's state under its name ("sgd" or "adamw"), and the counters."""
+        return {self.name: self.sgd.state_dict() if self.sgd else None, "steps": self.steps,
                 "pending": self.pending}
 
     def load_state_dict(self, state):
+        if self.name not in state:
+            other = next((n for n in OPTIMIZERS if n in state), "?")
+            raise ValueError(f"the checkpoint holds {other} state, this run uses {self.name}")
         if self.sgd is not None:
-            self.sgd.load_state_dict(state["sgd"])
+            self.sgd.load_state_dict(state[self.name])
         self.steps, self.pending = state["steps"], state["pending"]

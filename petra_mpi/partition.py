@@ -11,14 +11,17 @@ ELEMENT_COST = 128
 
 def block_costs(blocks, image_size: int) -> list[float]:
     """Estimated cost of each block: multiply-accumulates of its convolutions and linear layers
-    plus ELEMENT_COST per output element of every layer, from one batch-1 forward."""
+    (and of leaf modules that count their own with a `macs(inputs, output)` method, such as
+    attention) plus ELEMENT_COST per output element of every layer, from one batch-1 forward."""
     costs, current = [], [0.0]
 
     def count(module, inputs, output):
         if isinstance(module, nn.Conv2d):
             current[0] += module.weight.numel() * output.shape[-1] * output.shape[-2]
-        elif isinstance(module, nn.Linear):
-            current[0] += module.weight.numel()
+        elif isinstance(module, nn.Linear):  # once per row: per token in a transformer
+            current[0] += module.weight.numel() * (output.numel() // output.shape[-1])
+        elif hasattr(module, "macs"):  # weightless products, e.g. attention's q kᵀ and (·) v
+            current[0] += module.macs(inputs, output)
         current[0] += ELEMENT_COST * output.numel()
 
     hooks = [m.register_forward_hook(count) for b in blocks for m in b.modules()

@@ -2,7 +2,9 @@
 
 forward(x) runs without an autograd graph. backward(ỹ, δy) walks the blocks in reverse: a
 reversible block rebuilds its input from its output with the current weights while recording the
-graph of its branch (one forward of the branch, not two), a buffered block pops its input from a
+graph of its branch (one forward of the branch, not two) in its own `backward_from_output(ỹ, δy)`,
+since the coupling rule is the block's business (RevNet: models/blocks.py, RevViT: models/vit.py),
+a buffered block pops its input from a
 FIFO and recomputes its forward; one vector-Jacobian product per block gives the input gradient and
 accumulates the parameter gradients into .grad. The last stage does forward, loss and backward at
 once (no delay, so nothing is kept).
@@ -75,7 +77,7 @@ class Stage(nn.Module):
         need_grad_x = not (self.is_first and i == 0)
         stashed = self.stashes[i].popleft() if self.stash_weights else None
         if not self.buffered[i] and stashed is None:
-            return _reversible_vjp(block, y, grad_y, need_grad_x)
+            return block.backward_from_output(y, grad_y, need_grad_x)
         if self.buffered[i]:
             x = self.fifos[i].popleft()
         else:  # rebuild with the current weights, differentiate with the stashed ones
@@ -122,20 +124,6 @@ def _queued_bytes(queues) -> int:
             for t in (item if isinstance(item, list) else [item]):
                 total += t.numel() * t.element_size()
     return total
-
-
-def _reversible_vjp(block, y, grad_y, need_grad_x):
-    """Rebuild x from y = (x2 + F(x1), x1) and back-propagate through F in one forward of F."""
-    y1, y2 = y.chunk(2, dim=1)
-    g1, g2 = grad_y.chunk(2, dim=1)
-    x1 = y2.detach().requires_grad_(need_grad_x)
-    with torch.enable_grad():
-        f = block.branch(x1)
-    x2 = y1 - f.detach()
-    f.backward(g1)
-    x = torch.cat([y2, x2], dim=1)
-    grad_x = torch.cat([g2 + x1.grad, g1], dim=1) if need_grad_x else None
-    return x, grad_x
 
 
 class _weights:

@@ -16,7 +16,7 @@ import torch
 
 from .checkpoint import (MANIFEST, CheckpointError, checkpoint_dir, find_resume, invalidate, load_stage,
                          prune, read_manifest, save_stage, write_manifest)
-from .config import ConfigError, load_config, num_stages, validate
+from .config import ConfigError, load_config, model_kwargs, num_stages, validate
 from .engine.build import build_stages, build_workers
 from .engine.metrics import correct
 from .metrics import MetricsWriter, Progress, fmt_time, stage_memory, write_json_atomic
@@ -51,7 +51,8 @@ def pick_device(cfg, local_rank: int = 0) -> torch.device:
 def lr_schedule(cfg, steps_per_epoch: int) -> LRSchedule:
     peak = peak_lr(cfg.optim.lr, cfg.data.batch_size, cfg.train.accumulation, cfg.optim.scale_lr)
     return LRSchedule(peak, steps_per_epoch, cfg.optim.warmup_epochs, tuple(cfg.optim.milestones),
-                      cfg.optim.gamma)
+                      cfg.optim.gamma, kind=cfg.optim.schedule,
+                      total_steps=steps_per_epoch * cfg.train.epochs)
 
 
 def open_data(cfg, device):
@@ -80,7 +81,7 @@ def choose_partition(cfg, J, world, device, dtype, input_shape, resume):
     (a measured split may come out differently on another start); else None (one block per
     stage, or the estimate) unless model.balance is measure, when rank 0 times every block on
     this run's device, dtype and batch and tells the others the balanced split."""
-    blocks_total = num_blocks(cfg.model.arch)
+    blocks_total = num_blocks(cfg.model.arch, cfg.model.depth)
     if cfg.model.partition or J == blocks_total:
         return cfg.model.partition
     if resume:
@@ -95,7 +96,7 @@ def choose_partition(cfg, J, world, device, dtype, input_shape, resume):
         sizes, costs = measured_partition(cfg.model.arch, cfg.model.width, cfg.model.num_classes,
                                           J, input_shape, cfg.data.batch_size,
                                           imagenet_stem=cfg.model.stem == "imagenet",
-                                          device=device, dtype=dtype)
+                                          device=device, dtype=dtype, **model_kwargs(cfg))
         per_stage = " ".join(f"{1e3 * c:.0f}" for c in costs.stage_seconds(sizes))
         print(f"petra_mpi: stages balanced by measured cost ({time.perf_counter() - start:.1f} s "
               f"to time {blocks_total} blocks): blocks per stage {sizes}, ms per micro-batch "
@@ -189,10 +190,11 @@ def run(cfg, world, dry_run=False, stop=None) -> int:
                           partition=partition, buffer_inputs=cfg.train.buffer_inputs,
                           stash_weights=cfg.train.stash_weights, device=device, dtype=dtype,
                           image_size=224 if cfg.model.stem == "imagenet" else 32,
-                          only=rank if world else None)
+                          only=rank if world else None, model_kw=model_kwargs(cfg))
     steps_per_epoch = -(-n // cfg.train.accumulation)
     workers = build_workers(stages, lr_schedule(cfg, steps_per_epoch), cfg.train.accumulation,
-                            cfg.optim.momentum, cfg.optim.nesterov, cfg.optim.weight_decay)
+                            cfg.optim.momentum, cfg.optim.nesterov, cfg.optim.weight_decay,
+                            optimizer=cfg.optim.name, betas=tuple(cfg.optim.betas))
     # Collective (a Barrier fixes the common time origin); NULL_TRACERs when run.trace is off.
     tracers = trace.start(cfg.run.trace, world, [w.index for w in workers], device)
     for w, tracer in zip(workers, tracers):
@@ -221,7 +223,9 @@ def run(cfg, world, dry_run=False, stop=None) -> int:
                 "buffer_inputs": cfg.train.buffer_inputs,
                 "stash_weights": cfg.train.stash_weights, "batch_size": cfg.data.batch_size,
                 "accumulation": cfg.train.accumulation, "seed": cfg.run.seed,
-                "data": cfg.data.path, "microbatches_per_epoch": n}
+                "data": cfg.data.path, "microbatches_per_epoch": n,
+                "optimizer": cfg.optim.name, "lr_schedule": cfg.optim.schedule,
+                **model_kwargs(cfg)}
     state = {"epoch": 0, "position": 0, "best_val_acc": None, "history": [], "wall_time_s": 0.0}
     if resume:
         manifest = read_manifest(resume, identity)

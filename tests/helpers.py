@@ -41,9 +41,10 @@ def applied_gradients(arch, J, k, batches, method="petra", dtype=torch.float64, 
     return [sums[key] for key in sorted(sums)], stages
 
 
-def end_to_end_gradients(arch, k, batches, dtype=torch.float64, width=4):
-    """The same sum computed by plain autograd on the whole network, one micro-batch at a time."""
-    (net,) = build_stages(arch, width, 10, 1, seed=0, dtype=dtype)
+def end_to_end_gradients(arch, k, batches, dtype=torch.float64, width=4, **stage_kw):
+    """The same sum computed by plain autograd on the whole network, one micro-batch at a time
+    (stage_kw: more build_stages arguments, e.g. image_size and model_kw for revvit)."""
+    (net,) = build_stages(arch, width, 10, 1, seed=0, dtype=dtype, **stage_kw)
     params = list(net.parameters())
     total = [torch.zeros_like(p) for p in params]
     group = [torch.zeros_like(p) for p in params]

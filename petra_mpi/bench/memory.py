@@ -1,11 +1,18 @@
 """Paper Table 3: memory of the delayed-gradient variants of RevNet50 on ImageNet at batch 64,
 as the paper counts it: parameters plus input buffers (except stage 0's, whose inputs the data
-set provides again) plus stashed parameters, summed over the 18 stages, in float32."""
+set provides again) plus stashed parameters, summed over the 18 stages, in float32.
+
+With --arch revvit (or vit) the same four rows for a vision transformer on CIFAR-size images
+(32x32, --width/--depth/--patch, one stage per block unless --stages): PETRA against storing the
+inputs (the activations a delayed-gradient pipeline keeps) and/or the weights. The paper has no
+figures for it."""
 import argparse
 import dataclasses
 
 from ..config import Config, DataConfig, ModelConfig, TrainConfig
 from ..dryrun import stage_table
+from ..models import num_blocks
+from ..models.vit import VIT_ARCHS
 from .common import emit
 
 ROWS = [  # (buffer_inputs, stash_weights): the paper's GB and saving
@@ -24,10 +31,21 @@ def main(argv):
     p = argparse.ArgumentParser(prog="python -m petra_mpi.bench memory", description=__doc__)
     p.add_argument("--arch", default="revnet50")
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--stages", type=int, default=18)
+    p.add_argument("--stages", type=int, default=0, help="0: 18 (RevNet), one per block (ViT)")
+    p.add_argument("--width", type=int, default=0, help="0: 64 (RevNet), 192 (ViT)")
+    p.add_argument("--depth", type=int, default=8, help="revvit/vit: transformer blocks")
+    p.add_argument("--patch", type=int, default=4, help="revvit/vit: patch side")
     a = p.parse_args(argv)
-    base = Config(model=ModelConfig(arch=a.arch, width=64, num_classes=1000, stem="imagenet"),
-                  data=DataConfig(batch_size=a.batch), train=TrainConfig(method="delayed"))
+    vit = a.arch in VIT_ARCHS
+    if vit:
+        model = ModelConfig(arch=a.arch, width=a.width or 192, num_classes=10, stem="cifar",
+                            depth=a.depth, patch=a.patch)
+        a.stages = a.stages or num_blocks(a.arch, a.depth)
+    else:
+        model = ModelConfig(arch=a.arch, width=a.width or 64, num_classes=1000, stem="imagenet")
+        a.stages = a.stages or 18
+    base = Config(model=model, data=DataConfig(batch_size=a.batch),
+                  train=TrainConfig(method="delayed"))
     results = []
     for buffer_inputs, stash, paper_gb, paper_saving in ROWS:
         cfg = dataclasses.replace(base, train=TrainConfig(method="delayed",
@@ -37,7 +55,9 @@ def main(argv):
                         paper_saving))
     reference = results[0][2]["total"]
     gb = 1e9
-    print(f"{a.arch} on ImageNet (224x224), batch {a.batch}, {a.stages} stages, float32")
+    print(f"{a.arch} width {base.model.width} on " +
+          ("CIFAR (32x32)" if vit else "ImageNet (224x224)") +
+          f", batch {a.batch}, {a.stages} stages, float32")
     print(f"{'input buf':>9} {'param buf':>9} {'params GB':>9} {'inputs GB':>9} {'stash GB':>9} "
           f"{'total GB':>9} {'saving':>7} | paper GB, saving")
     records = []
@@ -45,7 +65,8 @@ def main(argv):
         saving = 100 * (1 - t["total"] / reference)
         print(f"{'yes' if buffer_inputs else 'no':>9} {'yes' if stash else 'no':>9} "
               f"{t['params'] / gb:>9.2f} {t['inputs'] / gb:>9.2f} {t['stash'] / gb:>9.2f} "
-              f"{t['total'] / gb:>9.2f} {saving:>6.1f}% | {paper_gb:>5.1f}, {paper_saving:.1f}%")
+              f"{t['total'] / gb:>9.2f} {saving:>6.1f}% | " +
+              ("-" if vit else f"{paper_gb:>5.1f}, {paper_saving:.1f}%"))
         records.append({"buffer_inputs": buffer_inputs, "stash_weights": stash,
                         "total_gb": t["total"] / gb, "saving_percent": saving})
     emit({"bench": "memory", "arch": a.arch, "batch": a.batch, "rows": records,

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.build import build_stages, build_workers
+from ..models import num_blocks
+from ..models.vit import VIT_ARCHS
 from ..optim import LRSchedule, StageOptimizer
 from .common import alternate, emit
 
@@ -17,17 +19,22 @@ def main(argv):
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--stages", type=int, default=0, help="0: one block per stage")
+    p.add_argument("--depth", type=int, default=0, help="revvit/vit: blocks (0: the default)")
+    p.add_argument("--heads", type=int, default=0, help="revvit/vit: heads (0: width / 64)")
+    p.add_argument("--patch", type=int, default=4, help="revvit/vit: patch side")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     schedule = LRSchedule(0.01, 10**6)
-    J = a.stages or len(build_stages(a.arch, 1, 10, 1)[0].blocks)
-    workers = build_workers(build_stages(a.arch, a.width, 10, J, seed=0), schedule)
+    kw = {"model_kw": dict(depth=a.depth, heads=a.heads, patch=a.patch)} if a.arch in VIT_ARCHS \
+        else {}
+    J = a.stages or num_blocks(a.arch, a.depth)
+    workers = build_workers(build_stages(a.arch, a.width, 10, J, seed=0, **kw), schedule)
     for w in workers:
         w.begin_segment(10**9)
-    (whole,) = build_stages(a.arch, a.width, 10, 1, seed=0)
+    (whole,) = build_stages(a.arch, a.width, 10, 1, seed=0, **kw)
     model = torch.nn.Sequential(*whole.blocks)
     plain_opt = StageOptimizer(model, schedule)
 

@@ -11,11 +11,14 @@ from .worker import StageWorker
 def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, seed: int = 0,
                  imagenet_stem: bool = False, partition=None, image_size: int = 32,
                  buffer_inputs: bool = False, stash_weights: bool = False,
-                 device="cpu", dtype=torch.float32, only: int | None = None) -> list[Stage]:
+                 device="cpu", dtype=torch.float32, only: int | None = None,
+                 model_kw: dict | None = None) -> list[Stage]:
     """All stages (or just stage `only`), with weights that depend on the seed alone: every rank
-    builds the whole net from the same seed and keeps its own part."""
+    builds the whole net from the same seed and keeps its own part. `model_kw`: depth, heads and
+    patch of revvit/vit (config.model_kwargs)."""
     torch.manual_seed(seed)
-    blocks = build_blocks(arch, width, num_classes, imagenet_stem)
+    blocks = build_blocks(arch, width, num_classes, imagenet_stem, image_size=image_size,
+                          **(model_kw or {}))
     sizes = resolve_partition(blocks, num_stages, partition, image_size)
     stages = []
     for s, stage_blocks in enumerate(split_blocks(blocks, sizes)):
@@ -29,6 +32,8 @@ def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, se
 
 
 def build_workers(stages, schedule, accumulation: int = 1, momentum: float = 0.9,
-                  nesterov: bool = True, weight_decay: float = 0.0, on_update=None):
-    return [StageWorker(s, StageOptimizer(s, schedule, momentum, nesterov, weight_decay),
+                  nesterov: bool = True, weight_decay: float = 0.0, on_update=None, *,
+                  optimizer: str = "sgd", betas=(0.9, 0.999)):
+    return [StageWorker(s, StageOptimizer(s, schedule, momentum, nesterov, weight_decay,
+                                          name=optimizer, betas=betas),
                         accumulation, on_update) for s in stages]

@@ -1,4 +1,4 @@
 from .blocks import BatchNorm2d, frozen_bn_stats
-from .builders import ARCHS, build_blocks, count_parameters, num_blocks
+from .builders import ARCH_NAMES, ARCHS, build_blocks, count_parameters, num_blocks
 
-__all__ = ["ARCHS", "BatchNorm2d", "build_blocks", "count_parameters", "frozen_bn_stats", "num_blocks"]
+__all__ = ["ARCH_NAMES", "ARCHS", "BatchNorm2d", "build_blocks", "count_parameters", "frozen_bn_stats", "num_blocks"]

@@ -93,6 +93,21 @@ class ReversibleBlock(nn.Module):
         y1, y2 = y.chunk(2, dim=1)
         return torch.cat([y2, y1 - self.branch(y2)], dim=1)
 
+    def backward_from_output(self, y, grad_y, need_grad_x=True):
+        """Rebuild x from y with the current weights while recording the graph of F (one forward
+        of F, not two), and back-propagate δy: accumulates the parameter gradients and returns
+        (x, δx) (δx None when not needed)."""
+        y1, y2 = y.chunk(2, dim=1)
+        g1, g2 = grad_y.chunk(2, dim=1)
+        x1 = y2.detach().requires_grad_(need_grad_x)
+        with torch.enable_grad():
+            f = self.branch(x1)
+        x2 = y1 - f.detach()
+        f.backward(g1)
+        x = torch.cat([y2, x2], dim=1)
+        grad_x = torch.cat([g2 + x1.grad, g1], dim=1) if need_grad_x else None
+        return x, grad_x
+
 
 class PadShortcut(nn.Module):
     """Parameter-free shortcut (option A of He et al.): subsample by the stride, zero-pad channels."""

@@ -7,6 +7,7 @@ from torch import nn
 
 from .blocks import (DownsampleBlock, Head, PadShortcut, ResidualBlock, ReversibleBlock, Stem,
                      basic_branch, bottleneck_branch, conv_bn)
+from .vit import VIT_ARCHS, build_vit_blocks, vit_num_blocks
 
 ARCHS = {  # name: (reversible, bottleneck, blocks per layer)
     "resnet18": (False, False, (2, 2, 2, 2)),
@@ -16,17 +17,24 @@ ARCHS = {  # name: (reversible, bottleneck, blocks per layer)
     "revnet34": (True, False, (3, 4, 6, 3)),
     "revnet50": (True, True, (3, 4, 6, 3)),
 }
+ARCH_NAMES = (*ARCHS, *VIT_ARCHS)  # every model.arch: the CNNs above and the transformers (vit.py)
 
 
-def num_blocks(arch: str) -> int:
-    """Number of blocks (stem + residual blocks + head): the most stages the net can be split into."""
+def num_blocks(arch: str, depth: int = 0) -> int:
+    """Number of blocks (stem + residual or transformer blocks + head): the most stages the net can
+    be split into. `depth`: transformer blocks of revvit/vit (0: the default)."""
+    if arch in VIT_ARCHS:
+        return vit_num_blocks(depth)
     return sum(ARCHS[arch][2]) + 2
 
 
-def build_blocks(arch: str, width: int = 64, num_classes: int = 10, imagenet_stem: bool = False
-                 ) -> list[nn.Module]:
+def build_blocks(arch: str, width: int = 64, num_classes: int = 10, imagenet_stem: bool = False,
+                 *, image_size: int = 32, **vit_kw) -> list[nn.Module]:
+    """The block list; `image_size` and `vit_kw` (depth, heads, patch) concern revvit/vit only."""
+    if arch in VIT_ARCHS:
+        return build_vit_blocks(arch, width, num_classes, image_size=image_size, **vit_kw)
     if arch not in ARCHS:
-        raise ValueError(f"unknown model.arch {arch!r}; choose one of {sorted(ARCHS)}")
+        raise ValueError(f"unknown model.arch {arch!r}; choose one of {list(ARCH_NAMES)}")
     reversible, bottleneck, layers = ARCHS[arch]
     branch_fn = bottleneck_branch if bottleneck else basic_branch
     expansion = 4 if bottleneck else 1

@@ -29,13 +29,22 @@ def eval_batches(short=False):
         yield x[:2], y[:2]
 
 
+# The tiny revvit of tests/test_revvit.py's invariant 3 (flag "revvit"): 16x16 images, 4x4 patches.
+REVVIT = dict(width=8, image_size=16, model_kw=dict(depth=4, heads=2, patch=4))
+
+
 def main():
     out, method, k, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     flags = dict(buffer_inputs="buffer" in sys.argv[5:], stash_weights="stash" in sys.argv[5:])
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     world = World.from_environment()
-    stages = build_stages("revnet18", 4, 10, world.size, seed=0, only=world.rank, **flags)
+    if "revvit" in sys.argv[5:]:
+        stages = build_stages("revvit", REVVIT["width"], 10, world.size, seed=0, only=world.rank,
+                              image_size=REVVIT["image_size"], model_kw=REVVIT["model_kw"],
+                              **flags)
+    else:
+        stages = build_stages("revnet18", 4, 10, world.size, seed=0, only=world.rank, **flags)
     (worker,) = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), k,
                               weight_decay=5e-4)
     engine = MPIEngine(worker, method, world, torch.float32, (3, 16, 16), 4)

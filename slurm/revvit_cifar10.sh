@@ -1,0 +1,19 @@
+#!/bin/bash
+# RevViT (width 192, 8 blocks) on CIFAR-10 with PETRA: 10 stages, one rank and GPU each.
+# From the repository root: sbatch slurm/revvit_cifar10.sh  (overrides: see common.sh; the
+# backprop baseline: CONFIG=configs/revvit/cifar10_backprop.yaml sbatch slurm/revvit_cifar10.sh)
+#SBATCH --job-name=revvit_cifar10
+#SBATCH --ntasks=10
+#SBATCH --gpus-per-task=1
+#SBATCH --cpus-per-task=4
+#SBATCH --time=24:00:00
+#SBATCH --requeue
+#SBATCH --signal=B:USR1@300
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%x-%j.out
+# ---- site settings: partition and account (or export SBATCH_PARTITION / SBATCH_ACCOUNT) ----
+##SBATCH --partition=gpu
+##SBATCH --account=myproject
+CONFIG_DEFAULT=configs/revvit/cifar10_petra.yaml
+source "${PETRA_ROOT:-${SLURM_SUBMIT_DIR:-.}}/slurm/common.sh"
+petra_train
