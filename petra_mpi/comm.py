@@ -158,7 +158,9 @@ class Inbox:
 
     def poll(self):
         if self.pending:
-            self.pending[0][0].Test()  # any test drives MPI's progress engine
+            # Get_status drives MPI's progress engine without completing the request (a Test
+            # that succeeded would free it, and with it the status that tells the batch size).
+            self.pending[0][0].Get_status()
 
     def expect(self, count: int):
         """Announce the next `count` messages and post the first receives."""
@@ -209,7 +211,7 @@ class Outbox:
     def poll(self):
         self._post(wait=False)
         if self.pending:
-            self.pending[0][0].Test()
+            self.pending[0][0].Get_status()
 
     def flush(self):
         self._drain(0)

@@ -143,3 +143,8 @@ def test_bench_pipeline_reports_compute_time_per_rank():
     for method in ("petra", "backprop"):
         compute = out[f"{method}_compute_ms_per_tick"]
         assert len(compute) == 2 and all(0 < c <= out[f"{method}_wall_ms_per_tick"] for c in compute)
+
+
+def test_polling_keeps_the_message_size():
+    proc = mpirun(2, [ROOT / "tests" / "mpi" / "transport.py"], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

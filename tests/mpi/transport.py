@@ -1,0 +1,29 @@
+"""Run under mpirun -n 2: polling the transport between blocks must not lose a message's size.
+
+Rank 0 sends a 3-row tensor into rank 1's inbox sized for 4 rows; rank 1 polls after the message
+has surely arrived (the barrier follows the send's completion), then receives it."""
+import sys
+
+import torch
+from mpi4py import MPI
+
+from petra_mpi.comm import TAG_ACTIVATION, Inbox, Outbox, Transport
+
+comm = MPI.COMM_WORLD
+transport = Transport(torch.device("cpu"), cuda_aware=False)
+sent = torch.arange(6, dtype=torch.float32).reshape(3, 2)
+if comm.rank == 0:
+    box = Outbox(comm, transport, 1, TAG_ACTIVATION)
+    box.put(sent)
+    box.flush()
+    comm.Barrier()
+else:
+    box = Inbox(comm, transport, 0, TAG_ACTIVATION, (4, 2), torch.float32)
+    box.expect(1)
+    comm.Barrier()
+    for _ in range(3):
+        transport.poll()
+    got = box.get()
+    if not torch.equal(got, sent):
+        print(f"received {got.tolist()} instead of {sent.tolist()}", file=sys.stderr)
+        sys.exit(1)
