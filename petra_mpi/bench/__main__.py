@@ -1,10 +1,11 @@
-"""`python -m petra_mpi.bench NAME [options]`: overhead, pipeline (under mpirun), data, memory.
+"""`python -m petra_mpi.bench NAME [options]`: overhead, pipeline and peers (under
+mpirun), data, memory.
 
 Each benchmark prints a readable table and, as its very last line, one JSON object of figures."""
 import importlib
 import sys
 
-BENCHES = ("overhead", "pipeline", "data", "memory")
+BENCHES = ("overhead", "pipeline", "data", "memory", "peers")
 
 
 def main(argv=None):
