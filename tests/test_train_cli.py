@@ -46,8 +46,8 @@ def test_bad_config_is_an_error_naming_key_and_file(tmp_path, override, message)
 
 def test_config_file_errors(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("model:\n  width: 8\n  depth: 3\n")
-    with pytest.raises(ConfigError, match=r"bad.yaml: unknown key model.depth"):
+    bad.write_text("model:\n  width: 8\n  colour: 3\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: unknown key model.colour"):
         load_config(bad)
     child = tmp_path / "child.yaml"
     (tmp_path / "base.yaml").write_text("train:\n  epochs: 3\n  accumulation: 2\n")

@@ -1,11 +1,11 @@
-"""`python -m petra_mpi.bench NAME [options]`: overhead, pipeline (under mpirun), data, memory,
-scaling.
+"""`python -m petra_mpi.bench NAME [options]`: overhead, pipeline, peers and scaling (under
+mpirun), data, memory.
 
 Each benchmark prints a readable table and, as its very last line, one JSON object of figures."""
 import importlib
 import sys
 
-BENCHES = ("overhead", "pipeline", "data", "memory", "scaling")
+BENCHES = ("overhead", "pipeline", "peers", "scaling", "data", "memory")
 
 
 def main(argv=None):

@@ -1,0 +1,393 @@
+"""Under `mpirun -n J`: PETRA against other pipeline-parallel trainers on the same ranks, alternated
+in one run (round-robin over the contenders, medians of the rounds).
+
+- petra, backprop: our MPI engine on RevNet18 (as `bench pipeline`).
+- gpipe, 1f1b, zero_bubble: torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B and
+  ScheduleInterleavedZeroBubble (one stage per rank) on the plain ResNet18 of the same width,
+  split at PETRA's block boundaries, over gloo.
+- 1f1b_checkpointed: Schedule1F1B with torch.utils.checkpoint around every block.
+
+Every contender takes an SGD step (momentum 0.9, Nesterov) on each rank after each step. Images/s
+come from timed passes; activation memory from one separate untimed pass per contender (docs/peers.md
+says how it is counted)."""
+import argparse
+import contextlib
+import datetime
+import socket
+import statistics
+import time
+import weakref
+from itertools import chain
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as cp
+from torch import nn
+
+from ..engine.build import build_stages, build_workers
+from ..engine.mpi import MPIEngine
+from ..engine.world import World
+from ..models import build_blocks
+from ..optim import LRSchedule
+from ..partition import resolve_partition, split_blocks
+from .common import emit
+
+LR, MOMENTUM = 0.01, 0.9
+ZERO_BUBBLE = "zero_bubble"
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation memory: live bytes of tensors saved for backward plus tensors stored explicitly.
+
+def _span(t):
+    """(storage pointer, first byte, end byte) of the memory a tensor view reaches."""
+    if t.numel() == 0:
+        return None
+    size = t.element_size()
+    first = t.storage_offset() * size
+    reach = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    return t.untyped_storage().data_ptr(), first, first + reach * size
+
+
+def _union_bytes(intervals) -> int:
+    total, end = 0, -1
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+class _Saved:
+    """What autograd keeps instead of a saved tensor while the meter is on; its death (the graph
+    freed) releases the count."""
+    __slots__ = ("t", "meter", "span", "__weakref__")
+
+    def __init__(self, meter, span, t):
+        self.t, self.meter, self.span = t, meter, span
+
+    def __del__(self):
+        self.meter.release(self.span)
+
+
+class ActivationMeter:
+    """Peak over time of the bytes held for backward: the memory reached by every tensor saved
+    by autograd (through saved_tensors_hooks) or held explicitly (`explicit()`: PETRA's FIFOs,
+    pipelining's stage inputs/outputs of in-flight micro-batches), while alive, each byte once
+    (the union of the views' byte ranges per storage: aliases and views count once, a slice
+    of a bigger tensor counts its slice). Storages of the module's parameters and buffers are
+    not activations and are skipped."""
+
+    def __init__(self, module, explicit=lambda: ()):
+        self.skip = {t.untyped_storage().data_ptr()
+                     for t in chain(module.parameters(), module.buffers())}
+        self.live = {}  # span -> references
+        self.explicit, self.peak = explicit, 0
+
+    def add(self, t):
+        span = _span(t)
+        if span is None or span[0] in self.skip:
+            return None
+        self.live[span] = self.live.get(span, 0) + 1
+        return span
+
+    def release(self, span):
+        if span in self.live:
+            self.live[span] -= 1
+            if self.live[span] == 0:
+                del self.live[span]
+
+    def current(self) -> int:
+        spans = set(self.live)
+        for t in self.explicit():
+            span = _span(t)
+            if span is not None and span[0] not in self.skip:
+                spans.add(span)
+        per_storage = {}
+        for ptr, a, b in spans:
+            per_storage.setdefault(ptr, []).append((a, b))
+        return sum(_union_bytes(v) for v in per_storage.values())
+
+    def sample(self):
+        self.peak = max(self.peak, self.current())
+
+    def pack(self, t):
+        span = self.add(t)
+        if span is None:
+            return t
+        self.sample()
+        return _Saved(self, span, t)
+
+    @staticmethod
+    def unpack(p):
+        return p.t if isinstance(p, _Saved) else p
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+@contextlib.contextmanager
+def counting_recomputation(meter):
+    """torch.utils.checkpoint keeps a block's recomputed tensors outside the saved-tensor hooks
+    of the caller (its own hooks are innermost); count them too, so that the checkpointed
+    contender pays for its recomputation as PETRA pays for its own."""
+    original = cp._recomputation_hook
+
+    class Counting(original):
+        def __init__(self, *args):
+            super().__init__(*args)
+            inner = self.pack_hook
+
+            def pack(x):
+                # a fresh tensor object (same memory) is what checkpoint keeps, so that its
+                # death marks the end of the recomputed tensor's use
+                y = x.detach()
+                inner(y)
+                span = meter.add(y)
+                if span is not None:
+                    meter.sample()
+                    weakref.finalize(y, meter.release, span)
+                return y
+            self.pack_hook = pack
+
+    cp._recomputation_hook = Counting
+    try:
+        yield
+    finally:
+        cp._recomputation_hook = original
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.distributed.pipelining contenders
+
+def init_gloo(world):
+    """torch.distributed over gloo with MPI's ranks: rank 0 picks a free port for the TCP store
+    on 127.0.0.1 (one node) and tells the others over MPI."""
+    import torch.distributed as dist
+    if world.local_size != world.size:
+        raise SystemExit("bench peers runs on one node (the TCP store is on 127.0.0.1)")
+    port = None
+    if world.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = world.comm.bcast(port, root=0)
+    store = dist.TCPStore("127.0.0.1", port, world.size, world.rank == 0,
+                          timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("gloo", store=store, rank=world.rank, world_size=world.size)
+    return dist
+
+
+class PTStage(nn.Module):
+    """One rank's consecutive blocks; with `checkpointed`, each block under
+    torch.utils.checkpoint (non-reentrant): only block inputs are kept, each block is recomputed
+    in backward."""
+
+    def __init__(self, blocks, checkpointed=False):
+        super().__init__()
+        self.blocks, self.checkpointed = nn.ModuleList(blocks), checkpointed
+
+    def forward(self, x):
+        for b in self.blocks:
+            if self.checkpointed and torch.is_grad_enabled():
+                x = cp.checkpoint(b, x, use_reentrant=False)
+            else:
+                x = b(x)
+        return x
+
+
+def _loss(logits, target):
+    return F.cross_entropy(logits, target)
+
+
+class PTContender:
+    def __init__(self, name, schedule_cls, multi, checkpointed, a, world, sizes):
+        from torch.distributed.pipelining import PipelineStage
+        r, J = world.rank, world.size
+        torch.manual_seed(0)
+        blocks = build_blocks("resnet18", a.width, 10)
+        start = sum(sizes[:r])
+        with torch.no_grad():  # shapes of this rank's micro-batch input and output
+            x = torch.zeros(a.batch, 3, 32, 32)
+            for i, b in enumerate(blocks[:start + sizes[r]]):
+                b.eval()
+                if i == start:
+                    x_in = x
+                x = b(x)
+                b.train()
+        self.module = PTStage(split_blocks(blocks, sizes)[r], checkpointed)
+        self.stage = PipelineStage(self.module, r, J, torch.device("cpu"),
+                                   # the metadata says which gradients travel: a received
+                                   # input's and every output's
+                                   input_args=torch.empty_like(x_in).requires_grad_(r > 0),
+                                   output_args=torch.empty_like(x).requires_grad_())
+        self.schedule = schedule_cls([self.stage] if multi else self.stage, a.pt_microbatches,
+                                     loss_fn=_loss)
+        self.opt = torch.optim.SGD(self.module.parameters(), lr=LR, momentum=MOMENTUM,
+                                   nesterov=True)
+        self.name, self.checkpointed, self.world = name, checkpointed, world
+
+    def step(self, x, labels):
+        r, J = self.world.rank, self.world.size
+        if r == 0:
+            self.schedule.step(x, return_outputs=False)
+        elif r == J - 1:
+            self.schedule.step(target=labels, return_outputs=False)
+        else:
+            self.schedule.step(return_outputs=False)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def measure(self, x, labels) -> int:
+        def explicit():
+            for outputs, inputs in self.stage.fwd_cache.values():
+                yield from (t for t in chain(outputs, inputs) if isinstance(t, torch.Tensor))
+        meter = ActivationMeter(self.module, explicit)
+        recount = counting_recomputation(meter) if self.checkpointed else contextlib.nullcontext()
+        with meter.hooks(), recount:
+            self.step(x, labels)
+        return meter.peak
+
+
+# ---------------------------------------------------------------------------------------------
+
+def main(argv):
+    p = argparse.ArgumentParser(prog="mpirun -n J python -m petra_mpi.bench peers",
+                                description=__doc__)
+    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--batch", type=int, default=64, help="micro-batch size (every contender)")
+    p.add_argument("--microbatches", type=int, default=24,
+                   help="PETRA/backprop micro-batches per timed segment (fill and drain included)")
+    p.add_argument("--pt-microbatches", type=int, default=0,
+                   help="micro-batches per torch.distributed.pipelining step (0: 8, or J if more;"
+                        " 1F1B needs at least J)")
+    p.add_argument("--rounds", type=int, default=3, help="alternated rounds of each contender")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: share)")
+    p.add_argument("--no-zero-bubble", action="store_true", help="skip the zero-bubble schedule")
+    a = p.parse_args(argv)
+    world = World.from_environment()
+    if world is None:
+        raise SystemExit("run under mpirun with at least 2 ranks")
+    torch.set_num_threads(a.threads or world.thread_share())
+    comm, r, J = world.comm, world.rank, world.size
+    M = a.pt_microbatches = a.pt_microbatches or max(8, J)
+    init_gloo(world)
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleavedZeroBubble)
+
+    # Our engine, RevNet18, as bench pipeline.
+    (stage,) = build_stages("revnet18", a.width, 10, J, seed=0, only=r)
+    sizes = stage.partition
+    (worker,) = build_workers([stage], LRSchedule(LR, 10**6), momentum=MOMENTUM)
+    engines = {m: MPIEngine(worker, m, world, torch.float32, (3, 32, 32), a.batch)
+               for m in ("petra", "backprop")}
+    own_sizes = resolve_partition(build_blocks("resnet18", a.width, 10), J)
+
+    specs = [("gpipe", ScheduleGPipe, False, False), ("1f1b", Schedule1F1B, False, False),
+             ("1f1b_checkpointed", Schedule1F1B, False, True)]
+    if not a.no_zero_bubble:
+        specs.append((ZERO_BUBBLE, ScheduleInterleavedZeroBubble, True, False))
+    skipped = {}
+    pts = {}
+    for name, cls, multi, ckpt in specs:
+        try:
+            pts[name] = PTContender(name, cls, multi, ckpt, a, world, sizes)
+            err = None
+        except Exception as e:  # noqa: BLE001 - reported, the others still run
+            err = f"{type(e).__name__}: {e}".splitlines()[0]
+        errors = [e for e in comm.allgather(err) if e]
+        if errors:  # every rank drops it, so no rank waits on a schedule the others skip
+            pts.pop(name, None)
+            skipped[name] = errors[0]
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(a.batch, 3, 32, 32, generator=g),
+             torch.randint(0, 10, (a.batch,), generator=g)) for _ in range(max(4, M))]
+    full_x = torch.cat([d[0] for d in data[:M]])
+    full_y = torch.cat([d[1] for d in data[:M]])
+    pt_steps = max(1, round(a.microbatches / M))
+
+    def petra_run(method, n):
+        batches = (data[i % len(data)] for i in range(n)) if r == 0 else None
+        engines[method].train_segment(batches, n)
+        return n * a.batch
+
+    def pt_run(name, steps):
+        for _ in range(steps):
+            pts[name].step(full_x, full_y)
+        return steps * M * a.batch
+
+    runs = {m: (lambda m=m: petra_run(m, a.microbatches)) for m in engines}
+    runs.update({n: (lambda n=n: pt_run(n, pt_steps)) for n in pts})
+
+    def timed(fn):
+        comm.Barrier()
+        start = time.perf_counter()
+        images = fn()
+        comm.Barrier()
+        return images / (time.perf_counter() - start)
+
+    # Warm-up (a failing zero-bubble step would leave the other ranks waiting in gloo, so a
+    # schedule that raises here ends the run with its error).
+    for m in engines:
+        petra_run(m, J + 2)
+    for n in list(pts):
+        pt_run(n, 1)
+    speeds = {name: [] for name in runs}
+    for _ in range(a.rounds):
+        for name, fn in runs.items():
+            speeds[name].append(timed(fn))
+    images_per_s = {name: statistics.median(v) for name, v in speeds.items()}
+
+    # Memory: one untimed pass each, hooks on.
+    peaks = {}
+    for m, engine in engines.items():
+        meter = ActivationMeter(stage, lambda: (t for f in stage.fifos for t in f))
+        forward = worker.forward
+
+        def sampled_forward(b, x, forward=forward, meter=meter):
+            y = forward(b, x)
+            meter.sample()
+            return y
+        worker.forward = sampled_forward
+        try:
+            with meter.hooks():
+                comm.Barrier()
+                petra_run(m, a.microbatches)
+        finally:
+            del worker.forward
+        peaks[m] = meter.peak
+    for n, c in pts.items():
+        comm.Barrier()
+        peaks[n] = c.measure(full_x, full_y)
+    peak_bytes = {name: comm.gather(peaks[name], root=0) for name in runs}
+
+    if r == 0:
+        mib = 2.0 ** 20
+        print(f"width {a.width}, micro-batch {a.batch}, {J} ranks x {torch.get_num_threads()} "
+              f"threads, median of {a.rounds} alternated rounds")
+        print(f"petra/backprop: RevNet18, {a.microbatches} micro-batches per timed segment (fill "
+              f"and drain included); pipelining: ResNet18, {M} micro-batches per step, "
+              f"{pt_steps} step(s) per timed segment; blocks per stage {sizes}"
+              + (f" (ResNet18's own balance would be {own_sizes})" if own_sizes != sizes else ""))
+        print(f"{'contender':<18} {'images/s':>9}  peak activation MiB per rank")
+        for name in runs:
+            per_rank = " ".join(f"{b / mib:8.2f}" for b in peak_bytes[name])
+            print(f"{name:<18} {images_per_s[name]:>9.1f}  {per_rank}")
+        for name, why in skipped.items():
+            print(f"{name:<18} did not run: {why}")
+        record = {"bench": "peers", "ranks": J, "threads": torch.get_num_threads(),
+                  "batch": a.batch, "width": a.width, "microbatches": a.microbatches,
+                  "pt_microbatches": M, "partition": sizes, "images_per_s": images_per_s,
+                  "peak_activation_bytes": peak_bytes}
+        for other in ("1f1b", "1f1b_checkpointed"):
+            if other in images_per_s:
+                ratio = images_per_s["petra"] / images_per_s[other]
+                record[f"petra_vs_{other}"] = ratio
+                print(f"PETRA / {other}: {ratio:.2f} images/s")
+        if skipped:
+            record["skipped"] = skipped
+        emit(record)
+    import torch.distributed as dist
+    dist.destroy_process_group()
+
