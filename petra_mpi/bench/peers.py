@@ -275,8 +275,13 @@ def main(argv):
     from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe,
                                               ScheduleInterleavedZeroBubble)
 
-    # Our engine, RevNet18, as bench pipeline.
-    (stage,) = build_stages("revnet18", a.width, 10, J, seed=0, only=r)
+    # Our engine, RevNet18, split as bench pipeline and training do: by measured block costs.
+    measured = None
+    if r == 0 and J < 10:
+        from ..blockcost import measured_partition
+        measured, _ = measured_partition("revnet18", a.width, 10, J, (3, 32, 32), a.batch)
+    (stage,) = build_stages("revnet18", a.width, 10, J, seed=0, only=r,
+                            partition=comm.bcast(measured, root=0))
     sizes = stage.partition
     (worker,) = build_workers([stage], LRSchedule(LR, 10**6), momentum=MOMENTUM)
     engines = {m: MPIEngine(worker, m, world, torch.float32, (3, 32, 32), a.batch)
