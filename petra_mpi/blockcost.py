@@ -68,14 +68,22 @@ def _median_seconds(fn, device, repeats, setup=None):
     return statistics.median(times)
 
 
-def measure_block_costs(blocks, input_shape, batch_size, num_classes, *, device="cpu",
-                        dtype=torch.float32, repeats=3) -> BlockCosts:
-    """Time every block (see the module docstring) on a random batch of `input_shape`."""
-    device = torch.device(device)
+def _copies_and_batch(blocks, input_shape, batch_size, num_classes, device, dtype):
+    """Deep copies of the blocks (timing must not touch the model that trains) and a random
+    batch with labels."""
     blocks = [copy.deepcopy(b).to(device=device, dtype=dtype).train() for b in blocks]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch_size, *input_shape, generator=g, dtype=dtype).to(device)
     labels = torch.randint(0, num_classes, (batch_size,), generator=g).to(device)
+    return blocks, x, labels
+
+
+def measure_block_costs(blocks, input_shape, batch_size, num_classes, *, device="cpu",
+                        dtype=torch.float32, repeats=3) -> BlockCosts:
+    """Time every block (see the module docstring) on a random batch of `input_shape`."""
+    device = torch.device(device)
+    blocks, x, labels = _copies_and_batch(blocks, input_shape, batch_size, num_classes, device,
+                                          dtype)
     forward, backward, last, step, out_bytes = [], [], [], [], []
     for i, block in enumerate(blocks):
         is_head = i == len(blocks) - 1
@@ -131,10 +139,8 @@ def measure_autograd_costs(blocks, input_shape, batch_size, num_classes, *, devi
     """Per-block costs of ordinary autograd training (what 1F1B or GPipe run): forward with
     graph, its backward (last = both), the optimizer step."""
     device = torch.device(device)
-    blocks = [copy.deepcopy(b).to(device=device, dtype=dtype).train() for b in blocks]
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(batch_size, *input_shape, generator=g, dtype=dtype).to(device)
-    labels = torch.randint(0, num_classes, (batch_size,), generator=g).to(device)
+    blocks, x, labels = _copies_and_batch(blocks, input_shape, batch_size, num_classes, device,
+                                          dtype)
     forward, backward, last, step, out_bytes = [], [], [], [], []
     for i, block in enumerate(blocks):
         is_head = i == len(blocks) - 1
