@@ -12,6 +12,7 @@ import torch
 from ..engine.build import build_stages, build_workers
 from ..engine.mpi import MPIEngine
 from ..engine.world import World
+from ..models import num_blocks
 from ..optim import LRSchedule
 from ..schedule import num_ticks
 from .. import trace
@@ -21,7 +22,7 @@ from .common import emit
 def split_for(a, world):
     """Blocks per stage: measured on rank 0 and shared (as training does by default), or the
     estimate."""
-    if a.balance == "estimate" or world.size == 10:
+    if a.balance == "estimate" or world.size == num_blocks(a.arch):  # one block per stage
         return None
     sizes = None
     if world.rank == 0:
