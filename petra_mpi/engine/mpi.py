@@ -102,9 +102,9 @@ class MPIEngine:
                     x, labels = self._input(batches)
                     labels = self.labels_in.get() if labels is None else labels
                     loss, logits, grad_x = w.forward_backward(b, x, labels)
+                    self._send_down(x, grad_x)  # first: δ is on the critical path, logging not
                     if on_loss is not None:
                         on_loss(b, loss, logits, labels)
-                    self._send_down(x, grad_x)
             t += 1
         # A vote is posted only while 2 checks remain, so none is pending here; a request that
         # arrives later is seen by any_stop at the drain.
