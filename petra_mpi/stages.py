@@ -120,7 +120,9 @@ def _reversible_vjp(block, y, grad_y, need_grad_x):
     g1, g2 = grad_y.chunk(2, dim=1)
     x1 = y2.detach().requires_grad_(need_grad_x)
     with torch.enable_grad():
-        f = block.f(x1)  # F in the block's compute precision, in the streams' dtype
+        # F in the block's compute precision, returned in the streams' dtype (blocks without
+        # MixedPrecision have no .f: their branch is F)
+        f = block.f(x1) if hasattr(block, "f") else block.branch(x1)
     x2 = y1 - f.detach()
     f.backward(g1)
     x = torch.cat([y2, x2], dim=1)
