@@ -122,13 +122,15 @@ def measure_block_costs(blocks, input_shape, batch_size, num_classes, *, device=
 
 
 def measured_partition(arch, width, num_classes, num_stages, input_shape, batch_size, *,
-                       imagenet_stem=False, device="cpu", dtype=torch.float32, **model_kw):
+                       imagenet_stem=False, device="cpu", dtype=torch.float32, precision="fp32",
+                       **model_kw):
     """(blocks per stage minimising the slowest stage by measured cost, the BlockCosts);
-    model_kw: the transformers' depth, heads and patch."""
-    from .models import build_blocks
+    model_kw: the transformers' depth, heads and patch; precision as run.precision."""
+    from .models import build_blocks, set_precision
     from .partition import resolve_partition
     blocks = build_blocks(arch, width, num_classes, imagenet_stem, image_size=input_shape[-1],
                           **model_kw)
+    set_precision(blocks, precision)
     costs = measure_block_costs(blocks, input_shape, batch_size, num_classes, device=device,
                                 dtype=dtype)
     return resolve_partition(blocks, num_stages, costs=costs), costs

@@ -31,6 +31,10 @@ class RunConfig:
     """auto (cuda when available), cpu or cuda."""
     dtype: str = "float32"
     """float32 or float64 (float64 for exactness checks)."""
+    precision: str = "fp32"
+    """fp32, or bf16: each block computes under bfloat16 autocast while the tensors between
+    blocks and both coupling streams stay float32 (so rebuilding a reversible stage's input
+    still cancels to float32 rounding); needs run.dtype float32."""
     threads: int = 0
     """torch CPU threads per rank; 0 gives each rank its share of the node's cores."""
     progress: bool = True
@@ -104,6 +108,11 @@ class DataConfig:
     """Crop size for full-size (JPEG) ImageNet."""
     prefetch: int = 2
     """Batches read ahead in the background."""
+    decode_workers: int = 0
+    """JPEG decode workers of the reader (full-size ImageNet on the CPU); 0: one per CPU of
+    this rank (its affinity set, which under srun is the task's --cpus-per-task)."""
+    decode_pool: str = "thread"
+    """thread or process: what runs the JPEG decode workers (see docs/gpu.md for figures)."""
 
 
 @dataclass
@@ -266,6 +275,9 @@ def validate(cfg: Config, world_size: int | None = None):
 
     need(cfg.run.device in ("auto", "cpu", "cuda"), "run.device", "must be auto, cpu or cuda")
     need(cfg.run.dtype in ("float32", "float64"), "run.dtype", "must be float32 or float64")
+    need(cfg.run.precision in ("fp32", "bf16"), "run.precision", "must be fp32 or bf16")
+    need(cfg.run.precision == "fp32" or cfg.run.dtype == "float32", "run.precision",
+         "bf16 needs run.dtype float32 (the storage dtype of the tensors between blocks)")
     need(cfg.run.threads >= 0, "run.threads", "must be >= 0")
     need(cfg.run.log_every >= 1, "run.log_every", "must be >= 1")
     need(cfg.run.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0")
@@ -299,6 +311,9 @@ def validate(cfg: Config, world_size: int | None = None):
     need(cfg.data.synthetic_train >= 1 and cfg.data.synthetic_val >= 1, "data.synthetic_train",
          "synthetic split sizes must be >= 1")
     need(cfg.data.crop >= 1 and cfg.data.prefetch >= 0, "data.crop", "crop >= 1, prefetch >= 0")
+    need(cfg.data.decode_workers >= 0, "data.decode_workers", "must be >= 0")
+    need(cfg.data.decode_pool in ("thread", "process"), "data.decode_pool",
+         "must be thread or process")
     need(cfg.train.method in METHODS, "train.method", f"must be one of {', '.join(METHODS)}")
     need(cfg.train.epochs >= 1, "train.epochs", "must be >= 1")
     need(cfg.train.accumulation >= 1, "train.accumulation", "k must be >= 1")

@@ -41,11 +41,16 @@ def parse_args(argv):
 
 
 def pick_device(cfg, local_rank: int = 0) -> torch.device:
+    """The device of this process: the GPU devices.gpu_index picks from the launcher's
+    environment (the one devices.bind_early bound before MPI started), else by `local_rank`."""
     if cfg.run.device == "cpu" or (cfg.run.device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise TrainingError("run.device is cuda but CUDA is not available")
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
+    from .devices import gpu_index
+    index = gpu_index(os.environ, torch.cuda.device_count(), local_rank)
+    torch.cuda.set_device(index)  # the same index bind_early chose, when it could choose
+    return torch.device("cuda", index)
 
 
 def lr_schedule(cfg, steps_per_epoch: int) -> LRSchedule:
@@ -69,7 +74,8 @@ def open_data(cfg, device):
                             f"model.num_classes is {cfg.model.num_classes}")
     jpeg = train.kind == "jpeg"
     common = dict(seed=cfg.run.seed, device=device, crop=cfg.data.crop if jpeg else None,
-                  prefetch=cfg.data.prefetch)
+                  prefetch=cfg.data.prefetch, decode_threads=cfg.data.decode_workers or None,
+                  decode_pool=cfg.data.decode_pool)
     side = cfg.data.crop if jpeg else train.image_size
     return (BatchLoader(train, cfg.data.batch_size, train=True, augment=cfg.data.augment, **common),
             BatchLoader(val, cfg.data.batch_size, train=False, augment=False, **common),
@@ -96,7 +102,8 @@ def choose_partition(cfg, J, world, device, dtype, input_shape, resume):
         sizes, costs = measured_partition(cfg.model.arch, cfg.model.width, cfg.model.num_classes,
                                           J, input_shape, cfg.data.batch_size,
                                           imagenet_stem=cfg.model.stem == "imagenet",
-                                          device=device, dtype=dtype, **model_kwargs(cfg))
+                                          device=device, dtype=dtype,
+                                          precision=cfg.run.precision, **model_kwargs(cfg))
         per_stage = " ".join(f"{1e3 * c:.0f}" for c in costs.stage_seconds(sizes))
         print(f"petra_mpi: stages balanced by measured cost ({time.perf_counter() - start:.1f} s "
               f"to time {blocks_total} blocks): blocks per stage {sizes}, ms per micro-batch "
@@ -166,6 +173,11 @@ def run(cfg, world, dry_run=False, stop=None) -> int:
     rank, size = (world.rank, world.size) if world else (0, 1)
     J = num_stages(cfg, size)
     device = pick_device(cfg, world.local_rank if world else 0)
+    if world:
+        from .devices import rank_map
+        table = rank_map(world, device)
+        if table:
+            print(table, file=sys.stderr, flush=True)
     dtype = getattr(torch, cfg.run.dtype)
     reads_data, computes_loss = rank == 0, rank == size - 1
     torch.set_num_threads(cfg.run.threads or (world.thread_share() if world else
@@ -190,7 +202,8 @@ def run(cfg, world, dry_run=False, stop=None) -> int:
                           partition=partition, buffer_inputs=cfg.train.buffer_inputs,
                           stash_weights=cfg.train.stash_weights, device=device, dtype=dtype,
                           image_size=224 if cfg.model.stem == "imagenet" else 32,
-                          only=rank if world else None, model_kw=model_kwargs(cfg))
+                          only=rank if world else None, model_kw=model_kwargs(cfg),
+                          precision=cfg.run.precision)
     steps_per_epoch = -(-n // cfg.train.accumulation)
     workers = build_workers(stages, lr_schedule(cfg, steps_per_epoch), cfg.train.accumulation,
                             cfg.optim.momentum, cfg.optim.nesterov, cfg.optim.weight_decay,
@@ -355,9 +368,21 @@ def _as_dtype(batches, dtype):
     return ((x.to(dtype), y) for x, y in batches)
 
 
+def _bind_gpu_before_mpi(args):
+    """Set this rank's CUDA device from the launcher's local rank before mpi4py initialises MPI
+    (CUDA-aware MPI picks its GPU at MPI_Init). A config error is reported later, after MPI."""
+    try:
+        device = load_config(args.config, args.set).run.device
+    except ConfigError:
+        return
+    from .devices import bind_early
+    bind_early(device)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     stop = StopRequest().install()  # first: a signal during start-up still means "stop cleanly"
+    _bind_gpu_before_mpi(args)
     from .engine.world import LaunchError, World
     try:
         world = World.from_environment()

@@ -82,3 +82,22 @@ def test_mpi_equivalence_cpu_vs_gpu_staging(tmp_path):
     # gradients) may differ: every parameter and BN buffer of both stages must agree closely.
     assert_states_close(final_stage_states(tmp_path / "local", 2),
                         final_stage_states(tmp_path / "mpi", 2), rtol=1e-4, atol=1e-6)
+
+
+def test_gpu_jpeg_decode_is_stream_safe(tmp_path):
+    """pytorch/vision#9606: nvJPEG decode on the compute stream can overwrite memory queued
+    kernels still read. The side-stream decode must train stage 0 bitwise as a run that
+    synchronises the whole device before every decode."""
+    pytest.importorskip("torchvision.io")
+    import subprocess
+    import sys
+    script = HERE / "gpu" / "decode_training.py"
+    for sync in ("0", "1"):
+        proc = subprocess.run([sys.executable, str(script), str(tmp_path / f"sync{sync}.pt"), sync],
+                              capture_output=True, text=True, timeout=300, cwd=HERE.parent,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    free, synced = (torch.load(tmp_path / f"sync{s}.pt") for s in ("0", "1"))
+    assert len(free) == len(synced) > 0
+    for a, b in zip(free, synced):
+        assert torch.equal(a, b), "stage-0 parameters differ with a synchronised decode"

@@ -2,6 +2,7 @@
 
     python -m petra_mpi.bench data FILE|synthetic [--batch 64] [--seconds 5] [--threads 1]
                                                  [--jpeg-demo] [--crop 224]
+                                                 [--decode-workers N] [--decode-pool both]
 
 32x32 ("array") data: the raw reader (sorted random batches), then the full loader (read +
 prefetch thread + crop/flip + uint8->normalised float), train and eval. `synthetic` measures the
@@ -9,7 +10,7 @@ in-memory set and an HDF5 copy of it written to a temporary file, chunked like d
 a FILE is timed as opened (small splits are loaded whole) and streamed from the file (the
 headline `images_per_s`: what an ImageNet32-sized split gets). JPEG data (a JPEG-variant FILE, or --jpeg-demo for a
 generated set of 256-pixel JPEGs): read + decode + crop alone (the prefetch thread's work, with
-`--threads` decode threads), then the whole loader on the CPU (flip and normalisation of
+`--decode-workers` threads and/or processes, `--decode-pool`), then the whole loader on the CPU (flip and normalisation of
 224x224 floats add ~0.5 ms per image there; on a GPU they run on the device).
 The process is pinned to `--threads` cores (the prefetch thread shares them) and torch uses as
 many threads. The last line printed is one JSON object.
@@ -134,6 +135,10 @@ def main(argv):
     p.add_argument("--threads", type=int, default=1, help="cores (and torch threads) to use")
     p.add_argument("--jpeg-demo", action="store_true", help="also time a generated JPEG set")
     p.add_argument("--crop", type=int, default=224, help="JPEG output side")
+    p.add_argument("--decode-workers", type=int, default=0,
+                   help="JPEG decode workers (0: --threads)")
+    p.add_argument("--decode-pool", choices=["thread", "process", "both"], default="both",
+                   help="what runs the JPEG decode workers (both: side by side)")
     p.add_argument("--synthetic-n", type=int, default=20_000, help="train size of 'synthetic'")
     a = p.parse_args(argv)
 
@@ -182,13 +187,19 @@ def main(argv):
             print(f"  (jpeg demo: 256 generated JPEGs, shorter side 256, {kb:.0f} KiB each)")
             jpeg_src = open_split(path, "train")
         if jpeg_src is not None:
+            workers = a.decode_workers or a.threads
+            pools = ["thread", "process"] if a.decode_pool == "both" else [a.decode_pool]
             for train, what, k in [(True, f"random-resized-crop {a.crop}", "jpeg"),
                                    (False, f"centre crop {a.crop}", "jpeg_eval")]:
-                ld = BatchLoader(jpeg_src, min(a.batch, len(jpeg_src)), train=train, seed=0,
-                                 crop=a.crop, decode_threads=a.threads)
-                measure(f"[jpeg] read + decode + {what}", _load_step(ld), f"{k}_decode_images_per_s")
-                measure("[jpeg]   loader: + flip + normalise (cpu)", _loader_step(ld),
-                        f"{k}_images_per_s")
-                ld.close()
+                for pool in pools:
+                    tag = "" if pool == "thread" else "process_"
+                    ld = BatchLoader(jpeg_src, min(a.batch, len(jpeg_src)), train=train, seed=0,
+                                     crop=a.crop, decode_threads=workers, decode_pool=pool)
+                    measure(f"[jpeg] read + decode + {what} ({workers} {pool} workers)", _load_step(ld),
+                            f"{k}_{tag}decode_images_per_s")
+                    measure(f"[jpeg]   loader: + flip + normalise (cpu, {pool} pool)",
+                            _loader_step(ld), f"{k}_{tag}images_per_s")
+                    ld.close()
             fig["jpeg_crop"] = a.crop
+            fig["decode_workers"] = workers
     print(json.dumps(fig))

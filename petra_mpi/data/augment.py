@@ -13,6 +13,7 @@ Every random draw comes from the numpy Generator the caller passes in, drawn in 
 independent of image sizes, so a batch's augmentation is a pure function of its seed.
 """
 import io
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import torch
@@ -135,15 +136,67 @@ def decode_crop_pil(blob, crop, box_fn):
 
 
 def decode_crop_batch_pil(blobs, crop, image_size, uniforms=None, pool=None):
-    """Decode and crop a list of JPEGs into one uint8 (N, crop, crop, 3) array."""
-    def one(k):
-        return decode_crop_pil(blobs[k], crop,
-                               lambda w, h: jpeg_box(w, h, k, crop, image_size, uniforms))
-    ks = range(len(blobs))
-    images = list(pool.map(one, ks)) if pool is not None else [one(k) for k in ks]
+    """Decode and crop a list of JPEGs into one uint8 (N, crop, crop, 3) array. pool: None (this
+    thread), a ThreadPoolExecutor (one task per image) or a ProcessPoolExecutor (one task per
+    contiguous chunk of images, one chunk per worker: few, large messages)."""
+    n = len(blobs)
+    out = np.empty((n, crop, crop, 3), np.uint8)
+    if pool is None or n == 0:
+        out[:] = decode_crop_chunk(blobs, 0, crop, image_size, uniforms)
+    elif isinstance(pool, ProcessPoolExecutor):
+        parts = min(n, pool._max_workers)  # noqa: SLF001 - the pool's size, as configured
+        bounds = [n * i // parts for i in range(parts + 1)]
+        futures = [(lo, pool.submit(decode_crop_chunk, blobs[lo:hi], lo, crop, image_size,
+                                    None if uniforms is None else uniforms[lo:hi], True))
+                   for lo, hi in zip(bounds[:-1], bounds[1:])]
+        for lo, f in futures:
+            chunk = f.result()
+            out[lo:lo + len(chunk)] = chunk
+    else:
+        def one(k):
+            return decode_crop_pil(blobs[k], crop,
+                                   lambda w, h: jpeg_box(w, h, k, crop, image_size, uniforms))
+        for k, im in enumerate(pool.map(one, range(n))):
+            out[k] = im
+    return out
+
+
+def decode_crop_chunk(blobs, first, crop, image_size, uniforms=None, local_uniforms=False):
+    """Decode images first, first+1, ... of a batch (blobs[i] is image first+i) into one
+    (len(blobs), crop, crop, 3) uint8 array: the work of one process-pool task (top-level, so it
+    pickles). uniforms: the batch's, or with local_uniforms the chunk's own rows."""
     out = np.empty((len(blobs), crop, crop, 3), np.uint8)
-    for k, im in enumerate(images):
-        out[k] = im
+    for i, blob in enumerate(blobs):
+        row = i if local_uniforms else first + i
+        out[i] = decode_crop_pil(blob, crop,
+                                 lambda w, h: jpeg_box(w, h, row, crop, image_size, uniforms))
+    return out
+
+
+def crop_resize_batch(images, boxes, crop):
+    """Crop images[k] (uint8 CHW, any device, sizes may differ) to boxes[k] = (left, top, w, h)
+    and resize each to crop x crop (bilinear, antialiased like PIL): uint8 (N, 3, crop, crop).
+
+    Patches are grouped by box size, and each group is resized by one batched F.interpolate call
+    (eval centre crops of equal-size images: one call for the whole batch; random-resized-crop
+    boxes rarely coincide, so there the groups are mostly single images)."""
+    n = len(images)
+    device = images[0].device if n else torch.device("cpu")
+    out = torch.empty((n, 3, crop, crop), dtype=torch.uint8, device=device)
+    groups = {}
+    for k, (left, top, w, h) in enumerate(boxes):
+        groups.setdefault((w, h), []).append(k)
+    for (w, h), ks in groups.items():
+        patches = torch.stack([images[k][:, boxes[k][1]:boxes[k][1] + h,
+                                         boxes[k][0]:boxes[k][0] + w] for k in ks])
+        if (w, h) != (crop, crop):
+            patches = F.interpolate(patches.float(), size=(crop, crop), mode="bilinear",
+                                    align_corners=False, antialias=True)
+            patches = patches.round_().clamp_(0, 255)
+        if len(ks) == n:
+            out.copy_(patches)
+        else:
+            out[torch.tensor(ks, device=device)] = patches.to(torch.uint8)
     return out
 
 
@@ -158,19 +211,43 @@ def has_gpu_decode(device):
     return True
 
 
+# Set (tests/test_gpu.py) to synchronise the whole device before every GPU decode: the reference
+# against which the stream-safe path must give bitwise the same training.
+SYNC_BEFORE_DECODE = False
+_decode_streams = {}  # device index -> the side stream that runs nvJPEG and the crops
+
+
 def decode_crop_batch_cuda(blobs, crop, image_size, device, uniforms=None):
-    """GPU path: nvJPEG decode of the whole batch, then per-image crop and antialiased bilinear
-    resize on the device. Returns uint8 NHWC on the device (a channels-last view)."""
+    """GPU path: nvJPEG decode of the whole batch, then crop and antialiased bilinear resize on
+    the device. Returns uint8 NHWC on the device (a channels-last view), ready on the current
+    (compute) stream.
+
+    Stream safety (pytorch/vision#9606): decode_jpeg allocates its outputs on the current stream
+    and lets nvJPEG write them on another stream without ordering, so on the compute stream it
+    can be handed a block that queued compute kernels still read. Here everything runs on a side
+    stream of its own: its allocations never come from blocks the compute stream freed; the side
+    stream is host-synchronised before each decode, so no earlier crop kernel still reads a block
+    the decoder may be given (nvJPEG's hardware engine ignores stream order); an event makes the
+    compute stream wait for the finished batch, and record_stream keeps the batch's memory from
+    being reused by the side stream before the compute stream is done with it."""
     import torchvision.io as tio  # optional: only on this path
+    device = torch.device(device)
+    if SYNC_BEFORE_DECODE:
+        torch.cuda.synchronize(device)
+    compute = torch.cuda.current_stream(device)
+    side = _decode_streams.get(device.index)
+    if side is None:
+        side = _decode_streams[device.index] = torch.cuda.Stream(device)
     data = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs]
-    images = tio.decode_jpeg(data, mode=tio.ImageReadMode.RGB, device=device)
-    out = torch.empty((len(blobs), 3, crop, crop), dtype=torch.uint8, device=device)
-    for k, im in enumerate(images):  # sizes differ, so one resize per image
-        left, top, w, h = jpeg_box(im.shape[2], im.shape[1], k, crop, image_size, uniforms)
-        patch = im[:, top:top + h, left:left + w]
-        if (w, h) != (crop, crop):
-            patch = F.interpolate(patch[None].float(), size=(crop, crop), mode="bilinear",
-                                  align_corners=False, antialias=True)[0]
-            patch = patch.round_().clamp_(0, 255)
-        out[k] = patch
+    side.synchronize()
+    with torch.cuda.stream(side):
+        images = tio.decode_jpeg(data, mode=tio.ImageReadMode.RGB, device=device)
+        boxes = [jpeg_box(im.shape[2], im.shape[1], k, crop, image_size, uniforms)
+                 for k, im in enumerate(images)]
+        out = crop_resize_batch(images, boxes, crop)
+        done = torch.cuda.Event()
+        done.record(side)
+    compute.wait_event(done)
+    out.record_stream(compute)
+    del images  # freed on the side stream, whose next decode first synchronises it
     return out.permute(0, 2, 3, 1)

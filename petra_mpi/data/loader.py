@@ -15,11 +15,12 @@ of `prefetch` entries, so memory stays bounded; the main thread moves each uint8
 device and augments / normalises it there.
 """
 import atexit
+import multiprocessing
 import os
 import queue
 import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -48,11 +49,14 @@ class _Failure:
 
 class BatchLoader:
     def __init__(self, src, batch_size, *, train, seed, device="cpu", augment=True, crop=None,
-                 prefetch=2, decode_threads=None):
+                 prefetch=2, decode_threads=None, decode_pool="thread"):
         """src: a source from open_split. train: shuffled drop-last epochs with augmentation
         (if `augment`); else the split in order, unaugmented. crop: output side of JPEG data
         (default 224); array data keep their size. prefetch: batches read ahead (0: read in the
-        consuming thread). decode_threads: PIL decode threads for JPEG data (None: up to 4)."""
+        consuming thread). decode_threads: PIL decode workers for JPEG data (None: one per CPU
+        of this process's affinity set, e.g. the task's --cpus-per-task under srun).
+        decode_pool: "thread" or "process" (a process pool started by forkserver, for when
+        threads stop scaling on the GIL)."""
         if int(batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if int(seed) < 0:
@@ -73,9 +77,12 @@ class BatchLoader:
         self.prefetch = max(0, int(prefetch))
         self._gpu_decode = src.kind == "jpeg" and A.has_gpu_decode(self.device)
         if decode_threads is None:
-            decode_threads = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                 else os.cpu_count() or 1)
+            decode_threads = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                              else os.cpu_count() or 1)
         self.decode_threads = max(1, int(decode_threads))
+        if decode_pool not in ("thread", "process"):
+            raise ValueError(f"decode_pool must be thread or process, got {decode_pool!r}")
+        self.decode_pool = decode_pool
         self._pool = None
         self._pin = self.device.type == "cuda"  # pinned host memory: asynchronous copies
         self._scale, self._shift = A.norm_constants(src.mean, src.std, self.device)
@@ -154,7 +161,7 @@ class BatchLoader:
                 item["blobs"], item["uniforms"] = images, uniforms
             else:
                 if self.decode_threads > 1 and self._pool is None:
-                    self._pool = ThreadPoolExecutor(self.decode_threads, "petra-jpeg")
+                    self._pool = self._make_pool()
                 item["images"] = torch.from_numpy(A.decode_crop_batch_pil(
                     images, self.crop, self.src.image_size, uniforms, self._pool))
             if flip is not None:
@@ -162,6 +169,14 @@ class BatchLoader:
         if self._pin:
             item = {k: (v.pin_memory() if isinstance(v, torch.Tensor) else v) for k, v in item.items()}
         return item
+
+    def _make_pool(self):
+        if self.decode_pool == "thread":
+            return ThreadPoolExecutor(self.decode_threads, "petra-jpeg")
+        # forkserver/spawn, never fork: this process may hold MPI, CUDA and torch's thread pools
+        methods = multiprocessing.get_all_start_methods()
+        ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+        return ProcessPoolExecutor(self.decode_threads, mp_context=ctx)
 
     def _produce(self, epoch, start, stop_at, q, stop):
         try:

@@ -1,7 +1,7 @@
 """Building the stages and their workers, identically in every engine and on every rank."""
 import torch
 
-from ..models import build_blocks
+from ..models import build_blocks, set_precision
 from ..optim import StageOptimizer
 from ..partition import resolve_partition, split_blocks
 from ..stages import Stage
@@ -12,13 +12,16 @@ def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, se
                  imagenet_stem: bool = False, partition=None, image_size: int = 32,
                  buffer_inputs: bool = False, stash_weights: bool = False,
                  device="cpu", dtype=torch.float32, only: int | None = None,
-                 model_kw: dict | None = None) -> list[Stage]:
+                 model_kw: dict | None = None, precision: str = "fp32") -> list[Stage]:
     """All stages (or just stage `only`), with weights that depend on the seed alone: every rank
     builds the whole net from the same seed and keeps its own part. `model_kw`: depth, heads and
-    patch of revvit/vit (config.model_kwargs)."""
+    patch of revvit/vit (config.model_kwargs). precision: fp32, or bf16 (autocast inside each
+    block; the tensors between blocks keep `dtype`). On CUDA the weights are channels-last (the
+    convolutions then run NHWC, what tensor cores prefer)."""
     torch.manual_seed(seed)
     blocks = build_blocks(arch, width, num_classes, imagenet_stem, image_size=image_size,
                           **(model_kw or {}))
+    set_precision(blocks, precision)
     sizes = resolve_partition(blocks, num_stages, partition, image_size)
     stages = []
     for s, stage_blocks in enumerate(split_blocks(blocks, sizes)):
@@ -27,7 +30,10 @@ def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, se
         stage = Stage(stage_blocks, s, num_stages, buffer_inputs=buffer_inputs,
                       stash_weights=stash_weights)
         stage.partition = sizes  # blocks per stage of the whole split (checked on resume)
-        stages.append(stage.to(device=device, dtype=dtype))
+        stage = stage.to(device=device, dtype=dtype)
+        if torch.device(device).type == "cuda":
+            stage = stage.to(memory_format=torch.channels_last)
+        stages.append(stage)
     return stages
 
 

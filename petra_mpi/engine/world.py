@@ -27,6 +27,23 @@ def _srun_step_tasks() -> int:
         return 1
 
 
+def _affinity() -> set:
+    try:
+        return set(os.sched_getaffinity(0))
+    except AttributeError:
+        return set(range(os.cpu_count() or 1))
+
+
+def cpu_share(mine, node_sets) -> int:
+    """Threads for a rank whose CPU set is `mine`, among the CPU sets of every rank of its node:
+    the set divided by the ranks that overlap it. srun --cpus-per-task or mpirun --bind-to gives
+    each rank its own set (disjoint: the whole set is this rank's); an unbound mpirun gives every
+    rank the same set (shared: divided by the local ranks)."""
+    mine = set(mine)
+    sharers = sum(1 for other in node_sets if mine & set(other)) or 1
+    return max(1, len(mine) // sharers)
+
+
 class World:
     def __init__(self, comm):
         from mpi4py import MPI
@@ -34,6 +51,7 @@ class World:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
+        self.node_cpus = node.allgather(sorted(_affinity()))  # CPU sets of this node's ranks
         node.Free()
 
     @classmethod
@@ -56,12 +74,9 @@ class World:
         return self.rank == self.size - 1
 
     def thread_share(self) -> int:
-        """This rank's share of the node's cores for torch's CPU threads."""
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except AttributeError:
-            cores = os.cpu_count() or 1
-        return max(1, cores // self.local_size)
+        """This rank's share of its CPU set for torch's CPU threads (see cpu_share)."""
+        return cpu_share(_affinity(), getattr(self, "node_cpus", None) or [_affinity()] *
+                         self.local_size)
 
     def share_lengths(self, lengths):
         """Rank 0 (the data reader) tells everyone the segment lengths and input shape."""

@@ -31,6 +31,36 @@ class BatchNorm2d(nn.BatchNorm2d):
         return super().forward(x)
 
 
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+
+
+class MixedPrecision:
+    """Mixed precision INSIDE a block: its sub-modules (branch, body, shortcut, head) run under
+    torch.autocast(compute_dtype) and their outputs are cast back to the input's dtype before the
+    block adds or concatenates them. So the tensors between blocks and both coupling streams keep
+    the storage dtype (float32), and a coupling block's inverse x2 = y1 - F(y2) cancels F up to
+    float32 rounding: F is a deterministic function of (y2 = x1, θ) whatever its inner precision."""
+    compute_dtype = None  # None: no autocast (set per block by set_precision)
+
+    def sub(self, module, x):
+        if self.compute_dtype is None:
+            return module(x)
+        with torch.autocast(x.device.type, dtype=self.compute_dtype):
+            out = module(x)
+        return out.to(x.dtype)
+
+
+def set_precision(modules, precision: str):
+    """Make every MixedPrecision block among `modules` (and their children) compute in
+    `precision` (fp32 or bf16; see PRECISIONS)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    for top in modules:
+        for m in top.modules():
+            if isinstance(m, MixedPrecision):
+                m.compute_dtype = PRECISIONS[precision]
+
+
 def conv_bn(cin, cout, kernel, stride=1, relu=True):
     layers = [nn.Conv2d(cin, cout, kernel, stride, kernel // 2, bias=False), BatchNorm2d(cout)]
     if relu:
@@ -50,7 +80,7 @@ def bottleneck_branch(cin, cout, stride):
                          conv_bn(mid, cout, 1, relu=False))
 
 
-class Stem(nn.Module):
+class Stem(MixedPrecision, nn.Module):
     """CIFAR stem: 3x3 conv. ImageNet stem: 7x7 stride-2 conv and 3x3 stride-2 max-pool."""
     reversible = False
 
@@ -62,10 +92,10 @@ class Stem(nn.Module):
             self.body = conv_bn(3, cout, 3)
 
     def forward(self, x):
-        return self.body(x)
+        return self.sub(self.body, x)
 
 
-class ResidualBlock(nn.Module):
+class ResidualBlock(MixedPrecision, nn.Module):
     """Plain ResNet block: relu(branch(x) + shortcut(x))."""
     reversible = False
 
@@ -74,10 +104,10 @@ class ResidualBlock(nn.Module):
         self.branch, self.shortcut = branch, shortcut
 
     def forward(self, x):
-        return F.relu(self.branch(x) + self.shortcut(x))
+        return F.relu(self.sub(self.branch, x) + self.sub(self.shortcut, x))
 
 
-class ReversibleBlock(nn.Module):
+class ReversibleBlock(MixedPrecision, nn.Module):
     """Coupling block (paper Fig. 2b): (y1, y2) = (x2 + F(x1), x1); inverse x1 = y2, x2 = y1 - F(y2)."""
     reversible = True
 
@@ -85,13 +115,17 @@ class ReversibleBlock(nn.Module):
         super().__init__()
         self.branch = branch
 
+    def f(self, x1):
+        """The branch F, in the block's compute precision, returned in x1's dtype."""
+        return self.sub(self.branch, x1)
+
     def forward(self, x):
         x1, x2 = x.chunk(2, dim=1)
-        return torch.cat([x2 + self.branch(x1), x1], dim=1)
+        return torch.cat([x2 + self.f(x1), x1], dim=1)
 
     def inverse(self, y):
         y1, y2 = y.chunk(2, dim=1)
-        return torch.cat([y2, y1 - self.branch(y2)], dim=1)
+        return torch.cat([y2, y1 - self.f(y2)], dim=1)
 
     def backward_from_output(self, y, grad_y, need_grad_x=True):
         """Rebuild x from y with the current weights while recording the graph of F (one forward
@@ -101,7 +135,7 @@ class ReversibleBlock(nn.Module):
         g1, g2 = grad_y.chunk(2, dim=1)
         x1 = y2.detach().requires_grad_(need_grad_x)
         with torch.enable_grad():
-            f = self.branch(x1)
+            f = self.f(x1)
         x2 = y1 - f.detach()
         f.backward(g1)
         x = torch.cat([y2, x2], dim=1)
@@ -121,7 +155,7 @@ class PadShortcut(nn.Module):
         return F.pad(x, (0, 0, 0, 0, 0, self.pad))
 
 
-class DownsampleBlock(nn.Module):
+class DownsampleBlock(MixedPrecision, nn.Module):
     """Non-reversible transition of a RevNet between stream widths/resolutions.
 
     The coupling rule with its identities replaced by shortcuts: (y1, y2) = (S(x2) + F(x1), T(x1)),
@@ -136,10 +170,11 @@ class DownsampleBlock(nn.Module):
 
     def forward(self, x):
         x1, x2 = x.chunk(2, dim=1)
-        return torch.cat([self.shortcut(x2) + self.branch(x1), self.transfer(x1)], dim=1)
+        return torch.cat([self.sub(self.shortcut, x2) + self.sub(self.branch, x1),
+                          self.sub(self.transfer, x1)], dim=1)
 
 
-class Head(nn.Module):
+class Head(MixedPrecision, nn.Module):
     """Global average pooling and the linear classifier."""
     reversible = False
 
@@ -148,4 +183,7 @@ class Head(nn.Module):
         self.fc = nn.Linear(cin, num_classes)
 
     def forward(self, x):
+        return self.sub(self._logits, x)
+
+    def _logits(self, x):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))

@@ -16,6 +16,8 @@ import math
 import torch
 from torch import nn
 
+from .blocks import MixedPrecision
+
 VIT_ARCHS = ("revvit", "vit")
 DEFAULT_DEPTH = 8
 
@@ -68,7 +70,7 @@ def mlp_branch(dim, ratio=4):
                          nn.Linear(ratio * dim, dim))
 
 
-class PatchEmbed(nn.Module):
+class PatchEmbed(MixedPrecision, nn.Module):
     """Conv patchify (kernel = stride = patch) plus a learned position embedding; with streams=2
     the tokens are duplicated into the two streams of a reversible net: (B, N, streams·D)."""
     reversible = False
@@ -83,11 +85,11 @@ class PatchEmbed(nn.Module):
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
 
     def forward(self, x):
-        tokens = self.proj(x).flatten(2).transpose(1, 2) + self.pos_embed
+        tokens = self.sub(self.proj, x).flatten(2).transpose(1, 2) + self.pos_embed
         return torch.cat([tokens] * self.streams, dim=-1) if self.streams > 1 else tokens
 
 
-class ReversibleViTBlock(nn.Module):
+class ReversibleViTBlock(MixedPrecision, nn.Module):
     """Two couplings: y1 = x1 + F(x2), y2 = x2 + G(y1), F = Attn∘LN, G = MLP∘LN."""
     reversible = True
 
@@ -97,13 +99,13 @@ class ReversibleViTBlock(nn.Module):
 
     def forward(self, x):
         x1, x2 = x.chunk(2, dim=-1)
-        y1 = x1 + self.attn(x2)
-        return torch.cat([y1, x2 + self.mlp(y1)], dim=-1)
+        y1 = x1 + self.sub(self.attn, x2)
+        return torch.cat([y1, x2 + self.sub(self.mlp, y1)], dim=-1)
 
     def inverse(self, y):
         y1, y2 = y.chunk(2, dim=-1)
-        x2 = y2 - self.mlp(y1)
-        return torch.cat([y1 - self.attn(x2), x2], dim=-1)
+        x2 = y2 - self.sub(self.mlp, y1)
+        return torch.cat([y1 - self.sub(self.attn, x2), x2], dim=-1)
 
     def backward_from_output(self, y, grad_y, need_grad_x=True):
         """Rebuild x from y with the current weights while recording the graphs of G and then F
@@ -116,13 +118,13 @@ class ReversibleViTBlock(nn.Module):
         g1, g2 = grad_y.chunk(2, dim=-1)
         y1_leaf = y1.detach().requires_grad_(True)
         with torch.enable_grad():
-            g = self.mlp(y1_leaf)
+            g = self.sub(self.mlp, y1_leaf)
         x2 = y2 - g.detach()
         g.backward(g2)
         grad_x1 = g1 + y1_leaf.grad
         x2_leaf = x2.detach().requires_grad_(need_grad_x)
         with torch.enable_grad():
-            f = self.attn(x2_leaf)
+            f = self.sub(self.attn, x2_leaf)
         x1 = y1 - f.detach()
         f.backward(grad_x1)
         x = torch.cat([x1, x2], dim=-1)
@@ -130,7 +132,7 @@ class ReversibleViTBlock(nn.Module):
         return x, grad_x
 
 
-class ViTBlock(nn.Module):
+class ViTBlock(MixedPrecision, nn.Module):
     """Standard pre-norm transformer block: x + Attn(LN(x)), then + MLP(LN(·)). Buffered."""
     reversible = False
 
@@ -139,11 +141,11 @@ class ViTBlock(nn.Module):
         self.attn, self.mlp = attention_branch(dim, heads), mlp_branch(dim)
 
     def forward(self, x):
-        x = x + self.attn(x)
-        return x + self.mlp(x)
+        x = x + self.sub(self.attn, x)
+        return x + self.sub(self.mlp, x)
 
 
-class ViTHead(nn.Module):
+class ViTHead(MixedPrecision, nn.Module):
     """LN, mean pool over tokens, linear; a reversible net's two streams are averaged first."""
     reversible = False
 
@@ -156,7 +158,7 @@ class ViTHead(nn.Module):
     def forward(self, x):
         if self.streams > 1:
             x = sum(x.chunk(self.streams, dim=-1)) / self.streams
-        return self.fc(self.norm(x).mean(dim=1))
+        return self.sub(lambda t: self.fc(self.norm(t).mean(dim=1)), x)
 
 
 def vit_num_blocks(depth: int) -> int:

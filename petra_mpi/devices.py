@@ -1,0 +1,101 @@
+"""Which GPU a rank uses, decided from the launcher's environment BEFORE MPI starts.
+
+CUDA-aware MPI libraries (UCX, MVAPICH2, Cray MPICH) pick the GPU their communication buffers and
+IPC handles live on when MPI_Init runs, so each rank binds its GPU first: `bind_early` runs in
+train.main before World.from_environment imports mpi4py. The binding rule is a pure function of
+the environment and of how many GPUs this process sees (`gpu_index`), so it is unit-tested without
+CUDA; pick_device in train.py applies the same rule, so the two always agree.
+
+Rule (first that applies):
+- no visible GPU: no binding (the run uses the CPU, or fails if run.device is cuda);
+- one visible GPU: index 0 (srun --gpus-per-task=1, or a per-task CUDA_VISIBLE_DEVICES);
+- srun --gpus-per-task=G and exactly G GPUs visible: SLURM bound this task's own GPUs: index 0;
+- else the node-local rank modulo the visible count (mpirun on a node whose ranks share every GPU).
+The node-local rank comes from the launcher (`LOCAL_RANK_VARS`, first found wins); when none is
+set, MPI's own node-local rank (World.local_rank) is used once MPI is up.
+"""
+import os
+import socket
+
+# Launcher-specific variables first: under `mpirun` inside an sbatch script SLURM_LOCALID is the
+# batch step's (0 for every rank), while the MPI launcher's variable is this rank's.
+LOCAL_RANK_VARS = (
+    "OMPI_COMM_WORLD_LOCAL_RANK",   # Open MPI (mpirun / prterun)
+    "MV2_COMM_WORLD_LOCAL_RANK",    # MVAPICH2
+    "MPI_LOCALRANKID",              # MPICH Hydra, Intel MPI
+    "PMI_LOCAL_RANK",               # PMI-2 launchers (Cray PALS sets it too)
+    "PALS_LOCAL_RANKID",            # Cray PALS
+    "PMIX_LOCAL_RANK",              # PMIx launchers that export it
+    "SLURM_LOCALID",                # srun
+)
+
+
+def launcher_local_rank(env=None):
+    """(node-local rank, variable it came from) from the launcher's environment, or None."""
+    env = os.environ if env is None else env
+    for var in LOCAL_RANK_VARS:
+        value = env.get(var, "").strip()
+        if value.isdigit():
+            return int(value), var
+    return None
+
+
+def gpu_index(env, visible: int, local_rank=None):
+    """The CUDA device index this rank should use among the `visible` ones (CUDA_VISIBLE_DEVICES
+    already applied), or None when there is none. `local_rank` is the fallback node-local rank
+    (MPI's) when the launcher exports none; without either, None when several GPUs are visible
+    (the choice waits for MPI's node-local rank)."""
+    if visible < 1:
+        return None
+    if visible == 1:
+        return 0
+    per_task = env.get("SLURM_GPUS_PER_TASK", "").strip()
+    step = env.get("SLURM_STEP_ID", "").strip()  # batch/extern steps have ids near 2**32
+    in_srun_step = step.isdigit() and int(step) < 0xFFFFFFF0
+    if per_task.isdigit() and int(per_task) == visible and in_srun_step:
+        return 0  # srun gave this task its own GPUs
+    found = launcher_local_rank(env)
+    local = found[0] if found else local_rank
+    return None if local is None else local % visible
+
+
+def bind_early(device_setting: str, env=None):
+    """Bind this process to its GPU before MPI is initialised (device_setting: run.device).
+    Returns the bound index, or None (CPU run, no CUDA, or no launcher local rank yet)."""
+    env = os.environ if env is None else env
+    if device_setting == "cpu":
+        return None
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    index = gpu_index(env, torch.cuda.device_count())
+    if index is not None:
+        torch.cuda.set_device(index)
+    return index
+
+
+def rank_map(world, device) -> str | None:
+    """Gather (host, local rank, device, CUDA_VISIBLE_DEVICES, affinity) of every rank; rank 0
+    returns one line per rank (None elsewhere)."""
+    import torch
+    name = str(device)
+    if device.type == "cuda":
+        try:
+            name += f" ({torch.cuda.get_device_name(device)})"
+        except Exception:  # noqa: BLE001 - a name is cosmetic
+            pass
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    found = launcher_local_rank()
+    mine = (socket.gethostname(), world.local_rank, name,
+            os.environ.get("CUDA_VISIBLE_DEVICES", "-"), cpus, found[1] if found else "MPI")
+    rows = world.comm.gather(mine, root=0)
+    if world.rank != 0:
+        return None
+    lines = [f"petra_mpi: rank map ({len(rows)} ranks)"]
+    for r, (host, local, dev, visible, ncpu, source) in enumerate(rows):
+        lines.append(f"  rank {r:>3d}  host {host}  local {local} (from {source})  device {dev}"
+                     f"  CUDA_VISIBLE_DEVICES={visible}  cpus {ncpu}")
+    return "\n".join(lines)

@@ -1,0 +1,42 @@
+"""Train stage 0 of a small net on GPU-decoded JPEGs and save its parameters (tests/test_gpu.py).
+
+Usage: python tests/gpu/decode_training.py OUT.pt SYNC   (SYNC 1: torch.cuda.synchronize()
+before every decode, the reference the stream-safe decode must match bitwise)
+"""
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
+
+import torch  # noqa: E402
+
+from petra_mpi.bench.data import _write_jpeg_demo  # noqa: E402
+from petra_mpi.data import BatchLoader, open_split  # noqa: E402
+from petra_mpi.data import augment  # noqa: E402
+from petra_mpi.engine.build import build_stages, build_workers  # noqa: E402
+from petra_mpi.engine.local import LocalEngine  # noqa: E402
+from petra_mpi.optim import LRSchedule  # noqa: E402
+
+
+def main(out, sync):
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    augment.SYNC_BEFORE_DECODE = sync
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "jpeg.h5")
+        _write_jpeg_demo(path, n=192, side=96)
+        src = open_split(path, "train")
+        loader = BatchLoader(src, 16, train=True, seed=0, device="cuda", crop=32, prefetch=2)
+        assert loader._gpu_decode, "torchvision GPU decode not in use"
+        stages = build_stages("revnet18", 8, 1000, 3, seed=0, device="cuda")
+        workers = build_workers(stages, LRSchedule(0.2, 10**6), 1, weight_decay=5e-4)
+        n = len(loader)
+        LocalEngine(workers, "petra").train_segment(iter(loader), n)
+        loader.close()
+    torch.cuda.synchronize()
+    torch.save([p.detach().cpu() for p in stages[0].parameters()], out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2] == "1")
