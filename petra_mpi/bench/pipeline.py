@@ -20,8 +20,10 @@ from .common import emit
 
 
 def split_for(a, world):
-    """Blocks per stage: measured on rank 0 and shared (as training does by default), or the
-    estimate."""
+    """Blocks per stage: given (--partition), measured on rank 0 and shared (as training does by
+    default), or the estimate."""
+    if a.partition:
+        return [int(n) for n in a.partition.split(",")]
     if a.balance == "estimate" or world.size == num_blocks(a.arch):  # one block per stage
         return None
     sizes = None
@@ -44,6 +46,8 @@ def main(argv):
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: share)")
     p.add_argument("--balance", choices=("measure", "estimate"), default="measure",
                    help="how the stages are balanced (as model.balance)")
+    p.add_argument("--partition", metavar="N,N,...",
+                   help="blocks per stage, instead of balancing (to compare splits)")
     p.add_argument("--no-poll", action="store_true",
                    help="do not poll MPI between blocks (to measure what polling gives)")
     p.add_argument("--trace", metavar="FILE",

@@ -1,0 +1,169 @@
+"""run.precision: bf16 inside the blocks, float32 between them (invariants 3 and 4 in bf16,
+and bf16 learns as fp32 does)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+
+
+# ---- bf16 --------------------------------------------------------------------------------------
+def test_precision_config_key():
+    from petra_mpi.config import ConfigError, load_config
+    cfg = load_config(ROOT / "configs/quickstart.yaml", ["run.precision=bf16"])
+    assert cfg.run.precision == "bf16"
+    with pytest.raises(ConfigError, match="run.precision"):
+        load_config(ROOT / "configs/quickstart.yaml", ["run.precision=fp16"])
+    with pytest.raises(ConfigError, match="run.precision"):
+        load_config(ROOT / "configs/quickstart.yaml", ["run.precision=bf16", "run.dtype=float64"])
+
+
+@pytest.mark.parametrize("arch", ["revnet18", "revnet50"])
+def test_invariant4_rebuild_in_bf16(arch):
+    """F runs in bfloat16 but the streams stay float32: the rebuild cancels F exactly up to
+    float32 rounding, as tests/test_invariants.py asks of fp32 (< 1e-5 relative)."""
+    from petra_mpi.models import build_blocks, set_precision
+    from petra_mpi.stages import Stage
+    torch.manual_seed(0)
+    blocks = build_blocks(arch, 8, 10)
+    set_precision(blocks, "bf16")
+    for block in [b for b in blocks if b.reversible][:3]:
+        x = torch.randn(4, block.branch[0][0].in_channels * 2, 8, 8)
+        stage = Stage([block], 1, 3)
+        y = stage(x)
+        assert y.dtype == torch.float32
+        rebuilt, grad = stage.backward(y, torch.randn_like(y))
+        assert rebuilt.dtype == grad.dtype == torch.float32
+        assert ((rebuilt - x).norm() / x.norm()).item() < 1e-5
+        assert all(p.grad is not None and p.grad.dtype == torch.float32
+                   for p in block.parameters())
+
+
+def test_invariant4_rebuild_in_bf16_revvit():
+    """The same for the reversible ViT: Attn and MLP in bfloat16, token streams float32."""
+    from petra_mpi.models import build_blocks, set_precision
+    from petra_mpi.stages import Stage
+    torch.manual_seed(0)
+    blocks = build_blocks("revvit", 32, 10, depth=3, heads=2)
+    set_precision(blocks, "bf16")
+    block = blocks[1]
+    x = torch.randn(4, 16, 64)
+    stage = Stage([block], 1, 3)
+    y = stage(x)
+    assert y.dtype == torch.float32
+    rebuilt, grad = stage.backward(y, torch.randn_like(y))
+    assert rebuilt.dtype == grad.dtype == torch.float32
+    assert ((rebuilt - x).norm() / x.norm()).item() < 1e-5
+    set_precision([block], "fp32")
+    with torch.no_grad():
+        rel = ((block(x) - y).norm() / y.norm()).item()
+    assert 1e-5 < rel < 5e-2, rel  # bf16 really ran: the output differs from fp32's
+
+
+def test_bf16_really_computes_in_bf16():
+    from petra_mpi.models import build_blocks, set_precision
+    torch.manual_seed(0)
+    block = next(b for b in build_blocks("revnet18", 8, 10) if b.reversible)
+    x1 = torch.randn(4, 8, 8, 8)
+    with torch.no_grad():
+        full = block.f(x1)
+        set_precision([block], "bf16")
+        half = block.f(x1)
+    rel = ((half - full).norm() / full.norm()).item()
+    assert half.dtype == torch.float32 and 1e-4 < rel < 5e-2, rel
+
+
+def test_diagnostics_rebuild_error_in_bf16():
+    """The per-stage rebuild error the diagnostics report is float32 rounding in bf16 mode when
+    the weights do not change (lr = 0)."""
+    from petra_mpi.diagnostics import Diagnostics
+    from petra_mpi.engine.build import build_stages, build_workers
+    from petra_mpi.engine.local import LocalEngine
+    from petra_mpi.optim import LRSchedule
+    stages = build_stages("revnet18", 4, 10, 10, seed=0, precision="bf16")
+    workers = build_workers(stages, LRSchedule(0.0, 10), 1)
+    records = []
+    engine = Diagnostics(LocalEngine(workers, "petra"), 1, emit=records.append)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g))
+               for _ in range(3)]
+    engine.train_segment(iter(batches), 3)
+    errors = [r["rebuild_error"] for r in records if r["rebuild_error"] is not None]
+    assert errors and max(errors) < 1e-5, records
+    assert all(r["cos_petra_e2e"] > 0.99 for r in records if r["cos_petra_e2e"] is not None)
+
+
+def _local_reference(J, method, k, n, precision):
+    sys.path.insert(0, str(HERE / "mpi"))
+    from equivalence import batches
+    from petra_mpi.engine.build import build_stages, build_workers
+    from petra_mpi.engine.local import LocalEngine
+    from petra_mpi.optim import LRSchedule
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    try:
+        stages = build_stages("revnet18", 4, 10, J, seed=0, precision=precision)
+        workers = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), k,
+                                weight_decay=5e-4)
+        engine = LocalEngine(workers, method)
+        engine.train_segment(batches(n), n)
+        engine.train_segment(batches(n, seed=2), n)
+        totals = engine.evaluate(batches(3, seed=3), 3)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    return stages, totals.result()
+
+
+def test_invariant3_mpi_equals_local_bitwise_in_bf16(tmp_path):
+    J, method, k, n = 3, "petra", 2, 6
+    cmd = ["mpirun", "-n", str(J), sys.executable, str(HERE / "mpi" / "equivalence_precision.py"),
+           "bf16", str(tmp_path), method, str(k), str(n)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stages, ref_eval = _local_reference(J, method, k, n, "bf16")
+    fp32, _ = _local_reference(J, method, k, n, "fp32")
+    for r in range(J):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        want = [p.detach() for p in stages[r].parameters()] + list(stages[r].buffers())
+        for g, w in zip(got["params"] + got["buffers"], want):
+            assert torch.equal(g, w), f"rank {r} differs from the local engine in bf16"
+    assert torch.load(tmp_path / f"rank{J - 1}.pt")["eval"] == ref_eval
+    # and bf16 is a different computation from fp32 (the test has teeth)
+    assert any(not torch.equal(a, b) for a, b in zip(stages[0].parameters(), fp32[0].parameters()))
+
+
+# ---- bf16 learns as fp32 does -----------------------------------------------------------------
+# The quickstart shortened and split over 2 ranks: on a CPU without native bfloat16 (no
+# AVX512-BF16/AMX) oneDNN is not used for bf16 and the convolutions take a slow path, ~8x slower
+# than fp32, so the full quickstart would take ~13 CPU-minutes in bf16. 2400 images x 7 epochs
+# (lr step after 5) still ends well above 0.9 in fp32 (measured: fp32 0.970, bf16 0.962 in one
+# process; bf16 0.980 over 2 ranks), so the criterion of tests/test_accuracy.py (>= 0.9, within
+# 2 points) keeps its teeth; 1000 validation images keep the 2-point comparison above sampling
+# noise. Shorter runs do not reach 0.9 even in fp32 (1600 x 6: 0.69; width 4: 0.86), so the only
+# saving left is to halve the wall time with the pipeline itself: PETRA over 2 ranks, fp32 first
+# (~30 s), then bf16 (~500 CPU-s over both cores).
+SHORT = ["--set", "data.synthetic_train=2400", "--set", "data.synthetic_val=1000", "--set",
+         "train.epochs=7", "--set", "optim.milestones=[5]", "--set", "run.threads=1", "--set",
+         "run.progress=false", "--set", "model.stages=2"]
+
+
+def test_bf16_learns_as_fp32(tmp_path):
+    acc = {}
+    for precision in ("fp32", "bf16"):
+        cmd = ["mpirun", "-n", "2", sys.executable, "-m", "petra_mpi.train",
+               "configs/quickstart.yaml", "--set", f"run.out_dir={tmp_path / precision}",
+               "--set", f"run.precision={precision}", *SHORT]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        summary = json.loads((tmp_path / precision / "summary.json").read_text())
+        acc[precision] = summary["val_acc"]
+    assert acc["fp32"] >= 0.9 and acc["bf16"] >= 0.9, acc
+    assert abs(acc["bf16"] - acc["fp32"]) <= 0.02, acc
