@@ -1,5 +1,7 @@
 """`--dry-run`: build every stage, push one batch of the configured shape through them, and print
-the per-stage table of parameters, buffers and estimated memory; no data, no training."""
+the per-stage table of parameters, buffers and estimated memory; no data, no training. With
+`--profile` every block is first timed on the run's device and batch (blockcost.py) and the
+stages are those that balancing by measured cost gives."""
 import sys
 
 import torch
@@ -9,15 +11,20 @@ from .engine.build import build_stages
 from .schedule import delay
 
 
-def stage_table(cfg, num_stages: int, dtype=torch.float32) -> list[dict]:
-    """Per-stage figures for batch `data.batch_size`, from a real forward of a zero batch."""
+def input_side(cfg) -> int:
+    return cfg.data.crop if cfg.model.stem == "imagenet" else 32
+
+
+def stage_table(cfg, num_stages: int, dtype=torch.float32, partition=None) -> list[dict]:
+    """Per-stage figures for batch `data.batch_size`, from a real forward of a zero batch;
+    `partition`: blocks per stage (default model.partition, else the estimate)."""
     stages = build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, num_stages,
                           seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
-                          partition=cfg.model.partition, buffer_inputs=cfg.train.buffer_inputs,
+                          partition=partition or cfg.model.partition, buffer_inputs=cfg.train.buffer_inputs,
                           stash_weights=cfg.train.stash_weights, dtype=dtype,
                           image_size=224 if cfg.model.stem == "imagenet" else 32,
                           model_kw=model_kwargs(cfg))
-    side = cfg.data.crop if cfg.model.stem == "imagenet" else 32
+    side = input_side(cfg)
     batch = cfg.data.batch_size
     x = torch.zeros(1, 3, side, side, dtype=dtype)
     rows = []
@@ -48,11 +55,36 @@ def stage_table(cfg, num_stages: int, dtype=torch.float32) -> list[dict]:
     return rows
 
 
-def report(cfg, num_stages: int, world=None) -> int:
+def profile_blocks(cfg, num_stages: int, device, dtype) -> list[int]:
+    """Time every block, print each block's and each stage's cost, return the split: the one
+    minimising the slowest stage by the measured costs, or model.partition when it is fixed."""
+    from .blockcost import measured_partition
+    side = input_side(cfg)
+    sizes, costs = measured_partition(cfg.model.arch, cfg.model.width, cfg.model.num_classes,
+                                      num_stages, (3, side, side), cfg.data.batch_size,
+                                      imagenet_stem=cfg.model.stem == "imagenet", device=device,
+                                      dtype=dtype, precision=cfg.run.precision,
+                                      **model_kwargs(cfg))
+    sizes = list(cfg.model.partition or sizes)
+    print(f"measured on {device}, batch {cfg.data.batch_size}, ms per micro-batch:")
+    print(f"{'block':>5} {'forward':>8} {'backward':>8} {'in last':>8} {'step':>8}")
+    for b, f in enumerate(costs.forward):
+        print(f"{b:>5} {1e3 * f:>8.2f} {1e3 * costs.backward[b]:>8.2f} "
+              f"{1e3 * costs.last[b]:>8.2f} {1e3 * costs.step[b]:>8.2f}")
+    per_stage = costs.stage_seconds(sizes)
+    print(f"split {sizes} ({'model.partition' if cfg.model.partition else 'measured balance'}): "
+          f"ms per micro-batch per stage {' '.join(f'{1e3 * c:.1f}' for c in per_stage)}; "
+          f"slowest / mean {max(per_stage) / (sum(per_stage) / len(per_stage)):.2f}")
+    return sizes
+
+
+def report(cfg, num_stages: int, world=None, device="cpu", dtype=torch.float32,
+           profile=False) -> int:
     if world is not None and world.rank != 0:
         world.comm.barrier()
         return 0
-    rows = stage_table(cfg, num_stages, getattr(torch, cfg.run.dtype))
+    partition = profile_blocks(cfg, num_stages, device, dtype) if profile else None
+    rows = stage_table(cfg, num_stages, dtype, partition)
     mib = 2 ** 20
     print(f"{cfg.model.arch} width {cfg.model.width}, {num_stages} stages, method "
           f"{cfg.train.method}, batch {cfg.data.batch_size} (config {cfg.source})")

@@ -37,6 +37,9 @@ def parse_args(argv):
                    help="override a config key, e.g. --set train.epochs=3 (repeatable)")
     p.add_argument("--dry-run", action="store_true",
                    help="build the stages, check shapes, print the per-stage table and exit")
+    p.add_argument("--profile", action="store_true",
+                   help="with --dry-run: time every block on the run's device and batch, split "
+                        "by the measured costs, and print each block's and stage's cost")
     return p.parse_args(argv)
 
 
@@ -167,9 +170,9 @@ class TrainLog:
                 "images_per_s": self.epoch_count / max(seconds, 1e-9)}
 
 
-def run(cfg, world, dry_run=False, stop=None) -> int:
+def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
     """Train on this process's stages; `world` is the MPI context (None in one process);
-    `stop` is set by SIGUSR1/SIGTERM."""
+    `stop` is set by SIGUSR1/SIGTERM; `profile` (with dry_run) measures the blocks' costs."""
     rank, size = (world.rank, world.size) if world else (0, 1)
     J = num_stages(cfg, size)
     device = pick_device(cfg, world.local_rank if world else 0)
@@ -184,7 +187,7 @@ def run(cfg, world, dry_run=False, stop=None) -> int:
                                               max(1, torch.get_num_threads())))
     if dry_run:
         from .dryrun import report
-        return report(cfg, J, world)
+        return report(cfg, J, world, device=device, dtype=dtype, profile=profile)
 
     train_loader = val_loader = None
     if reads_data:
@@ -390,6 +393,10 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rank, size = (world.rank, world.size) if world else (0, 1)
+    if args.profile and not args.dry_run:
+        if rank == 0:
+            print("error: --profile goes with --dry-run", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.config, args.set)
         validate(cfg, size)
@@ -399,11 +406,11 @@ def main(argv=None) -> int:
         return 2
     if world is None:
         try:
-            return run(cfg, None, args.dry_run, stop)
+            return run(cfg, None, args.dry_run, stop, args.profile)
         except (TrainingError, CheckpointError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-    return world.run_guarded(lambda: run(cfg, world, args.dry_run, stop),
+    return world.run_guarded(lambda: run(cfg, world, args.dry_run, stop, args.profile),
                              (TrainingError, CheckpointError))
 
 

@@ -1,6 +1,7 @@
 """The trainer end to end through its command line, in one process: outputs, config errors,
 diagnostics, checkpoints."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -151,3 +152,22 @@ def test_resume_from_another_model_is_an_error(tmp_path):
                  "--set", "run.resume=auto", "--set", "train.epochs=2", timeout=60)
     assert proc.returncode == 1
     assert "cannot resume" in proc.stderr and "width" in proc.stderr
+
+
+def test_dry_run_profile_prints_measured_costs_and_uses_the_measured_split():
+    proc = train("--dry-run", "--profile", "--set", "model.width=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    split = re.search(r"split \[([\d, ]+)\] \(measured balance\)", out)
+    assert split, out
+    sizes = [int(n) for n in split.group(1).split(",")]
+    assert len(sizes) == 4 and sum(sizes) == 10  # quickstart: RevNet18 (10 blocks), 4 stages
+    assert len(re.findall(r"^\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out, re.M)) == 10
+    # the memory table is of that split, not the estimate's
+    table = re.findall(r"^\s+(\d)\s+(\d+) (?:rev|buf)", out, re.M)
+    assert [int(blocks) for _, blocks in table] == sizes, out
+    fixed = train("--dry-run", "--profile", "--set", "model.width=4",
+                  "--set", "model.partition=[1,2,3,4]")
+    assert fixed.returncode == 0 and "split [1, 2, 3, 4] (model.partition)" in fixed.stdout
+    alone = train("--profile")
+    assert alone.returncode == 2 and "--profile goes with --dry-run" in alone.stderr
