@@ -16,6 +16,7 @@ agree bitwise; for R > 2 MPI's association order is its own (every rank gets the
 it may differ from the reference in the last bits).
 """
 import time
+from collections import deque
 
 import torch
 
@@ -81,29 +82,31 @@ class MPIMean:
 
 class LocalMean:
     """The same average for the R replicas of one stage held by one process (the reference the
-    MPI run is compared with). Every replica starts before any finishes: the local engine runs
-    all replicas through a tick before the next one, and workers finish at their next operation
-    or at the end of the segment."""
+    MPI run is compared with). The local engine runs every replica through a tick before the
+    next tick, so every replica starts a step's average before any starts the next one; a worker
+    finishes at its next operation, possibly after another replica has started the next average,
+    hence one queue of finished means per worker."""
 
     def __init__(self, workers):
         self.workers = list(workers)  # in replica order
-        self.flats, self.mean, self.finished = {}, None, 0
+        self.started = {}  # this step's flattened gradients, by worker
+        self.ready = {w: deque() for w in self.workers}
 
     def start(self, worker):
-        params = _with_grads(worker)
-        self.flats[worker] = _flatten(params)
+        assert worker not in self.started, "a replica started two steps before the others one"
+        self.started[worker] = _flatten(_with_grads(worker))
+        if len(self.started) == len(self.workers):
+            total = self.started[self.workers[0]].clone()
+            for w in self.workers[1:]:
+                total.add_(self.started[w])
+            mean = total.div_(len(self.workers))
+            for w in self.workers:
+                self.ready[w].append(mean)
+            self.started = {}
 
     def finish(self, worker):
-        if self.mean is None:
-            assert len(self.flats) == len(self.workers), "a replica has not reached the step"
-            total = self.flats[self.workers[0]].clone()
-            for w in self.workers[1:]:
-                total.add_(self.flats[w])
-            self.mean = total.div_(len(self.workers))
-        _unflatten_into(self.mean, _with_grads(worker))
-        self.finished += 1
-        if self.finished == len(self.workers):
-            self.flats, self.mean, self.finished = {}, None, 0
+        assert self.ready[worker], "a replica has not reached the step"
+        _unflatten_into(self.ready[worker].popleft(), _with_grads(worker))
 
 
 def link_local(workers, replicas: int):
