@@ -278,3 +278,17 @@ def test_bench_replicas_last_line(tmp_path):
     assert record["images_per_s"] > 0 and record["single_images_per_s"] > 0
     assert record["efficiency"] == pytest.approx(
         record["images_per_s"] / (2 * record["single_images_per_s"]))
+
+
+def test_replicas_config_keeps_the_table2_step():
+    """configs/replicas: 2 x 18 ranks, and the optimizer step (images, peak lr) of Table 2's run."""
+    from petra_mpi.optim import peak_lr
+    ours = load_config(HERE.parent / "configs/replicas/revnet50_imagenet_2x18.yaml")
+    table2 = load_config(HERE.parent / "configs/table2/imagenet/revnet50_petra.yaml")
+    validate(ours, 36)
+    assert (num_stages(ours, 36), num_replicas(ours, 36)) == (18, 2)
+
+    def step(cfg, R):
+        return (R * cfg.train.accumulation * cfg.data.batch_size,
+                peak_lr(cfg.optim.lr, cfg.data.batch_size * R, cfg.train.accumulation, True))
+    assert step(ours, 2) == step(table2, 1) == (2048, 0.8)
