@@ -3,7 +3,7 @@
 # GPUs over 6 nodes, rank = replica · 18 + stage, so each replica's consecutive stages share
 # nodes (SLURM's block distribution) and only the gradient all-reduces cross between replicas.
 # From the repository root: sbatch slurm/revnet50_imagenet_2replicas.sh  (overrides: see common.sh)
-# The config keeps Table 2's optimizer step of 2048 images (k = 16 per replica): docs/clusters.md.
+# Table 2's recipe with k = 32 per replica: 4096 images per optimizer step (see the config).
 #SBATCH --job-name=revnet50_imagenet_2replicas
 #SBATCH --ntasks=36
 #SBATCH --gpus-per-task=1

@@ -244,8 +244,8 @@ def test_scancel_checkpoints_and_stays_cancelled(cluster, tmp_path):
 def test_replicas_job(cluster, tmp_path):
     """The replicas script, small: 2 tasks under srun as 2 replicas of a 1-stage net."""
     out = tmp_path / "run"
-    jobid = submit(cluster, tmp_path, "revnet50_imagenet_2replicas.sh",
-                   CONFIG="configs/quickstart.yaml", OUT_DIR=str(out),
+    jobid = submit(cluster, tmp_path, "revnet50_imagenet_2replicas.sh", "--nodes=1",
+                   "--ntasks-per-node=2", CONFIG="configs/quickstart.yaml", OUT_DIR=str(out),
                    EXTRA_ARGS=SMOKE + " --set train.replicas=2")
     (job,) = cluster.wait(jobid, timeout=120)
     log = (out / "logs" / "train.log").read_text() if (out / "logs" / "train.log").exists() else ""
