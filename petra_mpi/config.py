@@ -128,7 +128,7 @@ class TrainConfig:
     stash_weights: bool = False
     """delayed: each in-flight micro-batch keeps the weights of its forward."""
     limit_batches: int = 0
-    """Train on at most this many micro-batches per epoch (0: all); for smoke runs."""
+    """Train on at most this many micro-batches per epoch and replica (0: all); for smoke runs."""
     limit_eval_batches: int = 0
     """Evaluate on at most this many batches (0: all)."""
     diag_every: int = 0
