@@ -6,7 +6,6 @@ SGD on the concatenated batch; stop, checkpoint and resume equal running on. Als
 fields, the refusal to resume with another R, and `bench replicas`."""
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
