@@ -14,7 +14,7 @@ from .metrics import write_json_atomic
 
 MANIFEST = "manifest.json"
 # Identity keys added after the first checkpoints were written, with the value those runs had.
-IDENTITY_DEFAULTS = {"optimizer": "sgd", "lr_schedule": "step"}
+IDENTITY_DEFAULTS = {"optimizer": "sgd", "lr_schedule": "step", "replicas": 1}
 
 
 class CheckpointError(RuntimeError):
@@ -101,6 +101,15 @@ def read_manifest(path: str, identity: dict) -> dict:
     with open(os.path.join(path, MANIFEST)) as f:
         manifest = json.load(f)
     manifest = {**IDENTITY_DEFAULTS, **manifest}
+    if manifest["replicas"] != identity.get("replicas", 1):
+        # Not remapped: each replica's share of an epoch, the steps per epoch (and with them
+        # the learning-rate schedule) and the per-replica batch-norm statistics depend on R.
+        raise CheckpointError(
+            f"cannot resume from {path}: it was written by {manifest['replicas']} replica(s) and "
+            f"this run has {identity.get('replicas', 1)}; resuming with another number of "
+            f"replicas is not supported (the epoch's shares, steps per epoch and learning-rate "
+            f"schedule depend on it): run with {manifest['replicas']} replica(s), i.e. mpirun -n "
+            f"{manifest['replicas']} x {manifest.get('stages')}, or start a new run.out_dir")
     wrong = [f"{k}: checkpoint has {manifest.get(k)!r}, this run has {v!r}"
              for k, v in identity.items() if manifest.get(k) != v]
     if wrong:

@@ -128,12 +128,19 @@ class TrainConfig:
     stash_weights: bool = False
     """delayed: each in-flight micro-batch keeps the weights of its forward."""
     limit_batches: int = 0
-    """Train on at most this many micro-batches per epoch (0: all); for smoke runs."""
+    """Train on at most this many micro-batches per epoch and replica (0: all); for smoke runs."""
     limit_eval_batches: int = 0
     """Evaluate on at most this many batches (0: all)."""
     diag_every: int = 0
     """Every this many optimizer steps, log gradient-quality diagnostics per stage (cosine and
     norm ratio of PETRA, delayed and end-to-end gradients, rebuild error); 0: off."""
+    replicas: int = 0
+    """R: data-parallel replicas of the J-stage pipeline (rank = replica · J + stage). Each
+    replica's stage 0 reads its own share of every epoch, each stage averages its gradients over
+    the replicas at every optimizer step, and the learning-rate rule uses the effective batch
+    R · k · data.batch_size. 0: under mpirun, the world size divided by model.stages (1 when
+    model.stages is 0); in one process, 1. In one process R > 1 simulates the replicas one after
+    the other (a reference for tests). See docs/clusters.md for choosing J and R."""
 
 
 @dataclass
@@ -285,6 +292,9 @@ def validate(cfg: Config, world_size: int | None = None):
          "must be >= 0")
     need(cfg.run.keep_checkpoints >= 1, "run.keep_checkpoints", "must be >= 1")
     need(cfg.train.diag_every >= 0, "train.diag_every", "must be >= 0")
+    need(cfg.train.replicas >= 0, "train.replicas", "must be >= 0 (0: automatic)")
+    need(cfg.train.replicas <= 1 or not cfg.train.diag_every, "train.diag_every",
+         "the diagnostics need a single replica: drop train.replicas")
     need(cfg.model.arch in ARCH_NAMES, "model.arch", f"must be one of {', '.join(ARCH_NAMES)}")
     need(cfg.model.width > 0, "model.width", "must be > 0")
     need(cfg.model.num_classes >= 2, "model.num_classes", "must be >= 2")
@@ -336,22 +346,41 @@ def validate(cfg: Config, world_size: int | None = None):
     if world_size is not None and world_size > 1:
         need(not cfg.train.diag_every, "train.diag_every",
              "the diagnostics need every stage in one process: run them without mpirun")
-        need(world_size <= blocks, "world size",
-             f"{world_size} ranks cannot each hold a stage of {cfg.model.arch}, which has "
-             f"{blocks} blocks: run 1 to {blocks} ranks (one rank per stage)")
         asked = len(cfg.model.partition) if cfg.model.partition else cfg.model.stages
-        need(asked in (0, world_size), "model.stages",
-             f"the config asks for {asked} stages but {world_size} ranks are running: "
-             f"run mpirun -n {asked}, or drop model.stages/model.partition")
+        R = cfg.train.replicas
+        need(not asked or world_size % asked == 0, "model.stages",
+             f"the config asks for {asked} stages but {world_size} ranks are running, which is "
+             f"not a multiple of {asked}: run mpirun -n {asked} (or {asked} x the replicas), or "
+             f"drop model.stages/model.partition")
+        need(not R or world_size % R == 0, "train.replicas",
+             f"{R} replicas cannot share {world_size} ranks equally: run mpirun -n R x J (a "
+             f"multiple of {R}), or drop train.replicas")
+        need(not (asked and R) or asked * R == world_size, "train.replicas",
+             f"{R} replicas of {asked} stages need {asked * R} ranks, but {world_size} are "
+             f"running: run mpirun -n {asked * R}, or drop one of train.replicas/model.stages")
+        J = num_stages(cfg, world_size)
+        need(J <= blocks, "world size",
+             f"{world_size} ranks cannot each hold a stage of {cfg.model.arch}, which has "
+             f"{blocks} blocks: run 1 to {blocks} ranks (one rank per stage), or set "
+             f"model.stages (or train.replicas) to run data-parallel replicas of a shorter "
+             f"pipeline")
 
 
 def num_stages(cfg: Config, world_size: int = 1) -> int:
-    """J: the MPI world size when there are several ranks, else what the config asks for."""
+    """J: under MPI what the config asks for (model.partition, model.stages, or the world size
+    over train.replicas), else the world size; in one process what the config asks for, else one
+    stage per block. validate(cfg, world_size) has checked that the world size fits."""
+    asked = len(cfg.model.partition) if cfg.model.partition else cfg.model.stages
     if world_size > 1:
-        return world_size
-    if cfg.model.partition:
-        return len(cfg.model.partition)
-    return cfg.model.stages or num_blocks(cfg.model.arch, cfg.model.depth)
+        return asked or world_size // max(1, cfg.train.replicas)
+    return asked or num_blocks(cfg.model.arch, cfg.model.depth)
+
+
+def num_replicas(cfg: Config, world_size: int = 1) -> int:
+    """R: the world size over J under MPI; train.replicas (default 1) in one process."""
+    if world_size > 1:
+        return world_size // num_stages(cfg, world_size)
+    return max(1, cfg.train.replicas)
 
 
 def model_kwargs(cfg: Config) -> dict:

@@ -1,8 +1,10 @@
 """The command line: `[mpirun -n J] python -m petra_mpi.train CONFIG.yaml [--set key.sub=value ...]`.
 
-Without MPI (or with one rank) every stage runs in this process; under mpirun rank r runs stage r.
-The training loop below is the same for both engines: stage 0's process reads the data, the last
-stage's process computes the loss and writes metrics.jsonl and summary.json.
+Without MPI (or with one rank) every stage runs in this process; under mpirun rank r runs stage r,
+or with R data-parallel replicas (train.replicas, or a world size that is a multiple of
+model.stages) rank replica · J + stage. The training loop below is the same for both engines:
+every replica's stage 0 reads its share of the data, the last stage computes the loss, and
+replica 0's last stage writes metrics.jsonl and summary.json.
 """
 import argparse
 import itertools
@@ -16,7 +18,7 @@ import torch
 
 from .checkpoint import (MANIFEST, CheckpointError, checkpoint_dir, find_resume, invalidate, load_stage,
                          prune, read_manifest, save_stage, write_manifest)
-from .config import ConfigError, load_config, model_kwargs, num_stages, validate
+from .config import ConfigError, load_config, model_kwargs, num_replicas, num_stages, validate
 from .engine.build import build_stages, build_workers
 from .engine.metrics import correct
 from .metrics import MetricsWriter, Progress, fmt_time, stage_memory, write_json_atomic
@@ -56,15 +58,18 @@ def pick_device(cfg, local_rank: int = 0) -> torch.device:
     return torch.device("cuda", index)
 
 
-def lr_schedule(cfg, steps_per_epoch: int) -> LRSchedule:
-    peak = peak_lr(cfg.optim.lr, cfg.data.batch_size, cfg.train.accumulation, cfg.optim.scale_lr)
+def lr_schedule(cfg, steps_per_epoch: int, replicas: int = 1) -> LRSchedule:
+    # the paper's rule on the effective batch: R replicas each accumulate k micro-batches a step
+    peak = peak_lr(cfg.optim.lr, cfg.data.batch_size * replicas, cfg.train.accumulation,
+                   cfg.optim.scale_lr)
     return LRSchedule(peak, steps_per_epoch, cfg.optim.warmup_epochs, tuple(cfg.optim.milestones),
                       cfg.optim.gamma, kind=cfg.optim.schedule,
                       total_steps=steps_per_epoch * cfg.train.epochs)
 
 
-def open_data(cfg, device):
-    """Training and validation loaders (only the process of stage 0 calls this)."""
+def open_data(cfg, device, shard=(0, 1)):
+    """Training and validation loaders (only processes holding a stage 0 call this). shard:
+    (replica, R): the training loader hands out this replica's share of every epoch."""
     from .data import BatchLoader, open_split
     sizes = (cfg.data.synthetic_train, cfg.data.synthetic_val)
     try:
@@ -80,7 +85,8 @@ def open_data(cfg, device):
                   prefetch=cfg.data.prefetch, decode_threads=cfg.data.decode_workers or None,
                   decode_pool=cfg.data.decode_pool)
     side = cfg.data.crop if jpeg else train.image_size
-    return (BatchLoader(train, cfg.data.batch_size, train=True, augment=cfg.data.augment, **common),
+    return (BatchLoader(train, cfg.data.batch_size, train=True, augment=cfg.data.augment,
+                        shard=shard, **common),
             BatchLoader(val, cfg.data.batch_size, train=False, augment=False, **common),
             (3, side, side))
 
@@ -127,8 +133,11 @@ def segment_lengths(cfg, train_batches: int, val_batches: int):
 class TrainLog:
     """Loss bookkeeping on the process of the last stage."""
 
-    def __init__(self, cfg, worker, writer, n, epoch, position=0):
+    def __init__(self, cfg, worker, writer, n, epoch, position=0, replicas=1):
+        """Losses and accuracies are replica 0's (a sample of the global batch); images and
+        images/s count every replica's (they advance in step: the averages synchronise them)."""
         self.cfg, self.worker, self.writer, self.n, self.epoch = cfg, worker, writer, n, epoch
+        self.replicas = replicas
         self.loss_sum = self.correct = self.count = 0
         self.seen = position
         self.epoch_loss = self.epoch_correct = self.epoch_count = 0
@@ -152,29 +161,34 @@ class TrainLog:
         self.epoch_count += len(labels)
         self.seen += 1
         now = time.perf_counter()
-        rate = self.epoch_count / max(now - self.start, 1e-9)
+        rate = self.replicas * self.epoch_count / max(now - self.start, 1e-9)
         self.progress.update(self.seen, loss=self.loss_sum / self.count, img_s=round(rate))
         if step - self.last_logged_step >= self.cfg.run.log_every or self.seen == self.n:
             self.writer.write("train", step=step, epoch=self.epoch, loss=self.loss_sum / self.count,
                               acc=self.correct / self.count, lr=self.worker.optimizer.last_lr,
-                              images_per_s=self.count / max(now - self.mark, 1e-9))
+                              images_per_s=self.replicas * self.count / max(now - self.mark,
+                                                                            1e-9))
             self.loss_sum = self.correct = self.count = 0
             self.mark, self.last_logged_step = now, step
 
     def finish(self):
         self.progress.close()
         seconds = time.perf_counter() - self.start
+        images = self.replicas * self.epoch_count
         return {"train_loss": self.epoch_loss / max(1, self.epoch_count),
                 "train_acc": self.epoch_correct / max(1, self.epoch_count),
-                "images": self.epoch_count, "seconds": seconds,
-                "images_per_s": self.epoch_count / max(seconds, 1e-9)}
+                "images": images, "seconds": seconds,
+                "images_per_s": images / max(seconds, 1e-9)}
 
 
 def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
     """Train on this process's stages; `world` is the MPI context (None in one process);
     `stop` is set by SIGUSR1/SIGTERM; `profile` (with dry_run) measures the blocks' costs."""
     rank, size = (world.rank, world.size) if world else (0, 1)
-    J = num_stages(cfg, size)
+    J, R = num_stages(cfg, size), num_replicas(cfg, size)
+    if world:
+        world.split(J)  # rank = replica · J + stage
+    stage, replica = (world.stage, world.replica) if world else (0, 0)
     device = pick_device(cfg, world.local_rank if world else 0)
     if world:
         from .devices import rank_map
@@ -182,17 +196,25 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
         if table:
             print(table, file=sys.stderr, flush=True)
     dtype = getattr(torch, cfg.run.dtype)
-    reads_data, computes_loss = rank == 0, rank == size - 1
+    # every replica's stage 0 reads; replica 0's last stage writes the outputs
+    reads_data, writes = stage == 0, (world.is_last if world else True)
     torch.set_num_threads(cfg.run.threads or (world.thread_share() if world else
                                               max(1, torch.get_num_threads())))
     if dry_run:
         from .dryrun import report
         return report(cfg, J, world, device=device, dtype=dtype, profile=profile)
 
-    train_loader = val_loader = None
+    train_loaders, val_loader = [], None
     if reads_data:
-        train_loader, val_loader, input_shape = open_data(cfg, device)
-        lengths = (len(train_loader), len(val_loader), input_shape)
+        shards = [(replica, R)] if world else [(r, R) for r in range(R)]
+        for shard in shards:
+            train_loader, val, input_shape = open_data(cfg, device, shard)
+            train_loaders.append(train_loader)
+            if val_loader is None:
+                val_loader = val
+            else:
+                val.close()
+        lengths = (len(train_loaders[0]), len(val_loader), input_shape)
     if world:
         lengths = world.share_lengths(lengths if reads_data else None)
     n, m = segment_lengths(cfg, *lengths[:2])
@@ -200,19 +222,23 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
     if world:
         resume = world.comm.bcast(resume, root=0)
     partition = choose_partition(cfg, J, world, device, dtype, lengths[2], resume)
-    stages = build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, J,
-                          seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
-                          partition=partition, buffer_inputs=cfg.train.buffer_inputs,
-                          stash_weights=cfg.train.stash_weights, device=device, dtype=dtype,
-                          image_size=224 if cfg.model.stem == "imagenet" else 32,
-                          only=rank if world else None, model_kw=model_kwargs(cfg),
-                          precision=cfg.run.precision)
+    stages = []
+    for _ in range(1 if world else R):  # in one process: R identical replicas, in rank order
+        stages += build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, J,
+                               seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
+                               partition=partition, buffer_inputs=cfg.train.buffer_inputs,
+                               stash_weights=cfg.train.stash_weights, device=device, dtype=dtype,
+                               image_size=224 if cfg.model.stem == "imagenet" else 32,
+                               only=stage if world else None, model_kw=model_kwargs(cfg),
+                               precision=cfg.run.precision)
     steps_per_epoch = -(-n // cfg.train.accumulation)
-    workers = build_workers(stages, lr_schedule(cfg, steps_per_epoch), cfg.train.accumulation,
+    workers = build_workers(stages, lr_schedule(cfg, steps_per_epoch, R), cfg.train.accumulation,
                             cfg.optim.momentum, cfg.optim.nesterov, cfg.optim.weight_decay,
                             optimizer=cfg.optim.name, betas=tuple(cfg.optim.betas))
+    own = workers[:J]  # replica 0's: what checkpoints hold (replicas are identical)
     # Collective (a Barrier fixes the common time origin); NULL_TRACERs when run.trace is off.
-    tracers = trace.start(cfg.run.trace, world, [w.index for w in workers], device)
+    tracers = trace.start(cfg.run.trace, world, [rank] if world else list(range(len(workers))),
+                          device)
     for w, tracer in zip(workers, tracers):
         w.tracer = tracer
     tracer = tracers[0]  # this process's eval and checkpoint spans
@@ -223,11 +249,11 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
         tracer.wrap_boxes(engine)  # time the MPI waits of each stream
     else:
         from .engine.local import LocalEngine
-        engine = LocalEngine(workers, cfg.train.method)
-    writer = MetricsWriter(cfg.run.out_dir, cfg.run.tensorboard) if computes_loss else None
+        engine = LocalEngine(workers, cfg.train.method, R)
+    writer = MetricsWriter(cfg.run.out_dir, cfg.run.tensorboard) if writes else None
     if cfg.train.diag_every:
         from .diagnostics import Diagnostics
-        last = workers[-1]
+        last = own[-1]
         engine = Diagnostics(engine, cfg.train.diag_every, emit=lambda record: writer.write(
             "diag", step=last.optimizer.steps, epoch=current_epoch[0], **record))
 
@@ -238,7 +264,7 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
                 "partition": stages[0].partition, "method": cfg.train.method,
                 "buffer_inputs": cfg.train.buffer_inputs,
                 "stash_weights": cfg.train.stash_weights, "batch_size": cfg.data.batch_size,
-                "accumulation": cfg.train.accumulation, "seed": cfg.run.seed,
+                "accumulation": cfg.train.accumulation, "replicas": R, "seed": cfg.run.seed,
                 "data": cfg.data.path, "microbatches_per_epoch": n,
                 "optimizer": cfg.optim.name, "lr_schedule": cfg.optim.schedule,
                 **model_kwargs(cfg)}
@@ -249,8 +275,9 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
             load_stage(resume, w, device)
         state = manifest["trainer"]
     if writer:
-        writer.write("resume" if resume else "start", stages=J, method=cfg.train.method,
-                     arch=cfg.model.arch, config=cfg.to_dict(), microbatches_per_epoch=n,
+        writer.write("resume" if resume else "start", stages=J, replicas=R,
+                     method=cfg.train.method, arch=cfg.model.arch, config=cfg.to_dict(),
+                     microbatches_per_epoch=n,
                      **({"from": resume, "epoch": state["epoch"], "position": state["position"]}
                         if resume else {}))
         if resume:
@@ -267,11 +294,11 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
             invalidate(path)
         if world:
             world.comm.Barrier()
-        files = [save_stage(path, w) for w in workers]
+        files = [save_stage(path, w) for w in own] if replica == 0 else []
         if world:
             files = world.gather_to_last(files)  # also: every stage file is in place
         state.update(epoch=epoch, position=position)
-        if computes_loss:
+        if writes:
             write_manifest(path, identity, {**state, "wall_time_s": prior_wall +
                                             time.perf_counter() - start}, dict(files))
             prune(cfg.run.out_dir, cfg.run.keep_checkpoints)
@@ -289,10 +316,13 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
         position = state["position"] if epoch == state["epoch"] else 0
         batches = None
         if reads_data:
-            train_loader.load_state_dict({"epoch": epoch, "position": position})
-            batches = _as_dtype(iter(train_loader), dtype)
-        log = TrainLog(cfg, workers[-1], writer, n, epoch, position) if computes_loss else None
-        on_loss = workers[-1].tracer.wrap_callback(trace.LOG, log)  # log itself when off
+            feeds = []
+            for loader in train_loaders:  # each replica's share is at the same position
+                loader.load_state_dict({"epoch": epoch, "position": position})
+                feeds.append(_as_dtype(iter(loader), dtype))
+            batches = feeds if len(feeds) > 1 else feeds[0]
+        log = TrainLog(cfg, own[-1], writer, n, epoch, position, R) if writes else None
+        on_loss = own[-1].tracer.wrap_callback(trace.LOG, log)  # log itself when off
         while position < n and not stopping:
             length = n - position if not cadence else min(n - position, cadence - position % cadence)
             position += engine.train_segment(batches, length, on_loss=on_loss, stop=stop)
@@ -307,8 +337,8 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
             val_batches = _as_dtype(itertools.islice(iter(val_loader), m), dtype)
         with tracer.span(trace.EVAL):
             totals = engine.evaluate(val_batches, m)
-        if computes_loss:
-            log_epoch(cfg, writer, state, epoch, workers[-1].optimizer.steps, log.finish(),
+        if writes:
+            log_epoch(cfg, writer, state, epoch, own[-1].optimizer.steps, log.finish(),
                       totals.result())
         stopping = stopping or engine.any_stop(stop)
         every = cfg.run.checkpoint_every
@@ -316,17 +346,16 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
             checkpoint(epoch + 1, 0)
         if stopping:
             break
-    memory = [stage_memory(w.stage, w.optimizer) for w in workers]
+    memory = [stage_memory(w.stage, w.optimizer) for w in own] if replica == 0 else []
     if world:
         memory = world.gather_to_last(memory)
-    if train_loader is not None:
-        train_loader.close()
-        val_loader.close()
+    for loader in train_loaders + ([val_loader] if val_loader else []):
+        loader.close()
     trace.finish(tracers, world, os.path.join(cfg.run.out_dir, "trace.json"),
                  {"method": cfg.train.method, "arch": cfg.model.arch, "stages": J,
                   "batch_size": cfg.data.batch_size, "accumulation": cfg.train.accumulation})
     if stopping and state["epoch"] < cfg.train.epochs:
-        if computes_loss:
+        if writes:
             writer.write("stop", epoch=state["epoch"], position=state["position"],
                          exit_status=EXIT_REQUEUE)
             writer.close()
@@ -334,8 +363,8 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
                   f"{state['position']}: checkpoint complete, exit status {EXIT_REQUEUE} "
                   f"(requeue to resume with run.resume=auto)", file=sys.stderr, flush=True)
         return EXIT_REQUEUE
-    if computes_loss:
-        write_summary(cfg, state, J, n, memory, prior_wall + time.perf_counter() - start)
+    if writes:
+        write_summary(cfg, state, J, R, n, memory, prior_wall + time.perf_counter() - start)
         writer.close()
     return 0
 
@@ -351,15 +380,16 @@ def log_epoch(cfg, writer, state, epoch, step, train_stats, result):
           f"{train_stats['images_per_s']:.0f} img/s", file=sys.stderr, flush=True)
 
 
-def write_summary(cfg, state, J, n, memory, wall):
+def write_summary(cfg, state, J, R, n, memory, wall):
     history = state["history"]
     trained = sum(h["images"] for h in history)
     summary = {"val_acc": history[-1]["val_acc"], "best_val_acc": state["best_val_acc"],
                "val_top5": history[-1]["val_top5"], "val_loss": history[-1]["val_loss"],
                "epochs": cfg.train.epochs, "wall_time_s": wall,
                "images_per_s": trained / max(sum(h["seconds"] for h in history), 1e-9),
-               "stages": J, "method": cfg.train.method, "arch": cfg.model.arch,
-               "microbatches_per_epoch": n, "history": history, "memory": memory}
+               "stages": J, "replicas": R, "method": cfg.train.method, "arch": cfg.model.arch,
+               "microbatches_per_epoch": n,  # per replica: an epoch is R times as many
+               "history": history, "memory": memory}
     write_json_atomic(os.path.join(cfg.run.out_dir, "summary.json"), summary)
     print(f"done in {fmt_time(wall)}: val acc {summary['val_acc']:.4f} "
           f"(best {summary['best_val_acc']:.4f}); outputs in {cfg.run.out_dir}", file=sys.stderr)

@@ -1,5 +1,5 @@
 """A throwaway one-node SLURM cluster for the batch-script tests: munged, slurmctld and slurmd run
-from a temporary directory with a generated slurm.conf. The node claims 160 CPUs and 20 "GPUs"
+from a temporary directory with a generated slurm.conf. The node claims 320 CPUs and 40 "GPUs"
 (plain files named in gres.conf), so scripts with --gpus-per-task run on a CPU machine. Needs root
 and the slurm-wlm and munge packages (apt-get install slurm-wlm munge)."""
 import os
@@ -15,7 +15,7 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
             "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 # What the one node claims (SlurmdParameters=config_overrides lets it claim more than it has):
 # enough for any script's full request on one node, so `sbatch --test-only` can check them all.
-CPUS, GPUS = 160, 20
+CPUS, GPUS = 320, 40  # the 36-rank replicas script at 8 CPUs each
 MUNGE_SOCKET_DIR = "/run/munge"
 MUNGE_KEY = "/etc/munge/munge.key"
 

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import slurm_cluster
-from petra_mpi.config import load_config, num_stages, validate
+from petra_mpi.config import load_config, num_replicas, num_stages, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "slurm", "*.sh")))
@@ -71,12 +71,15 @@ def test_script_syntax_and_contract(script):
 
 @pytest.mark.parametrize("script", EXPERIMENTS, ids=os.path.basename)
 def test_configs_exist_and_match_ranks(script):
-    """Every config a script runs loads, validates, and asks for as many stages as --ntasks."""
+    """Every config a script runs loads, validates, and fills --ntasks with its replicas of its
+    stages (one replica, one rank per stage, but for the replicas scripts)."""
     ntasks = int(sbatch_option(script, "ntasks"))
     for config in script_configs(script):
         cfg = load_config(os.path.join(ROOT, config), [])
         validate(cfg, ntasks)
-        assert num_stages(cfg, ntasks) == ntasks == num_stages(cfg, 1), config
+        J, R = num_stages(cfg, ntasks), num_replicas(cfg, ntasks)
+        assert J * R == ntasks and J == num_stages(cfg, 1), config
+        assert R == cfg.train.replicas or (R == 1 and not cfg.train.replicas), config
 
 
 def test_dry_run_every_script():
@@ -236,6 +239,21 @@ def test_scancel_checkpoints_and_stays_cancelled(cluster, tmp_path):
     assert job["JobState"] == "CANCELLED" and job["Restarts"] == "0", job_output(cluster, job) + log
     assert "not requeueing" in log, log
     assert glob.glob(str(out / "checkpoints" / "*" / "manifest.json")), log
+
+
+def test_replicas_job(cluster, tmp_path):
+    """The replicas script, small: 2 tasks under srun as 2 replicas of a 1-stage net."""
+    out = tmp_path / "run"
+    jobid = submit(cluster, tmp_path, "revnet50_imagenet_2replicas.sh", "--nodes=1",
+                   "--ntasks-per-node=2", CONFIG="configs/quickstart.yaml", OUT_DIR=str(out),
+                   EXTRA_ARGS=SMOKE + " --set train.replicas=2")
+    (job,) = cluster.wait(jobid, timeout=120)
+    log = (out / "logs" / "train.log").read_text() if (out / "logs" / "train.log").exists() else ""
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), \
+        job_output(cluster, job) + log
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["replicas"], summary["stages"]) == (2, 1)
+    assert "2 replicas x 1 stages" in log
 
 
 def test_job_array(cluster, tmp_path):

@@ -2,6 +2,9 @@
 
 Sampler: a train epoch is a permutation seeded by (seed, epoch), cut into full batches (the
 last partial one is dropped); an eval pass is the split in order, the last batch possibly short.
+With data-parallel replicas, shard=(r, R): replica r's batch i is batch i·R + r of the epoch
+(augmentation draws included), so the replicas read disjoint shares of the same permutation and
+an epoch is still one pass; each share has the same length (the last < R batches are dropped).
 A batch's indices are sorted, so that the reader gets a few increasing slices (a batch is a set:
 the order inside it does not matter to the gradient).
 
@@ -49,14 +52,15 @@ class _Failure:
 
 class BatchLoader:
     def __init__(self, src, batch_size, *, train, seed, device="cpu", augment=True, crop=None,
-                 prefetch=2, decode_threads=None, decode_pool="thread"):
+                 prefetch=2, decode_threads=None, decode_pool="thread", shard=(0, 1)):
         """src: a source from open_split. train: shuffled drop-last epochs with augmentation
         (if `augment`); else the split in order, unaugmented. crop: output side of JPEG data
         (default 224); array data keep their size. prefetch: batches read ahead (0: read in the
         consuming thread). decode_threads: PIL decode workers for JPEG data (None: one per CPU
         of this process's affinity set, e.g. the task's --cpus-per-task under srun).
         decode_pool: "thread" or "process" (a process pool started by forkserver, for when
-        threads stop scaling on the GIL)."""
+        threads stop scaling on the GIL). shard: (replica, replicas) of a training loader (see
+        the module's docstring); `position` then counts this replica's batches."""
         if int(batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if int(seed) < 0:
@@ -65,6 +69,9 @@ class BatchLoader:
         self.batch_size = int(batch_size)
         self.train = bool(train)
         self.seed = int(seed)
+        self.shard, self.shards = int(shard[0]), int(shard[1])
+        if not 0 <= self.shard < self.shards or (self.shards > 1 and not self.train):
+            raise ValueError(f"shard={shard}: needs 0 <= replica < replicas, on a training loader")
         self.device = torch.device(device)
         self.augment = bool(augment) and self.train
         if src.kind == "array":
@@ -93,7 +100,7 @@ class BatchLoader:
     # ---- sampler ---------------------------------------------------------------------------
     def __len__(self):
         n = len(self.src)
-        return n // self.batch_size if self.train else -(-n // self.batch_size)
+        return n // self.batch_size // self.shards if self.train else -(-n // self.batch_size)
 
     def _order(self, epoch):
         cached = self._perm  # one read: the prefetch thread may replace it concurrently
@@ -108,6 +115,7 @@ class BatchLoader:
         epoch = self.epoch if epoch is None else int(epoch)
         if not 0 <= batch < len(self):
             raise IndexError(f"batch {batch} out of range [0, {len(self)})")
+        batch = self._global(batch)
         lo, hi = batch * self.batch_size, (batch + 1) * self.batch_size
         if self.train:
             return np.sort(self._order(epoch)[lo:hi])
@@ -122,7 +130,11 @@ class BatchLoader:
     def batch_rng(self, batch, epoch=None):
         """The Generator of a batch's augmentation: a pure function of (seed, epoch, batch)."""
         epoch = self.epoch if epoch is None else int(epoch)
-        return np.random.default_rng([self.seed, 1, epoch, batch])
+        return np.random.default_rng([self.seed, 1, epoch, self._global(batch)])
+
+    def _global(self, batch):
+        """This replica's batch `batch` as a batch of the whole epoch."""
+        return batch * self.shards + self.shard
 
     # ---- state -----------------------------------------------------------------------------
     def set_epoch(self, epoch):

@@ -10,65 +10,87 @@ from .metrics import EvalTotals
 
 
 class LocalEngine:
-    def __init__(self, workers, method: str):
-        self.workers, self.method = workers, method
+    def __init__(self, workers, method: str, replicas: int = 1):
+        """workers: R replicas of a J-stage pipeline in rank order (replica · J + stage); with
+        R > 1 each stage's gradients are averaged over its replicas at every step, as R · J
+        ranks would under mpirun (replicas.py)."""
+        self.workers, self.method, self.replicas = workers, method, replicas
+        self.J = len(workers) // replicas
+        if replicas > 1:
+            from .replicas import link_local
+            link_local(workers, replicas)
 
     def train_segment(self, batches, n: int, on_loss=None, stop=None) -> int:
-        """Train on the next n micro-batches of `batches` (an iterator of (x, labels)), from an
-        empty pipeline to a full drain; a stop request ends the segment early. on_loss(b, loss,
-        logits, labels) sees each result. Returns the number of micro-batches trained."""
-        J = len(self.workers)
+        """Train on the next n micro-batches of `batches` (an iterator of (x, labels); with
+        replicas, a list of one iterator per replica), from an empty pipeline to a full drain; a
+        stop request ends the segment early. on_loss(b, loss, logits, labels) sees each result
+        of replica 0. Returns the number of micro-batches trained."""
+        J, R = self.J, self.replicas
+        feeds = list(batches) if R > 1 else [batches]
+        assert len(feeds) == R, "one iterator of micro-batches per replica"
         for w in self.workers:
             w.begin_segment(n)
-        inputs = [deque() for _ in range(J)]     # activations waiting at stage s
-        grads = [deque() for _ in range(J)]      # (ỹ, δy) waiting at stage s
-        labels = deque()
+        # per replica: activations waiting at stage s, (ỹ, δy) waiting at stage s, labels
+        queues = [([deque() for _ in range(J)], [deque() for _ in range(J)], deque())
+                  for _ in range(R)]
         t = 0
         while t < num_ticks(self.method, J, n):
             if stop is not None and stop.requested and t % STOP_CHECK_TICKS == 0:
                 n = stop_count(self.method, J, t, n)
                 for w in self.workers:
                     w.begin_segment(n)  # the last backward now steps the optimizer
-            # Stage by stage: each op only needs what a neighbour produced at an earlier tick.
-            for s, w in enumerate(self.workers):
-                for op, b in w.tracer.plan(t, tick_ops(self.method, J, s, t, n)):
-                    if op == "backward":
-                        x, grad_x = w.backward(b, *grads[s].popleft())
-                        if s > 0:
-                            grads[s - 1].append((x, grad_x))
-                        continue
-                    if s == 0:
-                        x, y = next(batches)
-                        labels.append(y)
-                    else:
-                        x = inputs[s].popleft()
-                    if op == "forward":
-                        inputs[s + 1].append(w.forward(b, x))
-                        continue
-                    y = labels.popleft()
-                    loss, logits, grad_x = w.forward_backward(b, x, y)
-                    if on_loss is not None:
-                        on_loss(b, loss, logits, y)
+            # Every replica through tick t before tick t + 1: a stage's average needs all of them.
+            for r in range(R):
+                self._tick(self.workers[r * J:(r + 1) * J], *queues[r], feeds[r], t, n,
+                           on_loss if r == 0 else None)
+            t += 1
+        for w in self.workers:
+            w.settle()  # the last step of the segment, when it waited for the replicas' average
+        assert not any(q for inputs, grads, labels in queues for q in (*inputs, *grads, labels)), \
+            "pipeline not drained"
+        return n
+
+    def _tick(self, workers, inputs, grads, labels, batches, t, n, on_loss):
+        J = len(workers)
+        # Stage by stage: each op only needs what a neighbour produced at an earlier tick.
+        for s, w in enumerate(workers):
+            for op, b in w.tracer.plan(t, tick_ops(self.method, J, s, t, n)):
+                if op == "backward":
+                    x, grad_x = w.backward(b, *grads[s].popleft())
                     if s > 0:
                         grads[s - 1].append((x, grad_x))
-            t += 1
-        assert not any(inputs) and not any(grads) and not labels, "pipeline not drained"
-        return n
+                    continue
+                if s == 0:
+                    x, y = next(batches)
+                    labels.append(y)
+                else:
+                    x = inputs[s].popleft()
+                if op == "forward":
+                    inputs[s + 1].append(w.forward(b, x))
+                    continue
+                y = labels.popleft()
+                loss, logits, grad_x = w.forward_backward(b, x, y)
+                if on_loss is not None:
+                    on_loss(b, loss, logits, y)
+                if s > 0:
+                    grads[s - 1].append((x, grad_x))
 
     def any_stop(self, stop) -> bool:
         return stop is not None and stop.requested
 
     @torch.no_grad()
     def evaluate(self, batches, m=None) -> EvalTotals:
+        """Forward-only pass of replica 0 (its batch-norm running statistics are the model's)."""
         totals = EvalTotals()
-        for w in self.workers:
+        pipeline = self.workers[:self.J]
+        for w in pipeline:
             w.stage.eval()
         try:
             for x, y in batches:
-                for w in self.workers:
+                for w in pipeline:
                     x = w.stage.evaluate(x)
                 totals.add(x, y)
         finally:
-            for w in self.workers:
+            for w in pipeline:
                 w.stage.train()
         return totals

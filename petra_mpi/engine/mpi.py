@@ -3,6 +3,10 @@
 Rank r runs stage r of J = world size. Its operations come from the schedule in order (forward
 then backward of each tick); waiting on a neighbour's message is the only synchronisation. Rank 0
 reads the data and sends each micro-batch's labels straight to the last rank.
+
+With R replicas (world.split) the pipeline is the replica's own communicator, `world.pipe`, and
+each stage also averages its gradients over `world.dp` before a step (replicas.py); stop votes
+stay on the whole world, so every replica shortens a segment at the same tick.
 """
 import sys
 import time
@@ -20,13 +24,17 @@ from .metrics import EvalTotals
 class MPIEngine:
     def __init__(self, worker, method, world, dtype, input_shape, batch_size):
         self.w, self.method, self.world = worker, method, world
-        comm, r, J = world.comm, world.rank, world.size
+        comm, r, J = world.pipe, world.stage, world.stages
         device = next(worker.stage.parameters()).device
         aware, why = cuda_aware_mpi() if device.type == "cuda" else (False, "")
         self.transport = t = Transport(device, aware)
-        if r == 0:
-            print(f"petra_mpi: {J} ranks, transport {t.mode}" + (f" ({why})" if why else ""),
+        if world.rank == 0:
+            layout = f"{world.replicas} replicas x {J} stages" if world.replicas > 1 else f"{J} ranks"
+            print(f"petra_mpi: {layout}, transport {t.mode}" + (f" ({why})" if why else ""),
                   file=sys.stderr, flush=True)
+        if world.replicas > 1:
+            from .replicas import MPIMean
+            worker.reducer = MPIMean(world.dp, t)
         # Shapes are agreed once: each rank learns its input shape from the previous one.
         in_shape = (batch_size, *input_shape) if r == 0 else comm.recv(source=r - 1, tag=1)
         out_shape = self._output_shape(in_shape, device, dtype)
@@ -43,9 +51,11 @@ class MPIEngine:
         self.grads_in = Inbox(comm, t, r + 1, TAG_GRADIENT, out_shape, dtype) if r < J - 1 else None
         self.rebuilt_out = Outbox(comm, t, r - 1, TAG_REBUILT) if self.send_rebuilt else None
         self.grads_out = Outbox(comm, t, r - 1, TAG_GRADIENT) if r > 0 else None
-        self.labels_out = Outbox(comm, t, J - 1, TAG_LABELS, depth=J + 2) if r == 0 else None
+        # with one stage (J = 1, replicas only) the labels never leave the rank
+        self.labels_out = (Outbox(comm, t, J - 1, TAG_LABELS, depth=J + 2)
+                           if r == 0 and J > 1 else None)
         self.labels_in = (Inbox(comm, t, 0, TAG_LABELS, (batch_size,), torch.int64)
-                          if r == J - 1 else None)
+                          if r == J - 1 and J > 1 else None)
         self.compute_seconds = 0.0  # in the stage's own work (forward, backward, optimizer step)
 
     @torch.no_grad()
@@ -84,7 +94,7 @@ class MPIEngine:
     def train_segment(self, batches, n, on_loss=None, stop=None) -> int:
         """Algorithm 1 for this rank over a segment of n micro-batches (fill to drain); a stop
         request agreed by all ranks ends it early. Returns the micro-batches trained."""
-        w, J = self.w, self.world.size
+        w, J = self.w, self.world.stages
         w.begin_segment(n)
         # Large messages move only while MPI is called: poll between blocks (docs/performance.md).
         w.stage.between_blocks = self.transport.poll
@@ -122,6 +132,7 @@ class MPIEngine:
         # A vote is posted only while 2 checks remain, so none is pending here; a request that
         # arrives later is seen by any_stop at the drain.
         assert self.vote is None
+        w.settle()  # the segment's last step, when it waited for the replicas' average
         self._flush()
         return n
 
@@ -137,13 +148,13 @@ class MPIEngine:
             self.vote = None
             if flag[0]:
                 # what has entered, plus what a rank may already have posted receives for
-                shorter = stop_count(self.method, self.world.size, t, n, RECEIVE_DEPTH + 1)
+                shorter = stop_count(self.method, self.world.stages, t, n, RECEIVE_DEPTH + 1)
                 for box in (self.inputs, self.rebuilt_in, self.grads_in, self.labels_in):
                     if box is not None:
                         box.shrink(n - shorter)
                 self.w.begin_segment(shorter)
                 return shorter
-        if t + 2 * STOP_CHECK_TICKS < num_ticks(self.method, self.world.size, n):
+        if t + 2 * STOP_CHECK_TICKS < num_ticks(self.method, self.world.stages, n):
             flag = np.array([int(stop.requested)], dtype=np.int32)
             self.vote = (self.world.comm.Iallreduce(MPI.IN_PLACE, flag, op=MPI.MAX), flag)
         return n
@@ -167,7 +178,11 @@ class MPIEngine:
 
     @torch.no_grad()
     def evaluate(self, batches, m):
-        """Forward-only pass over m batches; the totals exist on the last rank (None elsewhere)."""
+        """Forward-only pass over m batches by replica 0 (whose batch-norm running statistics
+        are the model's; the other replicas return at once); the totals exist on its last rank
+        (None elsewhere)."""
+        if self.world.replica > 0:
+            return None
         stage = self.w.stage
         for box in (self.inputs, self.labels_in):
             if box is not None:

@@ -53,6 +53,22 @@ class World:
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         self.node_cpus = node.allgather(sorted(_affinity()))  # CPU sets of this node's ranks
         node.Free()
+        self.split(self.size)  # one pipeline over every rank until train.py says otherwise
+
+    def split(self, stages: int):
+        """Lay the ranks out as R = size / stages replicas of a `stages`-rank pipeline, rank =
+        replica · J + stage (so under SLURM's block distribution a replica's consecutive stages
+        share a node). `pipe` is this replica's pipeline (its ranks are the stage indices), `dp`
+        the stage's data-parallel group (one rank per replica, in replica order; None for R = 1).
+        `comm` stays the whole world: stop votes and checkpoints involve every rank."""
+        assert self.size % stages == 0, (self.size, stages)
+        self.stages, self.replicas = stages, self.size // stages
+        self.replica, self.stage = divmod(self.rank, stages)
+        if self.replicas == 1:
+            self.pipe, self.dp = self.comm, None
+        else:
+            self.pipe = self.comm.Split(color=self.replica, key=self.stage)
+            self.dp = self.comm.Split(color=self.stage, key=self.replica)
 
     @classmethod
     def from_environment(cls):
@@ -71,7 +87,8 @@ class World:
 
     @property
     def is_last(self):
-        return self.rank == self.size - 1
+        """Whether this rank writes the run's outputs: the last stage of replica 0."""
+        return self.rank == self.stages - 1
 
     def thread_share(self) -> int:
         """This rank's share of its CPU set for torch's CPU threads (see cpu_share)."""
@@ -83,7 +100,8 @@ class World:
         return self.comm.bcast(lengths, root=0)
 
     def gather_to_last(self, items: list):
-        gathered = self.comm.gather(items, root=self.size - 1)
+        """Every rank's list, concatenated in rank order on the writing rank (is_last)."""
+        gathered = self.comm.gather(items, root=self.stages - 1)
         return [x for part in gathered for x in part] if self.is_last else None
 
     def run_guarded(self, fn, expected_errors) -> int:

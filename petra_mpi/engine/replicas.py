@@ -1,0 +1,119 @@
+"""Data parallelism across pipeline replicas: before each optimizer step a stage averages its
+parameter gradients over the copies of itself in the other replicas (its data-parallel group), so
+every replica keeps the same weights. Batch-norm statistics are not averaged: each replica
+normalises with its own micro-batches and keeps its own running statistics (replica 0's are the
+ones evaluated and checkpointed), as DDP does by default.
+
+The worker (worker.py) starts the average right after the backward that completes an
+accumulation group and finishes it, then steps, just before its next operation. The weights
+therefore change at the same point of the schedule as without replicas, while the all-reduce
+overlaps the sends of that backward and the wait for the next input.
+
+Arithmetic, the same in both reducers: sum the accumulated gradients over the replicas, divide by
+R (the optimizer then divides by the backwards accumulated). MPIMean lets MPI sum; LocalMean, the
+single-process reference, sums in replica order. IEEE addition is commutative, so for R = 2 the two
+agree bitwise; for R > 2 MPI's association order is its own (every rank gets the same result, but
+it may differ from the reference in the last bits).
+"""
+import time
+from collections import deque
+
+import torch
+
+
+def _with_grads(worker):
+    """The stage's parameters that received a gradient, in a fixed order (the same on every
+    replica: they hold the same blocks)."""
+    return [p for p in worker.optimizer.params if p.grad is not None]
+
+
+def _flatten(params):
+    if not params:  # a stage without parameters still takes part in the collective
+        return torch.zeros(0)
+    return torch.cat([p.grad.reshape(-1) for p in params])
+
+
+def _unflatten_into(flat, params):
+    offset = 0
+    for p in params:
+        n = p.grad.numel()
+        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+        offset += n
+
+
+class MPIMean:
+    """One stage's average over its data-parallel communicator: one flattened bucket per step,
+    summed by a non-blocking Iallreduce."""
+
+    def __init__(self, comm, transport):
+        self.comm, self.transport = comm, transport
+        self.size = comm.Get_size()
+        self.pending = None
+        self.waited = 0.0  # seconds blocked finishing all-reduces (for the benchmark)
+
+    def start(self, worker):
+        from mpi4py import MPI
+        params = _with_grads(worker)
+        flat = _flatten(params)
+        host = None
+        if flat.device.type != "cuda":
+            buf = flat.numpy()
+        elif self.transport.direct:  # CUDA-aware: MPI reads the device buffer once it is written
+            torch.cuda.current_stream(flat.device).synchronize()
+            buf = flat
+        else:  # staged through host memory (a blocking copy: the data must be there to post)
+            host = flat.cpu()
+            buf = host.numpy()
+        request = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        self.pending = (request, flat, host, params)
+
+    def finish(self, worker):
+        request, flat, host, params = self.pending
+        self.pending = None
+        self.transport.post_all()  # a neighbour we never wait for may wait for these sends
+        start = time.perf_counter()
+        request.Wait()
+        self.waited += time.perf_counter() - start
+        if host is not None:
+            flat.copy_(host)
+        flat.div_(self.size)
+        _unflatten_into(flat, params)
+
+
+class LocalMean:
+    """The same average for the R replicas of one stage held by one process (the reference the
+    MPI run is compared with). The local engine runs every replica through a tick before the
+    next tick, so every replica starts a step's average before any starts the next one; a worker
+    finishes at its next operation, possibly after another replica has started the next average,
+    hence one queue of finished means per worker."""
+
+    def __init__(self, workers):
+        self.workers = list(workers)  # in replica order
+        self.started = {}  # this step's flattened gradients, by worker
+        self.ready = {w: deque() for w in self.workers}
+
+    def start(self, worker):
+        assert worker not in self.started, "a replica started two steps before the others one"
+        self.started[worker] = _flatten(_with_grads(worker))
+        if len(self.started) == len(self.workers):
+            total = self.started[self.workers[0]].clone()
+            for w in self.workers[1:]:
+                total.add_(self.started[w])
+            mean = total.div_(len(self.workers))
+            for w in self.workers:
+                self.ready[w].append(mean)
+            self.started = {}
+
+    def finish(self, worker):
+        assert self.ready[worker], "a replica has not reached the step"
+        _unflatten_into(self.ready[worker].popleft(), _with_grads(worker))
+
+
+def link_local(workers, replicas: int):
+    """Give the workers of R in-process replicas (in rank order: replica · J + stage) one
+    LocalMean per stage."""
+    J = len(workers) // replicas
+    for s in range(J):
+        reducer = LocalMean(workers[s::J])
+        for w in workers[s::J]:
+            w.reducer = reducer
