@@ -277,6 +277,8 @@ def test_bench_replicas_last_line(tmp_path):
     assert record["images_per_s"] > 0 and record["single_images_per_s"] > 0
     assert record["efficiency"] == pytest.approx(
         record["images_per_s"] / (2 * record["single_images_per_s"]))
+    assert record["independent_images_per_s"] > 0 and record["ceiling"] == pytest.approx(
+        record["independent_images_per_s"] / (2 * record["single_images_per_s"]))
 
 
 def test_replicas_config_is_table2_with_twice_the_batch():
