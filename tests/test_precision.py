@@ -154,6 +154,7 @@ SHORT = ["--set", "data.synthetic_train=2400", "--set", "data.synthetic_val=1000
          "run.progress=false", "--set", "model.stages=2"]
 
 
+@pytest.mark.slow  # ~5 min here (no native bf16): over the CI budget; `pytest -m slow` runs it
 def test_bf16_learns_as_fp32(tmp_path):
     acc = {}
     for precision in ("fp32", "bf16"):
