@@ -29,37 +29,35 @@ def test_invariant4_rebuild_in_bf16(arch):
     """F runs in bfloat16 but the streams stay float32: the rebuild cancels F exactly up to
     float32 rounding, as tests/test_invariants.py asks of fp32 (< 1e-5 relative)."""
     from petra_mpi.models import build_blocks, set_precision
-    from petra_mpi.stages import Stage
     torch.manual_seed(0)
     blocks = build_blocks(arch, 8, 10)
     set_precision(blocks, "bf16")
     for block in [b for b in blocks if b.reversible][:3]:
-        x = torch.randn(4, block.branch[0][0].in_channels * 2, 8, 8)
-        stage = Stage([block], 1, 3)
-        y = stage(x)
-        assert y.dtype == torch.float32
-        rebuilt, grad = stage.backward(y, torch.randn_like(y))
-        assert rebuilt.dtype == grad.dtype == torch.float32
-        assert ((rebuilt - x).norm() / x.norm()).item() < 1e-5
-        assert all(p.grad is not None and p.grad.dtype == torch.float32
-                   for p in block.parameters())
+        assert_bf16_rebuild(block, torch.randn(4, block.branch[0][0].in_channels * 2, 8, 8))
 
 
-def test_invariant4_rebuild_in_bf16_revvit():
-    """The same for the reversible ViT: Attn and MLP in bfloat16, token streams float32."""
-    from petra_mpi.models import build_blocks, set_precision
+def assert_bf16_rebuild(block, x):
+    """One middle stage of `block` (set to bf16): float32 output, rebuild and gradients, and the
+    rebuild within 1e-5 of x. Returns the forward's output."""
     from petra_mpi.stages import Stage
-    torch.manual_seed(0)
-    blocks = build_blocks("revvit", 32, 10, depth=3, heads=2)
-    set_precision(blocks, "bf16")
-    block = blocks[1]
-    x = torch.randn(4, 16, 64)
     stage = Stage([block], 1, 3)
     y = stage(x)
     assert y.dtype == torch.float32
     rebuilt, grad = stage.backward(y, torch.randn_like(y))
     assert rebuilt.dtype == grad.dtype == torch.float32
     assert ((rebuilt - x).norm() / x.norm()).item() < 1e-5
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in block.parameters())
+    return y
+
+
+def test_invariant4_rebuild_in_bf16_revvit():
+    """The same for the reversible ViT: Attn and MLP in bfloat16, token streams float32."""
+    from petra_mpi.models import build_blocks, set_precision
+    torch.manual_seed(0)
+    blocks = build_blocks("revvit", 32, 10, depth=3, heads=2)
+    set_precision(blocks, "bf16")
+    block, x = blocks[1], torch.randn(4, 16, 64)
+    y = assert_bf16_rebuild(block, x)
     set_precision([block], "fp32")
     with torch.no_grad():
         rel = ((block(x) - y).norm() / y.norm()).item()

@@ -216,17 +216,11 @@ def test_trainer_stop_resume_with_two_replicas_equals_running_on(tmp_path):
     """mpirun -n 4 as 2 replicas x 2 stages: SIGUSR1 mid-epoch, resume, and the final checkpoint
     equals an uninterrupted run's; resuming with another number of replicas is refused."""
     from test_resume import assert_same_states, events, final_state, finish, launch as train
-    from test_resume import signal_once_training
-    from petra_mpi.stopping import EXIT_REQUEUE
+    from test_resume import stop_mid_epoch
     two = ["--set", "model.stages=2", "--set", "run.checkpoint_every_microbatches=4",
            "--set", "data.synthetic_train=2048"]  # 16 micro-batches of 64 per replica and epoch
     stopped, straight = tmp_path / "stopped", tmp_path / "straight"
-    proc = train(4, stopped, *two)
-    signal_once_training(proc, stopped)
-    code, log = finish(proc)
-    assert code == EXIT_REQUEUE, log[-3000:]
-    stop = [e for e in events(stopped) if e["event"] == "stop"]
-    assert stop and (stop[0]["epoch"], stop[0]["position"]) < (2, 0)
+    stop_mid_epoch(4, stopped, *two)
 
     code, log = finish(train(2, stopped, *two, "--set", "run.resume=auto"))  # 1 replica
     assert code != 0 and "written by 2 replica(s) and this run has 1" in log, log[-3000:]

@@ -69,6 +69,17 @@ def assert_same_states(a, b):
         assert sa["optimizer"]["steps"] == sb["optimizer"]["steps"]
 
 
+def stop_mid_epoch(n, out_dir, *extra):
+    """Launch on n ranks, SIGUSR1 once training has begun: the run must checkpoint and exit for
+    requeue before the end of its first epoch."""
+    proc = launch(n, out_dir, *extra)
+    signal_once_training(proc, out_dir)
+    code, log = finish(proc)
+    assert code == EXIT_REQUEUE, log[-3000:]
+    stop = [e for e in events(out_dir) if e["event"] == "stop"]
+    assert stop and (stop[0]["epoch"], stop[0]["position"]) < (2, 0)
+
+
 def events(out_dir):
     return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
 
@@ -76,12 +87,7 @@ def events(out_dir):
 def test_signal_checkpoint_resume_equals_running_on(tmp_path):
     cadence = ["--set", "run.checkpoint_every_microbatches=8"]
     stopped, straight = tmp_path / "stopped", tmp_path / "straight"
-    proc = launch(3, stopped, *cadence)
-    signal_once_training(proc, stopped)
-    code, log = finish(proc)
-    assert code == EXIT_REQUEUE, log[-3000:]
-    stop = [e for e in events(stopped) if e["event"] == "stop"]
-    assert stop and (stop[0]["epoch"], stop[0]["position"]) < (2, 0)
+    stop_mid_epoch(3, stopped, *cadence)
 
     code, log = finish(launch(3, stopped, *cadence, "--set", "run.resume=auto"))
     assert code == 0, log[-3000:]
