@@ -7,6 +7,7 @@ every replica's stage 0 reads its share of the data, the last stage computes the
 replica 0's last stage writes metrics.jsonl and summary.json.
 """
 import argparse
+import faulthandler
 import itertools
 import json
 import math
@@ -150,8 +151,10 @@ class TrainLog:
         loss = loss.item()
         step = self.worker.optimizer.steps
         if not math.isfinite(loss):
-            raise TrainingError(f"non-finite loss ({loss}) at step {step} (epoch {self.epoch}, "
-                                f"micro-batch {b}): stopping; lower optim.lr or check the data")
+            why = (f"non-finite loss ({loss}) at step {step} (epoch {self.epoch}, micro-batch {b}): "
+                   f"stopping; lower optim.lr or check the data")
+            self.writer.write("error", step=step, epoch=self.epoch, message=why)  # kept on disk
+            raise TrainingError(why)
         hits = correct(logits, labels)
         self.loss_sum += loss * len(labels)
         self.correct += hits
@@ -413,6 +416,7 @@ def _bind_gpu_before_mpi(args):
 
 
 def main(argv=None) -> int:
+    faulthandler.enable()  # a rank that crashes in native code still says where
     args = parse_args(argv)
     stop = StopRequest().install()  # first: a signal during start-up still means "stop cleanly"
     _bind_gpu_before_mpi(args)

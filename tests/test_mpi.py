@@ -1,5 +1,6 @@
 """The MPI engine under real mpirun: invariant 3 (same parameters as the single-process engine,
 bitwise on CPU), faults that must end every rank, and bad world sizes."""
+import json
 import os
 import subprocess
 import sys
@@ -94,10 +95,12 @@ def test_nonfinite_loss_stops_with_the_step(tmp_path):
                       f"run.out_dir={tmp_path}", "--set", "optim.lr=1e12",
                       "--set", "optim.warmup_epochs=0", *QUICK], timeout=60)
     assert proc.returncode != 0
-    assert "non-finite loss" in proc.stderr and "at step" in proc.stderr, proc.stderr[-2000:]
+    shown = proc.stdout[-1000:] + proc.stderr[-2000:]
+    assert "non-finite loss" in proc.stderr and "at step" in proc.stderr, shown
     assert "Traceback" not in proc.stderr
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert lines and '"event": "start"' in lines[0]  # what was written is kept
+    events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert events[0]["event"] == "start"  # what was written is kept, and why it stopped
+    assert events[-1]["event"] == "error" and "non-finite loss" in events[-1]["message"]
 
 
 @pytest.mark.parametrize("n,sets,expect", [

@@ -5,8 +5,11 @@ need no MPI library at all.
 """
 import os
 import sys
+import time
 import traceback
 
+# Seconds a failing rank waits between printing why and MPI_Abort (see World._abort).
+ABORT_GRACE_S = 1.0
 _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS",
                   "MV2_COMM_WORLD_SIZE", "PETRA_MPI")
 
@@ -105,22 +108,26 @@ class World:
         return [x for part in gathered for x in part] if self.is_last else None
 
     def run_guarded(self, fn, expected_errors) -> int:
-        from mpi4py import MPI
         """Run fn(); on any exception print it once from the failing rank and abort every rank
         (no rank is left waiting for a neighbour that died). Abort is called inside the except
         blocks: there the traceback still holds the engine, so buffers of sends in flight stay
         valid while the neighbours may still be reading them."""
+        from mpi4py import MPI
         try:
             return fn()
         except expected_errors as e:
-            print(f"error (rank {self.rank}): {e}", file=sys.stderr, flush=True)
-            self.comm.Abort(1)
+            self._abort(f"error (rank {self.rank}): {e}")
         except MPI.Exception as e:  # most often a neighbour that is being aborted: one line
-            print(f"rank {self.rank}: MPI error ({e.Get_error_string().splitlines()[0]}); "
-                  f"aborting", file=sys.stderr, flush=True)
-            self.comm.Abort(1)
+            self._abort(f"rank {self.rank}: MPI error "
+                        f"({e.Get_error_string().splitlines()[0]}); aborting")
         except BaseException:  # noqa: B036 - KeyboardInterrupt must abort the others too
-            print(f"rank {self.rank} failed:\n{traceback.format_exc()}", file=sys.stderr,
-                  flush=True)
-            self.comm.Abort(1)
+            self._abort(f"rank {self.rank} failed:\n{traceback.format_exc()}")
         return 1
+
+    def _abort(self, message: str):
+        """Print why, then abort every rank. The pause lets the launcher forward the message
+        first: on MPI_Abort the launcher may tear the job down before it has read what the rank
+        wrote to its stderr pipe (one CI run lost the line that says why the run stopped)."""
+        print(message, file=sys.stderr, flush=True)
+        time.sleep(ABORT_GRACE_S)
+        self.comm.Abort(1)
