@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .devices import place
 from .optim import LRSchedule, StageOptimizer
 from .stages import Stage
 
@@ -71,7 +72,7 @@ def _median_seconds(fn, device, repeats, setup=None):
 def _copies_and_batch(blocks, input_shape, batch_size, num_classes, device, dtype):
     """Deep copies of the blocks (timing must not touch the model that trains) and a random
     batch with labels."""
-    blocks = [copy.deepcopy(b).to(device=device, dtype=dtype).train() for b in blocks]
+    blocks = [place(copy.deepcopy(b), device, dtype).train() for b in blocks]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch_size, *input_shape, generator=g, dtype=dtype).to(device)
     labels = torch.randint(0, num_classes, (batch_size,), generator=g).to(device)

@@ -42,7 +42,7 @@ class Diagnostics:
         return (self.seen + b) % period == 0
 
     def _wrap(self, w):
-        forward, forward_backward = w.forward, w.forward_backward
+        forward = w.forward
 
         def diag_forward(b, x):
             if w.index == 0 and self._chosen(b):

@@ -1,6 +1,5 @@
 """DESIGN.md §1 invariants 1, 2, 4 and 5 on small nets, several stage counts, with and without
 accumulation."""
-import copy
 
 import pytest
 import torch

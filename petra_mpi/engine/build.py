@@ -1,6 +1,7 @@
 """Building the stages and their workers, identically in every engine and on every rank."""
 import torch
 
+from ..devices import place
 from ..models import build_blocks, set_precision
 from ..optim import StageOptimizer
 from ..partition import resolve_partition, split_blocks
@@ -16,8 +17,8 @@ def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, se
     """All stages (or just stage `only`), with weights that depend on the seed alone: every rank
     builds the whole net from the same seed and keeps its own part. `model_kw`: depth, heads and
     patch of revvit/vit (config.model_kwargs). precision: fp32, or bf16 (autocast inside each
-    block; the tensors between blocks keep `dtype`). On CUDA the weights are channels-last (the
-    convolutions then run NHWC, what tensor cores prefer)."""
+    block; the tensors between blocks keep `dtype`). Placed by devices.place (channels-last on
+    CUDA)."""
     torch.manual_seed(seed)
     blocks = build_blocks(arch, width, num_classes, imagenet_stem, image_size=image_size,
                           **(model_kw or {}))
@@ -30,10 +31,7 @@ def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, se
         stage = Stage(stage_blocks, s, num_stages, buffer_inputs=buffer_inputs,
                       stash_weights=stash_weights)
         stage.partition = sizes  # blocks per stage of the whole split (checked on resume)
-        stage = stage.to(device=device, dtype=dtype)
-        if torch.device(device).type == "cuda":
-            stage = stage.to(memory_format=torch.channels_last)
-        stages.append(stage)
+        stages.append(place(stage, device, dtype))
     return stages
 
 

@@ -1,7 +1,6 @@
 """Evaluation totals: summed loss and top-1/top-5 hits, so ranks and batches add up exactly."""
 from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
 
 
