@@ -36,7 +36,7 @@ def main(argv):
     p.add_argument("--stages", type=int, default=1, help="J: stages per replica (divides N)")
     p.add_argument("--accumulation", type=int, default=1, help="k: micro-batches per step")
     p.add_argument("--microbatches", type=int, default=16, help="per replica per timed segment")
-    p.add_argument("--rounds", type=int, default=3, help="alternated rounds of each layout")
+    p.add_argument("--rounds", type=int, default=5, help="alternated rounds of each layout")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     a = p.parse_args(argv)
     world = World.from_environment()
