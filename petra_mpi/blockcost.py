@@ -31,6 +31,7 @@ class BlockCosts:
     last: list[float]
     step: list[float]      # seconds per optimizer step of the block's parameters
     output_bytes: list[int]  # size of each block's output message for one micro-batch
+    input_bytes: int = 0     # size of the first block's input (the images) for one micro-batch
 
     def stage_seconds(self, sizes) -> list[float]:
         """Seconds per micro-batch of each stage of a split (blocks per stage)."""
@@ -46,7 +47,8 @@ class BlockCosts:
 
     def to_dict(self):
         return {"forward": self.forward, "backward": self.backward, "last": self.last,
-                "step": self.step, "output_bytes": self.output_bytes}
+                "step": self.step, "output_bytes": self.output_bytes,
+                "input_bytes": self.input_bytes}
 
 
 def _sync(device):
@@ -85,6 +87,7 @@ def measure_block_costs(blocks, input_shape, batch_size, num_classes, *, device=
     device = torch.device(device)
     blocks, x, labels = _copies_and_batch(blocks, input_shape, batch_size, num_classes, device,
                                           dtype)
+    images = x.numel() * x.element_size()
     forward, backward, last, step, out_bytes = [], [], [], [], []
     for i, block in enumerate(blocks):
         is_head = i == len(blocks) - 1
@@ -119,7 +122,7 @@ def measure_block_costs(blocks, input_shape, batch_size, num_classes, *, device=
         out_bytes.append(y.numel() * y.element_size())
         block.zero_grad(set_to_none=True)
         x = y
-    return BlockCosts(forward, backward, last, step, out_bytes)
+    return BlockCosts(forward, backward, last, step, out_bytes, images)
 
 
 def measured_partition(arch, width, num_classes, num_stages, input_shape, batch_size, *,
@@ -144,6 +147,7 @@ def measure_autograd_costs(blocks, input_shape, batch_size, num_classes, *, devi
     device = torch.device(device)
     blocks, x, labels = _copies_and_batch(blocks, input_shape, batch_size, num_classes, device,
                                           dtype)
+    images = x.numel() * x.element_size()
     forward, backward, last, step, out_bytes = [], [], [], [], []
     for i, block in enumerate(blocks):
         is_head = i == len(blocks) - 1
@@ -169,4 +173,4 @@ def measure_autograd_costs(blocks, input_shape, batch_size, num_classes, *, devi
         out_bytes.append(y.numel() * y.element_size())
         block.zero_grad(set_to_none=True)
         x = y
-    return BlockCosts(forward, backward, last, step, out_bytes)
+    return BlockCosts(forward, backward, last, step, out_bytes, images)

@@ -31,6 +31,37 @@ def test_balanced_split_on_measured_costs_is_deterministic():
     assert balanced_partition([4, 4, 4, 4], 2) == [2, 2]
 
 
+def test_near_tie_goes_to_the_split_that_stores_less():
+    # [3, 2] is fastest (6 vs 6.1); [2, 3] is within TIE_TOLERANCE and keeps block 2's stored
+    # input out of stage 0's FIFO (3 deep at J = 2): it wins once stores are given.
+    middle, last, stored = [2, 2, 2, 2, 2], [2, 2, 2, 2, 2.1], [0, 0, 9, 0, 0]
+    assert balanced_partition(middle, 2, last_costs=last) == [3, 2]
+    assert balanced_partition(middle, 2, last_costs=last, stored=stored) == [2, 3]
+    # Outside the tolerance (6.5 vs 6) speed wins whatever is stored.
+    assert balanced_partition(middle, 2, last_costs=[2, 2, 2, 2, 2.5], stored=stored) == [3, 2]
+    # Equal stores: the fastest of the ties, as without stores.
+    assert balanced_partition(middle, 2, last_costs=last, stored=[1, 0, 0, 0, 0]) == [3, 2]
+    # Deeper stages hold fewer micro-batches: at J = 3, stage 0 holds 5, stage 1 holds 3.
+    assert balanced_partition([1] * 6, 3, last_costs=[1] * 6) == [2, 2, 2]
+    assert balanced_partition([1] * 6, 3, last_costs=[1] * 6, stored=[0, 0, 0, 0, 0, 0]) == [2, 2, 2]
+
+
+def test_measured_split_stores_the_inputs_of_non_reversible_blocks():
+    # RevNet18: stem, rev, rev, down, rev, down, rev, down, rev, head. Middle stages cost 4 per
+    # block, the last 16/7 per block: [3, 7] and [4, 6] tie at 16; only [4, 6] puts the first
+    # downsampling block's input (block 2's output, 1000 bytes) into stage 0's FIFO.
+    blocks = build_blocks("revnet18", 4, 10)
+    out = [1000] * 10
+    costs = BlockCosts([1.0] * 10, [3.0] * 10, [16 / 7] * 10, [0.0] * 10, out, input_bytes=10)
+    assert resolve_partition(blocks, 2, costs=costs) == [3, 7]
+    # A reversible block's input is never stored: [5, 5] (20) ties with [4, 6] (20.4) and adds
+    # only block 4 (reversible, with a huge input) to stage 0, so the faster [5, 5] stays.
+    out = [1000, 1000, 1000, 10**6, 1000, 1000, 1000, 1000, 1000, 1000]
+    costs = BlockCosts([1.0] * 10, [3.0] * 10, [3.4] * 10, [0.0] * 10, out, input_bytes=10)
+    assert resolve_partition(blocks, 2, costs=costs) == [5, 5]
+    assert [b.reversible for b in blocks[2:5]] == [True, False, True]
+
+
 def test_measured_block_costs_leave_the_model_untouched():
     blocks = build_blocks("revnet18", 4, 10)
     before = [t.clone() for b in blocks for t in list(b.parameters()) + list(b.buffers())]
