@@ -416,7 +416,6 @@ def _bind_gpu_before_mpi(args):
 
 
 def main(argv=None) -> int:
-    faulthandler.enable()  # a rank that crashes in native code still says where
     args = parse_args(argv)
     stop = StopRequest().install()  # first: a signal during start-up still means "stop cleanly"
     _bind_gpu_before_mpi(args)
@@ -449,4 +448,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a rank that crashes in native code still says where
     sys.exit(main())
