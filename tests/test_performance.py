@@ -176,6 +176,24 @@ def test_bench_pipeline_reports_compute_time_per_rank():
         assert len(compute) == 2 and all(0 < c <= out[f"{method}_wall_ms_per_tick"] for c in compute)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_bench_overhead_times_a_tick_and_a_plain_step(precision):
+    proc = subprocess.run([sys.executable, "-m", "petra_mpi.bench", "overhead", "--width", "4",
+                           "--batch", "4", "--repeats", "1", "--threads", "1", "--precision",
+                           precision], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = last_json(proc)
+    assert out["bench"] == "overhead" and out["precision"] == precision and out["stages"] == 10
+    assert out["petra_tick_s"] > 0 and out["plain_step_s"] > 0
+    assert out["ratio"] == pytest.approx(out["petra_tick_s"] / out["plain_step_s"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_bench_overhead_on_cuda_without_a_gpu_says_so():
+    proc = subprocess.run([sys.executable, "-m", "petra_mpi.bench", "overhead", "--device",
+                           "cuda"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode != 0 and "no CUDA device" in proc.stderr
+
+
 def test_polling_keeps_the_message_size():
     proc = mpirun(2, [ROOT / "tests" / "mpi" / "transport.py"], timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

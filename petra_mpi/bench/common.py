@@ -4,19 +4,25 @@ import statistics
 import time
 
 
-def timed(fn) -> float:
+def timed(fn, sync=None) -> float:
+    """Seconds fn() takes; `sync` (e.g. torch.cuda.synchronize) waits for queued device work
+    before the clock starts and before it stops."""
+    if sync:
+        sync()
     start = time.perf_counter()
     fn()
+    if sync:
+        sync()
     return time.perf_counter() - start
 
 
-def alternate(fns: dict, repeats: int) -> dict:
+def alternate(fns: dict, repeats: int, sync=None) -> dict:
     """Time each function `repeats` times, interleaved (A B A B ...) so that machine noise hits
     every contender alike; returns the median seconds of each."""
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            times[name].append(timed(fn))
+            times[name].append(timed(fn, sync))
     return {name: statistics.median(t) for name, t in times.items()}
 
 

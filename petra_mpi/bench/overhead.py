@@ -1,13 +1,16 @@
 """One steady-state PETRA tick over all stages (every stage forwards one micro-batch and
 backwards another, rebuilding or popping its inputs, then steps) against one plain autograd
-training step of the same network on the same batch. Ideal ratio 4/3: one extra forward."""
+training step of the same network on the same batch. Ideal ratio 4/3: one extra forward.
+`--device cuda` times on the GPU (synchronised around every timed call), `--precision bf16` with
+bf16 autocast inside the blocks (run.precision); the tick is also the time per micro-batch of
+the whole net in one process."""
 import argparse
 
 import torch
 import torch.nn.functional as F
 
 from ..engine.build import build_stages, build_workers
-from ..models import num_blocks
+from ..models import PRECISIONS, num_blocks
 from ..models.vit import VIT_ARCHS
 from ..optim import LRSchedule, StageOptimizer
 from .common import alternate, emit
@@ -24,12 +27,19 @@ def main(argv):
     p.add_argument("--patch", type=int, default=4, help="revvit/vit: patch side")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible")
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
     schedule = LRSchedule(0.01, 10**6)
     kw = {"model_kw": dict(depth=a.depth, heads=a.heads, patch=a.patch)} if a.arch in VIT_ARCHS \
         else {}
+    kw.update(device=device, precision=a.precision)
     J = a.stages or num_blocks(a.arch, a.depth)
     workers = build_workers(build_stages(a.arch, a.width, 10, J, seed=0, **kw), schedule)
     for w in workers:
@@ -39,8 +49,8 @@ def main(argv):
     plain_opt = StageOptimizer(model, schedule)
 
     g = torch.Generator().manual_seed(0)
-    x0 = torch.randn(a.batch, 3, 32, 32, generator=g)
-    labels = torch.randint(0, 10, (a.batch,), generator=g)
+    x0 = torch.randn(a.batch, 3, 32, 32, generator=g).to(device)
+    labels = torch.randint(0, 10, (a.batch,), generator=g).to(device)
     inputs, x = [], x0
     for w in workers[:-1]:  # fills each FIFO with one entry: the steady state of a tick
         inputs.append(x)
@@ -63,14 +73,17 @@ def main(argv):
         plain_opt.accumulated()
         plain_opt.step()
 
-    alternate({"petra": petra_tick, "plain": plain_step}, 1)  # warm-up
-    med = alternate({"petra": petra_tick, "plain": plain_step}, a.repeats)
+    alternate({"petra": petra_tick, "plain": plain_step}, 1, sync)  # warm-up
+    med = alternate({"petra": petra_tick, "plain": plain_step}, a.repeats, sync)
     ratio = med["petra"] / med["plain"]
-    print(f"{a.arch} width {a.width}, batch {a.batch}, {J} stages, {torch.get_num_threads()} "
-          f"threads, median of {a.repeats} alternated runs")
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else f"cpu, {torch.get_num_threads()} threads")
+    print(f"{a.arch} width {a.width}, batch {a.batch}, {J} stages, {a.precision}, {where}, "
+          f"median of {a.repeats} alternated runs")
     print(f"  PETRA tick over all stages : {med['petra'] * 1e3:9.1f} ms")
     print(f"  plain autograd step        : {med['plain'] * 1e3:9.1f} ms")
     print(f"  ratio                      : {ratio:9.3f}   (ideal 4/3 = 1.333, target <= 1.45)")
     emit({"bench": "overhead", "arch": a.arch, "width": a.width, "batch": a.batch, "stages": J,
-          "threads": torch.get_num_threads(), "petra_tick_s": med["petra"],
+          "threads": torch.get_num_threads(), "device": where, "precision": a.precision,
+          "petra_tick_s": med["petra"],
           "plain_step_s": med["plain"], "ratio": ratio})
