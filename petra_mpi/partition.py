@@ -2,6 +2,8 @@
 import torch
 from torch import nn
 
+from .schedule import delay
+
 
 # Cost of writing one activation element, in multiply-accumulates: elementwise layers (batch norm,
 # ReLU, additions) are memory-bound, so high-resolution blocks cost more than their MACs say.
@@ -65,13 +67,13 @@ def balanced_partition(costs, num_stages: int, last_factor: float = 0.75,
     the fastest): stage j holds delay(J, j) + 1 micro-batches (PETRA's FIFO depth), the last
     stage none. At J = 2 on RevNet18 this keeps a 16 MiB downsampling input out of stage 0's
     three-deep FIFO when the two best splits time within noise of each other."""
-    from .schedule import delay
     n = len(costs)
     if not 1 <= num_stages <= n:
         raise ValueError(f"cannot split {n} blocks into {num_stages} stages: use 1 to {n}")
     if last_costs is None:
         last_costs = [c * last_factor for c in costs]
-    prefix, last_prefix, stored_prefix = _prefix(costs), _prefix(last_costs), _prefix(stored or [0] * n)
+    prefix, last_prefix = _prefix(costs), _prefix(last_costs)
+    stored_prefix = _prefix(stored or [0] * n)
 
     def cost(j, m, i):  # stage j (1-based) holding blocks m .. i-1
         return last_prefix[i] - last_prefix[m] if j == num_stages else prefix[i] - prefix[m]
