@@ -140,6 +140,15 @@ def measured_partition(arch, width, num_classes, num_stages, input_shape, batch_
     return resolve_partition(blocks, num_stages, costs=costs), costs
 
 
+def measured_partition_for(cfg, num_stages, input_shape, device, dtype):
+    """measured_partition for the net and batch of a run's config."""
+    from .config import model_kwargs
+    return measured_partition(cfg.model.arch, cfg.model.width, cfg.model.num_classes, num_stages,
+                              input_shape, cfg.data.batch_size,
+                              imagenet_stem=cfg.model.stem == "imagenet", device=device,
+                              dtype=dtype, precision=cfg.run.precision, **model_kwargs(cfg))
+
+
 def measure_autograd_costs(blocks, input_shape, batch_size, num_classes, *, device="cpu",
                            dtype=torch.float32, repeats=3) -> BlockCosts:
     """Per-block costs of ordinary autograd training (what 1F1B or GPipe run): forward with

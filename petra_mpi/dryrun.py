@@ -20,7 +20,8 @@ def stage_table(cfg, num_stages: int, dtype=torch.float32, partition=None) -> li
     `partition`: blocks per stage (default model.partition, else the estimate)."""
     stages = build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, num_stages,
                           seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
-                          partition=partition or cfg.model.partition, buffer_inputs=cfg.train.buffer_inputs,
+                          partition=partition or cfg.model.partition,
+                          buffer_inputs=cfg.train.buffer_inputs,
                           stash_weights=cfg.train.stash_weights, dtype=dtype,
                           image_size=224 if cfg.model.stem == "imagenet" else 32,
                           model_kw=model_kwargs(cfg))
@@ -58,13 +59,9 @@ def stage_table(cfg, num_stages: int, dtype=torch.float32, partition=None) -> li
 def profile_blocks(cfg, num_stages: int, device, dtype) -> list[int]:
     """Time every block, print each block's and each stage's cost, return the split: the one
     minimising the slowest stage by the measured costs, or model.partition when it is fixed."""
-    from .blockcost import measured_partition
+    from .blockcost import measured_partition_for
     side = input_side(cfg)
-    sizes, costs = measured_partition(cfg.model.arch, cfg.model.width, cfg.model.num_classes,
-                                      num_stages, (3, side, side), cfg.data.batch_size,
-                                      imagenet_stem=cfg.model.stem == "imagenet", device=device,
-                                      dtype=dtype, precision=cfg.run.precision,
-                                      **model_kwargs(cfg))
+    sizes, costs = measured_partition_for(cfg, num_stages, (3, side, side), device, dtype)
     sizes = list(cfg.model.partition or sizes)
     print(f"measured on {device}, batch {cfg.data.batch_size}, ms per micro-batch:")
     print(f"{'block':>5} {'forward':>8} {'backward':>8} {'in last':>8} {'step':>8}")

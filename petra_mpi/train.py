@@ -107,13 +107,9 @@ def choose_partition(cfg, J, world, device, dtype, input_shape, resume):
         return None
     sizes = None
     if world is None or world.rank == 0:
-        from .blockcost import measured_partition
+        from .blockcost import measured_partition_for
         start = time.perf_counter()
-        sizes, costs = measured_partition(cfg.model.arch, cfg.model.width, cfg.model.num_classes,
-                                          J, input_shape, cfg.data.batch_size,
-                                          imagenet_stem=cfg.model.stem == "imagenet",
-                                          device=device, dtype=dtype,
-                                          precision=cfg.run.precision, **model_kwargs(cfg))
+        sizes, costs = measured_partition_for(cfg, J, input_shape, device, dtype)
         per_stage = " ".join(f"{1e3 * c:.0f}" for c in costs.stage_seconds(sizes))
         print(f"petra_mpi: stages balanced by measured cost ({time.perf_counter() - start:.1f} s "
               f"to time {blocks_total} blocks): blocks per stage {sizes}, ms per micro-batch "
