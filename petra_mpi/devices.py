@@ -74,6 +74,15 @@ def bind_early(device_setting: str, env=None):
     return index
 
 
+def bound_cuda_device(local_rank):
+    """This rank's GPU by gpu_index (the one bind_early bound, when it could choose), made the
+    current device; `local_rank`: MPI's node-local rank, for launchers that export none."""
+    import torch
+    index = gpu_index(os.environ, torch.cuda.device_count(), local_rank)
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 def rank_map(world, device) -> str | None:
     """Gather (host, local rank, device, CUDA_VISIBLE_DEVICES, affinity) of every rank; rank 0
     returns one line per rank (None elsewhere)."""

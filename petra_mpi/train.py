@@ -53,10 +53,8 @@ def pick_device(cfg, local_rank: int = 0) -> torch.device:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise TrainingError("run.device is cuda but CUDA is not available")
-    from .devices import gpu_index
-    index = gpu_index(os.environ, torch.cuda.device_count(), local_rank)
-    torch.cuda.set_device(index)  # the same index bind_early chose, when it could choose
-    return torch.device("cuda", index)
+    from .devices import bound_cuda_device
+    return bound_cuda_device(local_rank)
 
 
 def lr_schedule(cfg, steps_per_epoch: int, replicas: int = 1) -> LRSchedule:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What a session lent the GPU machine runs there: issue 10's GPU checks and the 16-core CPU
-# pipelines of issues 9 and 11, in three device calls of under 10 minutes each (a session has
-# 30 minutes of device time). The machine has torch with CUDA, h5py, yaml and pytest, but no MPI
+# pipelines of issue 9, in device calls of under 10 minutes each, in priority order (a session has
+# 30 minutes of device time, start-ups included: about three calls). The machine has torch with CUDA, h5py, yaml and pytest, but no MPI
 # library: carry MPICH and mpi4py as wheels (.whl/ is git-ignored). Here, once, from the
 # repository root:
 #
@@ -9,8 +9,10 @@
 #       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux1_x86_64 \
 #       -d .whl mpich==5.0.2 mpi4py==4.1.2
 #
-# then three `run` calls with carry [".whl"] and timeout_s 600:
+# then `run` calls with carry [".whl"] and timeout_s 600, as many as the budget allows:
 #   bash scripts/device_session.sh gpu     # tests/test_gpu.py, bench overhead fp32/bf16 on the GPU
+#   bash scripts/device_session.sh gpu-mps # bench pipeline on the GPU: 2 ranks sharing it, 4 ranks
+#                                          # under MPS (25 % each) fp32/bf16; bench data nvJPEG
 #   bash scripts/device_session.sh cpu-a   # bench pipeline at J = 4, 8, 10; bench replicas 2x4, 4x2
 #   bash scripts/device_session.sh cpu-b   # bench peers at J = 4, 8; bench scaling
 #
@@ -18,7 +20,7 @@
 # $OUT/PART.jsonl, and goes on past a failing step. JS, REPLICAS and BENCH_ARGS shrink the CPU
 # parts for a try on a small machine: JS=2 REPLICAS=2x1 BENCH_ARGS="--width 4 --batch 4".
 set -uo pipefail
-part=${1:?usage: scripts/device_session.sh gpu|cpu-a|cpu-b}
+part=${1:?usage: scripts/device_session.sh gpu|gpu-mps|cpu-a|cpu-b}
 OUT=${OUT:-runs/device_session}
 mkdir -p "$OUT"
 log="$OUT/$part.log"
@@ -58,14 +60,36 @@ step() {  # step SECONDS NAME COMMAND...: run it, keep its output, collect its J
 
 case "$part" in
 gpu)
-    step 30 devices nvidia-smi -L
-    step 60 torch "$PY" -c "import torch, mpi4py.MPI as M; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU', M.Get_library_version().splitlines()[0], [l.split()[-1] for l in open('/proc/self/maps') if 'libmpi' in l][:1])"
-    step 240 test_gpu "$PY" -m pytest -q -rs tests/test_gpu.py
+    step 20 devices nvidia-smi -L
+    step 40 torch "$PY" -c "import torch, mpi4py.MPI as M; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU', M.Get_library_version().splitlines()[0], [l.split()[-1] for l in open('/proc/self/maps') if 'libmpi' in l][:1])"
+    step 360 test_gpu "$PY" -m pytest -q -rs tests/test_gpu.py
     for precision in fp32 bf16; do
-        step 45 "overhead-$precision" "$PY" -m petra_mpi.bench overhead --device cuda --precision "$precision"
+        step 40 "overhead-$precision" "$PY" -m petra_mpi.bench overhead --device cuda --precision "$precision"
         # RevNet18 (width 64) at micro-batch 256, the whole net in one process (paper Table 5)
-        step 45 "overhead-mb256-$precision" "$PY" -m petra_mpi.bench overhead --device cuda --precision "$precision" --batch 256
+        step 40 "overhead-mb256-$precision" "$PY" -m petra_mpi.bench overhead --device cuda --precision "$precision" --batch 256
     done
+    ;;
+gpu-mps)
+    # RevNet18 at the paper's width, a micro-batch that gives the GPU work
+    gpu_args=(--device cuda --width 64 --batch 256 --rounds 2 --microbatches 16)
+    step 150 pipeline-gpu-J2-shared mpiexec -n 2 "$PY" -m petra_mpi.bench pipeline "${gpu_args[@]}"
+    # J ranks on one GPU, each held to 1/J of its SMs, emulate J smaller GPUs (MPS needs its
+    # daemon; without it the ranks time-slice the whole GPU, and the log says so)
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then
+        echo "MPS daemon started" | tee -a "$log"
+        mps=1
+    else
+        echo "no MPS: the 4 ranks time-slice the GPU" | tee -a "$log"
+        mps=0
+    fi
+    for precision in fp32 bf16; do
+        CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 step 150 "pipeline-gpu-J4-mps$mps-$precision" \
+            mpiexec -n 4 "$PY" -m petra_mpi.bench pipeline "${gpu_args[@]}" --precision "$precision"
+    done
+    [ "$mps" = 1 ] && echo quit | nvidia-cuda-mps-control
+    step 120 data-gpu-jpeg "$PY" -m petra_mpi.bench data synthetic --device cuda --jpeg-demo --threads 4 --seconds 3
     ;;
 cpu-a)
     for J in $JS; do
@@ -84,7 +108,7 @@ cpu-b)
     step 200 scaling mpiexec -n "${JS##* }" "$PY" -m petra_mpi.bench scaling --threads 1 --rounds 1 --png "$OUT/scaling.png" "${BENCH_ARGS[@]}"
     ;;
 *)
-    echo "unknown part $part: gpu, cpu-a or cpu-b" >&2
+    echo "unknown part $part: gpu, gpu-mps, cpu-a or cpu-b" >&2
     exit 2
     ;;
 esac

@@ -101,3 +101,33 @@ def test_gpu_jpeg_decode_is_stream_safe(tmp_path):
     assert len(free) == len(synced) > 0
     for a, b in zip(free, synced):
         assert torch.equal(a, b), "stage-0 parameters differ with a synchronised decode"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_bench_pipeline_on_gpu(precision):
+    """Both ranks on the GPU(s), the staged transport, a figure for each method."""
+    import json
+    proc = mpirun(2, ["-m", "petra_mpi.bench", "pipeline", "--device", "cuda", "--precision",
+                      precision, "--width", "8", "--batch", "16", "--microbatches", "6",
+                      "--rounds", "1"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank map" in proc.stdout
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["device"].startswith("cuda") and out["precision"] == precision
+    assert out["transport"] in ("pinned-host-staging", "cuda-aware")
+    assert out["petra_images_per_s"] > 0 and out["backprop_images_per_s"] > 0
+
+
+def test_bench_data_decodes_jpeg_on_the_gpu():
+    pytest.importorskip("torchvision.io")
+    import json
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "petra_mpi.bench", "data", "synthetic",
+                           "--device", "cuda", "--seconds", "0.5", "--synthetic-n", "512",
+                           "--jpeg-demo", "--decode-pool", "thread"], capture_output=True,
+                          text=True, timeout=300, cwd=HERE.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["device"].startswith("cuda") and out["jpeg_gpu_decode"] is True
+    assert out["jpeg_images_per_s"] > 0

@@ -167,10 +167,13 @@ def test_bench_scaling_under_mpirun_2():
     assert all(v["measured"] > 0 and v["predicted"] > 0 for v in out["validation"])
 
 
-def test_bench_pipeline_reports_compute_time_per_rank():
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_bench_pipeline_reports_compute_time_per_rank(precision):
     proc = mpirun(2, ["-m", "petra_mpi.bench", "pipeline", "--width", "4", "--batch", "4",
-                      "--microbatches", "6", "--rounds", "1"], timeout=600)
+                      "--microbatches", "6", "--rounds", "1", "--precision", precision],
+                  timeout=600)
     out = last_json(proc)
+    assert (out["device"], out["transport"], out["precision"]) == ("cpu", "cpu", precision)
     for method in ("petra", "backprop"):
         compute = out[f"{method}_compute_ms_per_tick"]
         assert len(compute) == 2 and all(0 < c <= out[f"{method}_wall_ms_per_tick"] for c in compute)
@@ -188,12 +191,25 @@ def test_bench_overhead_times_a_tick_and_a_plain_step(precision):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
-def test_bench_overhead_on_cuda_without_a_gpu_says_so():
-    proc = subprocess.run([sys.executable, "-m", "petra_mpi.bench", "overhead", "--device",
-                           "cuda"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+@pytest.mark.parametrize("bench", [["overhead"], ["pipeline"], ["data", "synthetic"]])
+def test_bench_on_cuda_without_a_gpu_says_so(bench):
+    proc = subprocess.run([sys.executable, "-m", "petra_mpi.bench", *bench, "--device", "cuda"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode != 0 and "no CUDA device" in proc.stderr
 
 
 def test_polling_keeps_the_message_size():
     proc = mpirun(2, [ROOT / "tests" / "mpi" / "transport.py"], timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_bench_data_times_every_loader_and_the_jpeg_path():
+    proc = subprocess.run([sys.executable, "-m", "petra_mpi.bench", "data", "synthetic",
+                           "--seconds", "0.2", "--synthetic-n", "512", "--batch", "16",
+                           "--jpeg-demo", "--crop", "64", "--decode-pool", "thread"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = last_json(proc)
+    assert out["bench"] == "data" and out["device"] == "cpu" and out["jpeg_gpu_decode"] is False
+    for key in ("images_per_s", "memory_images_per_s", "eval_images_per_s",
+                "jpeg_decode_images_per_s", "jpeg_images_per_s", "jpeg_eval_images_per_s"):
+        assert out[key] > 0, key

@@ -65,6 +65,8 @@ def _loader_step(loader):
             loader.set_epoch(loader.epoch)  # already rolled over to the next epoch
             state["it"] = iter(loader)
             x, _ = next(state["it"])
+        if x.is_cuda:  # the batch counts once its device work (decode, crop) is done
+            torch.cuda.synchronize(x.device)
         return len(x)
     return step
 
@@ -140,12 +142,18 @@ def main(argv):
     p.add_argument("--decode-pool", choices=["thread", "process", "both"], default="both",
                    help="what runs the JPEG decode workers (both: side by side)")
     p.add_argument("--synthetic-n", type=int, default=20_000, help="train size of 'synthetic'")
+    p.add_argument("--device", default="cpu",
+                   help="where the loaders deliver (cuda: JPEG decoded by nvJPEG when "
+                        "torchvision has it, augmentation on the GPU)")
     a = p.parse_args(argv)
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible")
 
     torch.set_num_threads(a.threads)
     cores = _pin_cores(a.threads)
     fig = {"bench": "data", "file": a.file, "batch": a.batch, "threads": a.threads,
-                     "cores": cores}
+           "cores": cores, "device": str(device)}
 
     def measure(name, step, key=None):
         ips, cpu_ips, per_call = _timed(step, a.seconds)
@@ -156,7 +164,7 @@ def main(argv):
 
     with tempfile.TemporaryDirectory() as tmp:
         print(f"data bench: {a.file}, batch {a.batch}, {a.threads} core(s) {cores}, "
-              f"{a.seconds:g} s per row")
+              f"{a.seconds:g} s per row, loaders deliver to {device}")
         print(f"  {'':<46s} {'images/s':>9s} {'img/cpu-s':>9s} {'ms/batch':>9s}")
         src = open_split(a.file, "train", synthetic_sizes=(a.synthetic_n, a.synthetic_n // 5))
         streams = []  # (label, source) of 32x32 data
@@ -176,7 +184,7 @@ def main(argv):
             for name, kw, k in [("train loader: read+crop+flip+normalise", dict(train=True), "images_per_s"),
                                 ("train loader, no prefetch thread", dict(train=True, prefetch=0), "noprefetch_images_per_s"),
                                 ("eval loader: read+normalise", dict(train=False), "eval_images_per_s")]:
-                ld = BatchLoader(s, a.batch, seed=0, **kw)
+                ld = BatchLoader(s, a.batch, seed=0, device=device, **kw)
                 measure(f"[{label}] {name}", _loader_step(ld), key + k)
                 ld.close()
 
@@ -194,10 +202,13 @@ def main(argv):
                 for pool in pools:
                     tag = "" if pool == "thread" else "process_"
                     ld = BatchLoader(jpeg_src, min(a.batch, len(jpeg_src)), train=train, seed=0,
-                                     crop=a.crop, decode_threads=workers, decode_pool=pool)
+                                     crop=a.crop, decode_threads=workers, decode_pool=pool,
+                                     device=device)
+                    fig["jpeg_gpu_decode"] = ld._gpu_decode
                     measure(f"[jpeg] read + decode + {what} ({workers} {pool} workers)", _load_step(ld),
                             f"{k}_{tag}decode_images_per_s")
-                    measure(f"[jpeg]   loader: + flip + normalise (cpu, {pool} pool)",
+                    measure(f"[jpeg]   loader: + flip + normalise ({device}, {pool} pool"
+                            + (", nvJPEG decode)" if ld._gpu_decode else ")"),
                             _loader_step(ld), f"{k}_{tag}images_per_s")
                     ld.close()
             fig["jpeg_crop"] = a.crop

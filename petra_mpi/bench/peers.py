@@ -4,10 +4,13 @@ in one run (round-robin over the contenders, medians of the rounds).
 - petra, backprop: our MPI engine on RevNet18 (as `bench pipeline`).
 - gpipe, 1f1b, zero_bubble: torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B and
   ScheduleInterleavedZeroBubble (one stage per rank) on the plain ResNet18 of the same width,
-  split at PETRA's block boundaries, over gloo.
+  split by its own measured block costs, over gloo.
 - 1f1b_checkpointed: Schedule1F1B with torch.utils.checkpoint around every block.
 
-Every contender takes an SGD step (momentum 0.9, Nesterov) on each rank after each step. Images/s
+Every contender updates its weights once per K x micro-batch images (K = --accumulation, 4 by
+default: the paper's CIFAR-10 recipe, micro-batch 64 and k = 4): PETRA and backprop accumulate K
+micro-batches, a torch.distributed.pipelining step runs K micro-batches (at least J, which 1F1B
+needs; --pt-microbatches overrides). Each update is SGD (momentum 0.9, Nesterov). Images/s
 come from timed passes; activation memory from one separate untimed pass per contender (docs/peers.md
 says how it is counted)."""
 import argparse
@@ -258,35 +261,43 @@ def main(argv):
     p.add_argument("--batch", type=int, default=64, help="micro-batch size (every contender)")
     p.add_argument("--microbatches", type=int, default=24,
                    help="PETRA/backprop micro-batches per timed segment (fill and drain included)")
+    p.add_argument("--accumulation", type=int, default=4, metavar="K",
+                   help="micro-batches per weight update of every contender (PETRA's k)")
     p.add_argument("--pt-microbatches", type=int, default=0,
-                   help="micro-batches per torch.distributed.pipelining step (0: 8, or J if more;"
+                   help="micro-batches per torch.distributed.pipelining step (0: K, or J if more;"
                         " 1F1B needs at least J)")
     p.add_argument("--rounds", type=int, default=3, help="alternated rounds of each contender")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: share)")
     p.add_argument("--no-zero-bubble", action="store_true", help="skip the zero-bubble schedule")
     a = p.parse_args(argv)
+    if a.accumulation < 1:
+        p.error("--accumulation must be at least 1")
     world = World.from_environment()
     if world is None:
         raise SystemExit("run under mpirun with at least 2 ranks")
     torch.set_num_threads(a.threads or world.thread_share())
     comm, r, J = world.comm, world.rank, world.size
-    M = a.pt_microbatches = a.pt_microbatches or max(8, J)
+    M = a.pt_microbatches = a.pt_microbatches or max(a.accumulation, J)
     init_gloo(world)
     from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe,
                                               ScheduleInterleavedZeroBubble)
 
-    # Our engine, RevNet18, split as bench pipeline and training do: by measured block costs.
+    # Each net split by its own measured block costs, as a user would balance it (training's
+    # default for RevNet18; for ResNet18 the autograd costs that pipelining runs).
     measured = None
     if r == 0 and J < 10:
-        from ..blockcost import measured_partition
-        measured, _ = measured_partition("revnet18", a.width, 10, J, (3, 32, 32), a.batch)
-    (stage,) = build_stages("revnet18", a.width, 10, J, seed=0, only=r,
-                            partition=comm.bcast(measured, root=0))
+        from ..blockcost import measure_autograd_costs, measured_partition
+        petra_split, _ = measured_partition("revnet18", a.width, 10, J, (3, 32, 32), a.batch)
+        plain = build_blocks("resnet18", a.width, 10)
+        measured = (petra_split, resolve_partition(
+            plain, J, costs=measure_autograd_costs(plain, (3, 32, 32), a.batch, 10)))
+    petra_split, pt_split = comm.bcast(measured, root=0) or (None, None)
+    (stage,) = build_stages("revnet18", a.width, 10, J, seed=0, only=r, partition=petra_split)
     sizes = stage.partition
-    (worker,) = build_workers([stage], LRSchedule(LR, 10**6), momentum=MOMENTUM)
+    pt_sizes = pt_split or resolve_partition(build_blocks("resnet18", a.width, 10), J)
+    (worker,) = build_workers([stage], LRSchedule(LR, 10**6), a.accumulation, momentum=MOMENTUM)
     engines = {m: MPIEngine(worker, m, world, torch.float32, (3, 32, 32), a.batch)
                for m in ("petra", "backprop")}
-    own_sizes = resolve_partition(build_blocks("resnet18", a.width, 10), J)
 
     specs = [("gpipe", ScheduleGPipe, False, False), ("1f1b", Schedule1F1B, False, False),
              ("1f1b_checkpointed", Schedule1F1B, False, True)]
@@ -296,7 +307,7 @@ def main(argv):
     pts = {}
     for name, cls, multi, ckpt in specs:
         try:
-            pts[name] = PTContender(name, cls, multi, ckpt, a, world, sizes)
+            pts[name] = PTContender(name, cls, multi, ckpt, a, world, pt_sizes)
             err = None
         except Exception as e:  # noqa: BLE001 - reported, the others still run
             err = f"{type(e).__name__}: {e}".splitlines()[0]
@@ -372,9 +383,9 @@ def main(argv):
         print(f"width {a.width}, micro-batch {a.batch}, {J} ranks x {torch.get_num_threads()} "
               f"threads, median of {a.rounds} alternated rounds")
         print(f"petra/backprop: RevNet18, {a.microbatches} micro-batches per timed segment (fill "
-              f"and drain included); pipelining: ResNet18, {M} micro-batches per step, "
-              f"{pt_steps} step(s) per timed segment; blocks per stage {sizes}"
-              + (f" (ResNet18's own balance would be {own_sizes})" if own_sizes != sizes else ""))
+              f"and drain included), k = {a.accumulation}; pipelining: ResNet18, {M} micro-batches "
+              f"per step, {pt_steps} step(s) per timed segment; blocks per stage: RevNet18 "
+              f"{sizes}, ResNet18 {pt_sizes}")
         print(f"{'contender':<18} {'images/s':>9}  peak activation MiB per rank")
         for name in runs:
             per_rank = " ".join(f"{b / mib:8.2f}" for b in peak_bytes[name])
@@ -383,7 +394,8 @@ def main(argv):
             print(f"{name:<18} did not run: {why}")
         record = {"bench": "peers", "ranks": J, "threads": torch.get_num_threads(),
                   "batch": a.batch, "width": a.width, "microbatches": a.microbatches,
-                  "pt_microbatches": M, "partition": sizes, "images_per_s": images_per_s,
+                  "accumulation": a.accumulation, "pt_microbatches": M, "partition": sizes,
+                  "pt_partition": pt_sizes, "images_per_s": images_per_s,
                   "peak_activation_bytes": peak_bytes}
         for other in ("1f1b", "1f1b_checkpointed"):
             if other in images_per_s:

@@ -1,7 +1,9 @@
 """Under `mpirun -n J`: the same model, batch and ranks trained with PETRA and with backprop
 (model parallelism, one stage busy at a time), alternated in one run. Reports images/s of each,
 the speed-up, and per rank the fraction of wall time spent waiting on MPI and the compute-only
-time per tick next to the wall time per tick."""
+time per tick next to the wall time per tick. `--device cuda`: every rank on its GPU, bound as
+training binds it (ranks share the GPUs when there are fewer GPUs than ranks: under MPS, J ranks
+on one GPU emulate J smaller GPUs and time the real GPU transport)."""
 import argparse
 import statistics
 import sys
@@ -9,17 +11,18 @@ import time
 
 import torch
 
+from ..devices import bind_early, bound_cuda_device, rank_map
 from ..engine.build import build_stages, build_workers
 from ..engine.mpi import MPIEngine
 from ..engine.world import World
-from ..models import num_blocks
+from ..models import PRECISIONS, num_blocks
 from ..optim import LRSchedule
 from ..schedule import num_ticks
 from .. import trace
 from .common import emit
 
 
-def split_for(a, world):
+def split_for(a, world, device):
     """Blocks per stage: given (--partition), measured on rank 0 and shared (as training does by
     default), or the estimate."""
     if a.partition:
@@ -29,7 +32,8 @@ def split_for(a, world):
     sizes = None
     if world.rank == 0:
         from ..blockcost import measured_partition
-        sizes, costs = measured_partition(a.arch, a.width, 10, world.size, (3, 32, 32), a.batch)
+        sizes, costs = measured_partition(a.arch, a.width, 10, world.size, (3, 32, 32), a.batch,
+                                          device=device, precision=a.precision)
         print(f"measured split {sizes}: ms per micro-batch per stage "
               f"{[round(1e3 * c) for c in costs.stage_seconds(sizes)]}", flush=True)
     return world.comm.bcast(sizes, root=0)
@@ -50,23 +54,37 @@ def main(argv):
                    help="blocks per stage, instead of balancing (to compare splits)")
     p.add_argument("--no-poll", action="store_true",
                    help="do not poll MPI between blocks (to measure what polling gives)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
+                   help="as run.precision: bf16 autocast inside the blocks")
     p.add_argument("--trace", metavar="FILE",
                    help="write the Chrome-trace timeline of the last timed PETRA segment")
     a = p.parse_args(argv)
+    if a.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device is visible")
+        bind_early("cuda")  # before MPI starts, as training does
     world = World.from_environment()
     if world is None:
         raise SystemExit("run under mpirun with at least 2 ranks")
     torch.set_num_threads(a.threads or world.thread_share())
     comm, J = world.comm, world.size
-    sizes = split_for(a, world)
-    stages = build_stages(a.arch, a.width, 10, J, seed=0, only=world.rank, partition=sizes)
+    device = torch.device("cpu")
+    if a.device == "cuda":
+        device = bound_cuda_device(world.local_rank)
+        table = rank_map(world, device)
+        if table:
+            print(table, flush=True)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sizes = split_for(a, world, device)
+    stages = build_stages(a.arch, a.width, 10, J, seed=0, only=world.rank, partition=sizes,
+                          device=device, precision=a.precision)
     (worker,) = build_workers(stages, LRSchedule(0.01, 10**6))
     engines = {m: MPIEngine(worker, m, world, torch.float32, (3, 32, 32), a.batch)
                for m in ("petra", "backprop")}
     g = torch.Generator().manual_seed(0)
-    data = [(torch.randn(a.batch, 3, 32, 32, generator=g), torch.randint(0, 10, (a.batch,),
-                                                                            generator=g))
-            for _ in range(4)]
+    data = [(torch.randn(a.batch, 3, 32, 32, generator=g).to(device),
+             torch.randint(0, 10, (a.batch,), generator=g).to(device)) for _ in range(4)]
 
     def segment(method, n, traced=False):
         batches = (data[i % len(data)] for i in range(n)) if world.rank == 0 else None
@@ -77,10 +95,12 @@ def main(argv):
             (worker.tracer,) = trace.start(True, world, [world.rank],
                                            next(worker.stage.parameters()).device)
             worker.tracer.wrap_boxes(engine)
+        sync()
         comm.Barrier()
         start, waited, computed = (time.perf_counter(), engine.wait_seconds(),
                                    engine.compute_seconds)
         engine.train_segment(batches, n)
+        sync()  # the segment ends when this rank's GPU work has
         comm.Barrier()
         result = (time.perf_counter() - start, engine.wait_seconds() - waited,
                   engine.compute_seconds - computed)
@@ -111,10 +131,12 @@ def main(argv):
                    "wall_ms_per_tick": 1e3 * total / ticks}
     if world.rank == 0:
         speedup = rows["petra"]["images_per_s"] / rows["backprop"]["images_per_s"]
-        print(f"{a.arch} width {a.width}, batch {a.batch}, {J} ranks x "
-              f"{torch.get_num_threads()} threads, split {stages[0].partition}, "
-              f"{a.microbatches} micro-batches per segment (fill and drain included), median of "
-              f"{a.rounds} alternated rounds{', no polling' if a.no_poll else ''}")
+        where = (f"{torch.cuda.get_device_name(device)}, {a.precision}" if device.type == "cuda"
+                 else f"{torch.get_num_threads()} threads")
+        print(f"{a.arch} width {a.width}, batch {a.batch}, {J} ranks x {where}, "
+              f"split {stages[0].partition}, {a.microbatches} micro-batches per segment (fill "
+              f"and drain included), median of {a.rounds} alternated rounds"
+              + (", no polling" if a.no_poll else ""))
         print(f"{'method':<10} {'images/s':>9} {'wall ms/tick':>13}  per rank: MPI wait fraction "
               f"| compute ms/tick")
         for m, r in rows.items():
@@ -124,7 +146,9 @@ def main(argv):
         print(f"speed-up PETRA / backprop: {speedup:.2f} (ideal {J}.0)")
         sys.stdout.flush()
         emit({"bench": "pipeline", "arch": a.arch, "width": a.width, "batch": a.batch,
-              "ranks": J, "split": stages[0].partition, "poll": not a.no_poll,
+              "ranks": J, "device": str(device), "precision": a.precision,
+              "transport": engines["petra"].transport.mode,
+              "split": stages[0].partition, "poll": not a.no_poll,
               "petra_images_per_s": rows["petra"]["images_per_s"],
               "backprop_images_per_s": rows["backprop"]["images_per_s"], "speedup": speedup,
               **{f"{m}_{k}": rows[m][k] for m in rows

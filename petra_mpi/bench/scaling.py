@@ -93,7 +93,8 @@ def main(argv):
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--microbatches", type=int, default=24,
                    help="per PETRA/backprop segment (fill and drain included)")
-    p.add_argument("--pt-microbatches", type=int, default=8, help="micro-batches per 1F1B step")
+    p.add_argument("--pt-microbatches", type=int, default=4,
+                   help="micro-batches per 1F1B step (at least J), as bench peers' --accumulation")
     p.add_argument("--rounds", type=int, default=3, help="timed segments per measured point")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: share)")
     p.add_argument("--png", default="runs/bench/scaling.png", help="'' to skip the figure")
@@ -127,8 +128,8 @@ def main(argv):
                "petra": perfmodel.predict_images_per_s("petra", sc, link, a.microbatches, a.batch),
                "backprop": perfmodel.predict_images_per_s("backprop", sc, link, a.microbatches,
                                                           a.batch),
-               "1f1b": perfmodel.predict_images_per_s("1f1b", pc, link, a.pt_microbatches,
-                                                      a.batch)}
+               "1f1b": perfmodel.predict_images_per_s("1f1b", pc, link,
+                                                      max(a.pt_microbatches, J), a.batch)}
         row["speedup"] = row["petra"] / row["backprop"]
         predictions.append(row)
 
@@ -153,7 +154,7 @@ def main(argv):
     print(f"{a.arch} width {a.width}, batch {a.batch}, {torch.get_num_threads()} threads per "
           f"rank; link latency {1e6 * link.latency:.1f} us, bandwidth "
           f"{link.bandwidth / 1e9:.2f} GB/s; PETRA/backprop segments of {a.microbatches} "
-          f"micro-batches, 1F1B steps of {a.pt_microbatches}")
+          f"micro-batches, 1F1B steps of max({a.pt_microbatches}, J)")
     print(f"{'J':>3} {'split':<32} {'petra':>8} {'backprop':>9} {'1f1b':>8} {'speed-up':>9}  "
           f"(predicted images/s)")
     for r in predictions:
