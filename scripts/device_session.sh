@@ -13,6 +13,7 @@
 #   bash scripts/device_session.sh gpu     # tests/test_gpu.py, bench overhead fp32/bf16 on the GPU
 #   bash scripts/device_session.sh gpu-mps # bench pipeline on the GPU: 2 ranks sharing it, 4 ranks
 #                                          # under MPS (25 % each) fp32/bf16; bench data nvJPEG
+#                                          # vs what RevNet50's pipeline consumes
 #   bash scripts/device_session.sh cpu-a   # bench pipeline at J = 4, 8, 10; bench replicas 2x4, 4x2
 #   bash scripts/device_session.sh cpu-b   # bench peers at J = 4, 8; bench scaling
 #
@@ -72,7 +73,7 @@ gpu)
 gpu-mps)
     # RevNet18 at the paper's width, a micro-batch that gives the GPU work
     gpu_args=(--device cuda --width 64 --batch 256 --rounds 2 --microbatches 16)
-    step 150 pipeline-gpu-J2-shared mpiexec -n 2 "$PY" -m petra_mpi.bench pipeline "${gpu_args[@]}"
+    step 140 pipeline-gpu-J2-shared mpiexec -n 2 "$PY" -m petra_mpi.bench pipeline "${gpu_args[@]}"
     # J ranks on one GPU, each held to 1/J of its SMs, emulate J smaller GPUs (MPS needs its
     # daemon; without it the ranks time-slice the whole GPU, and the log says so)
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
@@ -85,11 +86,12 @@ gpu-mps)
         mps=0
     fi
     for precision in fp32 bf16; do
-        CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 step 150 "pipeline-gpu-J4-mps$mps-$precision" \
+        CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 step 140 "pipeline-gpu-J4-mps$mps-$precision" \
             mpiexec -n 4 "$PY" -m petra_mpi.bench pipeline "${gpu_args[@]}" --precision "$precision"
     done
     [ "$mps" = 1 ] && echo quit | nvidia-cuda-mps-control
-    step 120 data-gpu-jpeg "$PY" -m petra_mpi.bench data synthetic --device cuda --jpeg-demo --threads 4 --seconds 3
+    # the nvJPEG loader next to what RevNet50's pipeline (18 stages, ImageNet, 224) consumes
+    step 150 data-gpu-jpeg "$PY" -m petra_mpi.bench data synthetic --device cuda --jpeg-demo --threads 4 --seconds 3 --pipeline revnet50
     ;;
 cpu-a)
     for J in $JS; do

@@ -206,10 +206,16 @@ def test_polling_keeps_the_message_size():
 def test_bench_data_times_every_loader_and_the_jpeg_path():
     proc = subprocess.run([sys.executable, "-m", "petra_mpi.bench", "data", "synthetic",
                            "--seconds", "0.2", "--synthetic-n", "512", "--batch", "16",
-                           "--jpeg-demo", "--crop", "64", "--decode-pool", "thread"],
+                           "--jpeg-demo", "--crop", "64", "--decode-pool", "thread",
+                           "--pipeline", "revnet18", "--pipeline-width", "4"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     out = last_json(proc)
     assert out["bench"] == "data" and out["device"] == "cpu" and out["jpeg_gpu_decode"] is False
     for key in ("images_per_s", "memory_images_per_s", "eval_images_per_s",
-                "jpeg_decode_images_per_s", "jpeg_images_per_s", "jpeg_eval_images_per_s"):
+                "jpeg_decode_images_per_s", "jpeg_images_per_s", "jpeg_eval_images_per_s",
+                "pipeline_images_per_s"):
         assert out[key] > 0, key
+    # what the pipeline consumes next to what the JPEG loader delivers: one stage per block
+    assert out["pipeline_split"] == [1] * 10
+    assert out["loader_over_pipeline"] == pytest.approx(
+        out["jpeg_images_per_s"] / out["pipeline_images_per_s"])

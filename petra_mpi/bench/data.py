@@ -3,6 +3,7 @@
     python -m petra_mpi.bench data FILE|synthetic [--batch 64] [--seconds 5] [--threads 1]
                                                  [--jpeg-demo] [--crop 224]
                                                  [--decode-workers N] [--decode-pool both]
+                                                 [--device cuda] [--pipeline ARCH]
 
 32x32 ("array") data: the raw reader (sorted random batches), then the full loader (read +
 prefetch thread + crop/flip + uint8->normalised float), train and eval. `synthetic` measures the
@@ -12,6 +13,9 @@ headline `images_per_s`: what an ImageNet32-sized split gets). JPEG data (a JPEG
 generated set of 256-pixel JPEGs): read + decode + crop alone (the prefetch thread's work, with
 `--decode-workers` threads and/or processes, `--decode-pool`), then the whole loader on the CPU (flip and normalisation of
 224x224 floats add ~0.5 ms per image there; on a GPU they run on the device).
+`--device cuda`: the loaders deliver to the GPU (JPEG through nvJPEG when torchvision has it).
+`--pipeline ARCH`: also what a PETRA pipeline of ARCH consumes at the loader's output size (its
+slowest stage's measured cost per micro-batch), next to what the training loader delivers.
 The process is pinned to `--threads` cores (the prefetch thread shares them) and torch uses as
 many threads. The last line printed is one JSON object.
 """
@@ -129,6 +133,19 @@ def _write_jpeg_demo(path, n=256, side=256, seed=0):
     return int(offsets[-1]) / n
 
 
+def _pipeline_rate(arch, width, stages, side, num_classes, batch, device, imagenet_stem):
+    """(images/s the PETRA pipeline of `arch` consumes, its split): one micro-batch enters per
+    tick, and a tick lasts as long as the slowest stage, timed block by block on `device`
+    (blockcost.measured_partition) at the loader's output side. Each stage is costed on this
+    process's threads, as if every rank had as many."""
+    from petra_mpi.blockcost import measured_partition
+    from petra_mpi.models import num_blocks
+    stages = stages or num_blocks(arch)
+    sizes, costs = measured_partition(arch, width, num_classes, stages, (3, side, side), batch,
+                                      imagenet_stem=imagenet_stem, device=device)
+    return batch / max(costs.stage_seconds(sizes)), sizes
+
+
 def main(argv):
     p = argparse.ArgumentParser(prog="python -m petra_mpi.bench data", description=__doc__.split("\n")[0])
     p.add_argument("file", help="an HDF5 dataset file, or 'synthetic'")
@@ -142,6 +159,11 @@ def main(argv):
     p.add_argument("--decode-pool", choices=["thread", "process", "both"], default="both",
                    help="what runs the JPEG decode workers (both: side by side)")
     p.add_argument("--synthetic-n", type=int, default=20_000, help="train size of 'synthetic'")
+    p.add_argument("--pipeline", metavar="ARCH",
+                   help="also time what a PETRA pipeline of ARCH consumes (e.g. revnet50), "
+                        "fed the loader's output, to compare with what the loader delivers")
+    p.add_argument("--pipeline-width", type=int, default=64)
+    p.add_argument("--pipeline-stages", type=int, default=0, help="0: one block per stage")
     p.add_argument("--device", default="cpu",
                    help="where the loaders deliver (cuda: JPEG decoded by nvJPEG when "
                         "torchvision has it, augmentation on the GPU)")
@@ -213,4 +235,20 @@ def main(argv):
                     ld.close()
             fig["jpeg_crop"] = a.crop
             fig["decode_workers"] = workers
+        if a.pipeline:
+            # the training path's whole loader: JPEG when there is one, else the 32x32 reader
+            jpeg = jpeg_src is not None
+            fed = jpeg_src if jpeg else src
+            side = a.crop if jpeg else src.image_size
+            delivered = max(v for k, v in fig.items() if k in (
+                ("jpeg_images_per_s", "jpeg_process_images_per_s") if jpeg else ("images_per_s",)))
+            rate, sizes = _pipeline_rate(a.pipeline, a.pipeline_width, a.pipeline_stages, side,
+                                         fed.num_classes, a.batch, device, imagenet_stem=jpeg)
+            rate = round(rate, 1)
+            fig.update(pipeline=a.pipeline, pipeline_split=sizes, pipeline_images_per_s=rate,
+                       loader_over_pipeline=delivered / rate)
+            print(f"  pipeline {a.pipeline} width {a.pipeline_width}, {len(sizes)} stages "
+                  f"{sizes}, micro-batch {a.batch}, {side}x{side} on {device}: consumes "
+                  f"{rate:.0f} images/s; the loader delivers {delivered:.0f} "
+                  f"({delivered / rate:.2f}x)")
     print(json.dumps(fig))
