@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # What a session lent the GPU machine runs there: issue 10's GPU checks and the 16-core CPU
-# pipelines of issue 9, in device calls of under 10 minutes each, in priority order (a session has
-# 30 minutes of device time, start-ups included: about three calls). The machine has torch with CUDA, h5py, yaml and pytest, but no MPI
-# library: carry MPICH and mpi4py as wheels (.whl/ is git-ignored). Here, once, from the
-# repository root:
+# pipelines of issue 9, in device calls of under 10 minutes each, in priority order (a session
+# has 30 minutes of device time, start-ups included: about three calls). The machine has torch
+# with CUDA, h5py, yaml and pytest, but no MPI library: carry MPICH and mpi4py as wheels (.whl/
+# is git-ignored). Here, once, from the repository root:
 #
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux1_x86_64 \
