@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .devices import place
+from .devices import place, synchronize
 from .optim import LRSchedule, StageOptimizer
 from .stages import Stage
 
@@ -51,21 +51,16 @@ class BlockCosts:
                 "input_bytes": self.input_bytes}
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _median_seconds(fn, device, repeats, setup=None):
     """Median time of fn() over `repeats` runs after a warm-up; setup() runs untimed before each."""
     times = []
     for r in range(repeats + 1):
         if setup is not None:
             setup()
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         if r:  # the first run warms up the allocator and kernel selection
             times.append(time.perf_counter() - start)
     return statistics.median(times)

@@ -110,6 +110,15 @@ def rank_map(world, device) -> str | None:
     return "\n".join(lines)
 
 
+def synchronize(device):
+    """Wait for the work queued on `device` (a GPU runs kernels asynchronously, so a host clock
+    read after a call would time the launch, not the work); nothing to wait for on the CPU."""
+    import torch
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def place(module, device, dtype):
     """`module` on `device` in `dtype`, channels-last on CUDA (cuDNN then runs the convolutions
     NHWC, what tensor cores prefer). On CPU the layout stays NCHW: one thread of this project's

@@ -32,6 +32,8 @@ import torch
 from PIL import Image
 
 from petra_mpi.data import BatchLoader, open_split
+from petra_mpi.data import augment as A
+from petra_mpi.devices import synchronize
 
 
 def _pin_cores(n):
@@ -69,8 +71,7 @@ def _loader_step(loader):
             loader.set_epoch(loader.epoch)  # already rolled over to the next epoch
             state["it"] = iter(loader)
             x, _ = next(state["it"])
-        if x.is_cuda:  # the batch counts once its device work (decode, crop) is done
-            torch.cuda.synchronize(x.device)
+        synchronize(x.device)  # the batch counts once its device work (decode, crop) is done
         return len(x)
     return step
 
@@ -217,6 +218,8 @@ def main(argv):
             print(f"  (jpeg demo: 256 generated JPEGs, shorter side 256, {kb:.0f} KiB each)")
             jpeg_src = open_split(path, "train")
         if jpeg_src is not None:
+            gpu_decode = A.has_gpu_decode(device)  # as the loader decides (BatchLoader)
+            fig["jpeg_gpu_decode"] = gpu_decode
             workers = a.decode_workers or a.threads
             pools = ["thread", "process"] if a.decode_pool == "both" else [a.decode_pool]
             for train, what, k in [(True, f"random-resized-crop {a.crop}", "jpeg"),
@@ -226,11 +229,10 @@ def main(argv):
                     ld = BatchLoader(jpeg_src, min(a.batch, len(jpeg_src)), train=train, seed=0,
                                      crop=a.crop, decode_threads=workers, decode_pool=pool,
                                      device=device)
-                    fig["jpeg_gpu_decode"] = ld._gpu_decode
                     measure(f"[jpeg] read + decode + {what} ({workers} {pool} workers)", _load_step(ld),
                             f"{k}_{tag}decode_images_per_s")
                     measure(f"[jpeg]   loader: + flip + normalise ({device}, {pool} pool"
-                            + (", nvJPEG decode)" if ld._gpu_decode else ")"),
+                            + (", nvJPEG decode)" if gpu_decode else ")"),
                             _loader_step(ld), f"{k}_{tag}images_per_s")
                     ld.close()
             fig["jpeg_crop"] = a.crop
@@ -240,8 +242,8 @@ def main(argv):
             jpeg = jpeg_src is not None
             fed = jpeg_src if jpeg else src
             side = a.crop if jpeg else src.image_size
-            delivered = max(v for k, v in fig.items() if k in (
-                ("jpeg_images_per_s", "jpeg_process_images_per_s") if jpeg else ("images_per_s",)))
+            keys = ("jpeg_images_per_s", "jpeg_process_images_per_s") if jpeg else ("images_per_s",)
+            delivered = max(fig[k] for k in keys if k in fig)  # the faster decode pool
             rate, sizes = _pipeline_rate(a.pipeline, a.pipeline_width, a.pipeline_stages, side,
                                          fed.num_classes, a.batch, device, imagenet_stem=jpeg)
             rate = round(rate, 1)

@@ -9,6 +9,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from ..devices import synchronize
 from ..engine.build import build_stages, build_workers
 from ..models import PRECISIONS, num_blocks
 from ..models.vit import VIT_ARCHS
@@ -35,7 +36,7 @@ def main(argv):
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible")
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    sync = lambda: synchronize(device)  # noqa: E731
     schedule = LRSchedule(0.01, 10**6)
     kw = {"model_kw": dict(depth=a.depth, heads=a.heads, patch=a.patch)} if a.arch in VIT_ARCHS \
         else {}

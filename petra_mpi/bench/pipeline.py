@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from ..devices import bind_early, bound_cuda_device, rank_map
+from ..devices import bind_early, bound_cuda_device, rank_map, synchronize
 from ..engine.build import build_stages, build_workers
 from ..engine.mpi import MPIEngine
 from ..engine.world import World
@@ -75,7 +75,6 @@ def main(argv):
         table = rank_map(world, device)
         if table:
             print(table, flush=True)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     sizes = split_for(a, world, device)
     stages = build_stages(a.arch, a.width, 10, J, seed=0, only=world.rank, partition=sizes,
                           device=device, precision=a.precision)
@@ -95,12 +94,12 @@ def main(argv):
             (worker.tracer,) = trace.start(True, world, [world.rank],
                                            next(worker.stage.parameters()).device)
             worker.tracer.wrap_boxes(engine)
-        sync()
+        synchronize(device)
         comm.Barrier()
         start, waited, computed = (time.perf_counter(), engine.wait_seconds(),
                                    engine.compute_seconds)
         engine.train_segment(batches, n)
-        sync()  # the segment ends when this rank's GPU work has
+        synchronize(device)  # the segment ends when this rank's GPU work has
         comm.Barrier()
         result = (time.perf_counter() - start, engine.wait_seconds() - waited,
                   engine.compute_seconds - computed)
