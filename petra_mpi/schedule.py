@@ -1,4 +1,4 @@
-"""The PETRA schedule as pure tick arithmetic (DESIGN.md §1).
+"""The PETRA schedule as pure tick arithmetic (docs/design.md §1).
 
 Micro-batch b enters stage 0 at tick b. With J stages:
 - petra / delayed: stage s forwards b = t - s and backwards b = t - 2(J-1) + s at tick t, so the

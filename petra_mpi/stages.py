@@ -1,4 +1,4 @@
-"""A pipeline stage: consecutive blocks with PETRA's forward and backward rules (DESIGN.md §1).
+"""A pipeline stage: consecutive blocks with PETRA's forward and backward rules (docs/design.md §1).
 
 forward(x) runs without an autograd graph. backward(ỹ, δy) walks the blocks in reverse: a
 reversible block rebuilds its input from its output with the current weights while recording the

@@ -1,4 +1,4 @@
-"""DESIGN.md §1 invariants 1, 2, 4 and 5 on small nets, several stage counts, with and without
+"""docs/design.md §1 invariants 1, 2, 4 and 5 on small nets, several stage counts, with and without
 accumulation."""
 
 import pytest

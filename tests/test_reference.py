@@ -1,4 +1,4 @@
-"""The engine at lr > 0 against a deliberately naive reference of DESIGN.md §1.
+"""The engine at lr > 0 against a deliberately naive reference of docs/design.md §1.
 
 Invariant 1 pins the engine at lr = 0 only, where the delay does not matter. Here a second,
 independent implementation of the algorithm trains the same net on the same data with a real
@@ -60,7 +60,7 @@ def engine_run(arch, J, k, batches, buffer_inputs=False, stash_weights=False):
 
 
 def reference_run(arch, J, k, batches, buffer_inputs=False, stash_weights=False, delay_shift=0):
-    """DESIGN.md §1 tick by tick. `delay_shift` > 0 makes stage s's delay (2 + delay_shift)(J-1-s)
+    """docs/design.md §1 tick by tick. `delay_shift` > 0 makes stage s's delay (2 + delay_shift)(J-1-s)
     instead of 2(J-1-s) (a deliberately wrong schedule for the negative control)."""
     stages = build_stages(arch, 4, 10, J, seed=0, dtype=torch.float64)  # blocks + initial weights
     blocks = [list(s.blocks) for s in stages]
@@ -103,7 +103,7 @@ def reference_run(arch, J, k, batches, buffer_inputs=False, stash_weights=False,
 
     def vjp(block, weights, x, grad_out):
         """Input and parameter gradients of one block at x (BN in training mode: this updates the
-        running statistics, once per micro-batch as DESIGN.md asks)."""
+        running statistics, once per micro-batch as docs/design.md asks)."""
         x = x.detach().requires_grad_()
         w = {n: t.detach().requires_grad_() for n, t in weights.items()}
         out = functional_call(block, w, (x,))

@@ -1,4 +1,4 @@
-"""The reversible vision transformer (issue 13) on the same engine: DESIGN.md §1 invariants 1, 2, 3
+"""The reversible vision transformer (issue 13) on the same engine: docs/design.md §1 invariants 1, 2, 3
 and 4 for revvit, AdamW/cosine checkpoint resume, the partition cost of attention, the configs."""
 import math
 import subprocess

@@ -1,7 +1,7 @@
 """Dataset sources: one split of a dataset, read by index ranges or index lists.
 
 `open_split(path, split)` returns either an `ArraySource` (images held in memory: the built-in
-synthetic set) or an `H5Source` (a split of an HDF5 file in the schema of DESIGN.md §2). Both
+synthetic set) or an `H5Source` (a split of an HDF5 file in the schema of docs/design.md §2). Both
 have the same surface: `kind` ("array" | "jpeg"), `num_classes`, `mean`, `std`, `image_size`,
 `len()`, `read(start, stop)` and `take(indices)` -> (images, labels) as numpy, where images are
 uint8 NHWC for "array" and a list of encoded JPEG `bytes` for "jpeg".
@@ -141,7 +141,7 @@ class ArraySource:
 
 
 class H5Source:
-    """One split of an HDF5 file in the schema of DESIGN.md §2 ("array" or "jpeg" kind).
+    """One split of an HDF5 file in the schema of docs/design.md §2 ("array" or "jpeg" kind).
 
     The file is opened at construction only to validate it and read metadata, then closed: the
     handle used for reading is opened lazily by the first read, and again after a fork (h5py
