@@ -2,5 +2,5 @@
 
 One module per source, each a command line (`python -m data_prep.<source> --help`):
 `cifar`, `imagenet32`, `imagenet`, `synthetic`, and `verify` to check a packed file.
-The schema they all write is described in `common.py` and in the README.
+The schema they all write is described in `common.py` and in docs/data.md.
 """

@@ -92,7 +92,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     path: str = "synthetic"
-    """An HDF5 file in the schema of the README (both splits), or `synthetic`."""
+    """An HDF5 file in the schema of docs/design.md §2 (both splits), or `synthetic`."""
     batch_size: int = 64
     """Images per micro-batch."""
     synthetic_train: int = 10000

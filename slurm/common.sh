@@ -22,7 +22,7 @@
 
 # ============================== site settings: edit for your cluster ==============================
 # Software: load modules and activate the Python environment holding petra_mpi and an mpi4py built
-# against this MPI (README: "Installing against the site's MPI"). For example:
+# against this MPI (docs/clusters.md: "Installing against the site's MPI"). For example:
 #   module load cuda/12.4 openmpi/4.1.6
 #   source "$HOME/venvs/petra/bin/activate"          # or: conda activate petra
 # Partition and account: set them in the #SBATCH lines of each script, or once in your shell before
