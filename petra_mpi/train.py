@@ -225,7 +225,7 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
                                seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
                                partition=partition, buffer_inputs=cfg.train.buffer_inputs,
                                stash_weights=cfg.train.stash_weights, device=device, dtype=dtype,
-                               image_size=224 if cfg.model.stem == "imagenet" else 32,
+                               image_size=lengths[2][-1],  # the side the data loader delivers
                                only=stage if world else None, model_kw=model_kwargs(cfg),
                                precision=cfg.run.precision)
     steps_per_epoch = -(-n // cfg.train.accumulation)
