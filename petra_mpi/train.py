@@ -66,9 +66,25 @@ def lr_schedule(cfg, steps_per_epoch: int, replicas: int = 1) -> LRSchedule:
                       total_steps=steps_per_epoch * cfg.train.epochs)
 
 
-def open_data(cfg, device, shard=(0, 1)):
+def cpu_threads(cfg, world) -> int:
+    """CPU threads this process may keep busy: run.threads, else under MPI the rank's share of
+    its node's CPUs (World.thread_share: its CPU set divided among the ranks that share it), else
+    torch's default."""
+    return cfg.run.threads or (world.thread_share() if world else max(1, torch.get_num_threads()))
+
+
+def decode_threads(cfg, share: int, loaders: int = 1) -> int:
+    """JPEG decode workers of each data loader: data.decode_workers, else the process's CPU share
+    (what its torch threads get) divided among the training loaders it runs at once (R in one
+    process, one per stage-0 rank under MPI). Not the affinity set: R stage-0 ranks sharing a
+    node's CPUs would each start one thread per CPU."""
+    return cfg.data.decode_workers or max(1, share // loaders)
+
+
+def open_data(cfg, device, shard=(0, 1), decoders=1):
     """Training and validation loaders (only processes holding a stage 0 call this). shard:
-    (replica, R): the training loader hands out this replica's share of every epoch."""
+    (replica, R): the training loader hands out this replica's share of every epoch. decoders:
+    JPEG decode workers per loader (decode_threads)."""
     from .data import BatchLoader, open_split
     sizes = (cfg.data.synthetic_train, cfg.data.synthetic_val)
     try:
@@ -81,7 +97,7 @@ def open_data(cfg, device, shard=(0, 1)):
                             f"model.num_classes is {cfg.model.num_classes}")
     jpeg = train.kind == "jpeg"
     common = dict(seed=cfg.run.seed, device=device, crop=cfg.data.crop if jpeg else None,
-                  prefetch=cfg.data.prefetch, decode_threads=cfg.data.decode_workers or None,
+                  prefetch=cfg.data.prefetch, decode_threads=decoders,
                   decode_pool=cfg.data.decode_pool)
     side = cfg.data.crop if jpeg else train.image_size
     return (BatchLoader(train, cfg.data.batch_size, train=True, augment=cfg.data.augment,
@@ -195,8 +211,8 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
     dtype = getattr(torch, cfg.run.dtype)
     # every replica's stage 0 reads; replica 0's last stage writes the outputs
     reads_data, writes = stage == 0, (world.is_last if world else True)
-    torch.set_num_threads(cfg.run.threads or (world.thread_share() if world else
-                                              max(1, torch.get_num_threads())))
+    threads = cpu_threads(cfg, world)
+    torch.set_num_threads(threads)
     if dry_run:
         from .dryrun import report
         return report(cfg, J, world, device=device, dtype=dtype, profile=profile)
@@ -205,7 +221,8 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
     if reads_data:
         shards = [(replica, R)] if world else [(r, R) for r in range(R)]
         for shard in shards:
-            train_loader, val, input_shape = open_data(cfg, device, shard)
+            train_loader, val, input_shape = open_data(cfg, device, shard,
+                                                       decode_threads(cfg, threads, len(shards)))
             train_loaders.append(train_loader)
             if val_loader is None:
                 val_loader = val
