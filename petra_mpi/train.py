@@ -4,7 +4,8 @@ Without MPI (or with one rank) every stage runs in this process; under mpirun ra
 or with R data-parallel replicas (train.replicas, or a world size that is a multiple of
 model.stages) rank replica · J + stage. The training loop below is the same for both engines:
 every replica's stage 0 reads its share of the data, the last stage computes the loss, and
-replica 0's last stage writes metrics.jsonl and summary.json.
+replica 0's last stage (World.writer_rank) writes every run output: metrics.jsonl, summary.json,
+trace.json and the checkpoint manifests.
 """
 import argparse
 import faulthandler
@@ -209,8 +210,8 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
         if table:
             print(table, file=sys.stderr, flush=True)
     dtype = getattr(torch, cfg.run.dtype)
-    # every replica's stage 0 reads; replica 0's last stage writes the outputs
-    reads_data, writes = stage == 0, (world.is_last if world else True)
+    # every replica's stage 0 reads; one rank writes every output (World.writer_rank)
+    reads_data, writes = stage == 0, (world.is_writer if world else True)
     threads = cpu_threads(cfg, world)
     torch.set_num_threads(threads)
     if dry_run:
@@ -289,7 +290,7 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
             load_stage(resume, w, device)
         state = manifest["trainer"]
     if writer:
-        writer.write("resume" if resume else "start", stages=J, replicas=R,
+        writer.write("resume" if resume else "start", stages=J, replicas=R, writer_rank=rank,
                      method=cfg.train.method, arch=cfg.model.arch, config=cfg.to_dict(),
                      microbatches_per_epoch=n,
                      **({"from": resume, "epoch": state["epoch"], "position": state["position"]}
@@ -310,7 +311,7 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
             world.comm.Barrier()
         files = [save_stage(path, w) for w in own] if replica == 0 else []
         if world:
-            files = world.gather_to_last(files)  # also: every stage file is in place
+            files = world.gather_to_writer(files)  # also: every stage file is in place
         state.update(epoch=epoch, position=position)
         if writes:
             write_manifest(path, identity, {**state, "wall_time_s": prior_wall +
@@ -362,7 +363,7 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
             break
     memory = [stage_memory(w.stage, w.optimizer) for w in own] if replica == 0 else []
     if world:
-        memory = world.gather_to_last(memory)
+        memory = world.gather_to_writer(memory)
     for loader in train_loaders + ([val_loader] if val_loader else []):
         loader.close()
     trace.finish(tracers, world, os.path.join(cfg.run.out_dir, "trace.json"),
@@ -378,7 +379,7 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
                   f"(requeue to resume with run.resume=auto)", file=sys.stderr, flush=True)
         return EXIT_REQUEUE
     if writes:
-        write_summary(cfg, state, J, R, n, memory, prior_wall + time.perf_counter() - start)
+        write_summary(cfg, state, J, R, n, memory, prior_wall + time.perf_counter() - start, rank)
         writer.close()
     return 0
 
@@ -394,7 +395,7 @@ def log_epoch(cfg, writer, state, epoch, step, train_stats, result):
           f"{train_stats['images_per_s']:.0f} img/s", file=sys.stderr, flush=True)
 
 
-def write_summary(cfg, state, J, R, n, memory, wall):
+def write_summary(cfg, state, J, R, n, memory, wall, writer_rank=0):
     history = state["history"]
     trained = sum(h["images"] for h in history)
     summary = {"val_acc": history[-1]["val_acc"], "best_val_acc": state["best_val_acc"],
@@ -403,7 +404,8 @@ def write_summary(cfg, state, J, R, n, memory, wall):
                "images_per_s": trained / max(sum(h["seconds"] for h in history), 1e-9),
                "stages": J, "replicas": R, "method": cfg.train.method, "arch": cfg.model.arch,
                "microbatches_per_epoch": n,  # per replica: an epoch is R times as many
-               "history": history, "memory": memory}
+               "history": history, "memory": memory,
+               "writer_rank": writer_rank}  # the rank that wrote every output of the run
     write_json_atomic(os.path.join(cfg.run.out_dir, "summary.json"), summary)
     print(f"done in {fmt_time(wall)}: val acc {summary['val_acc']:.4f} "
           f"(best {summary['best_val_acc']:.4f}); outputs in {cfg.run.out_dir}", file=sys.stderr)
