@@ -4,7 +4,8 @@ and input shape, timed the way the stages will run it.
 For every block three times are taken (median of a few repetitions after a warm-up):
 - forward: the no-graph forward of a stage (batch norm with batch statistics, nothing kept);
 - backward: a middle stage's backward step, i.e. the rebuild (reversible block) or the FIFO pop
-  and recomputation (buffered block) plus one vector-Jacobian product;
+  and recomputation (buffered block) plus one vector-Jacobian product; for the first block (the
+  stem), stage 0's, which needs no gradient for the images;
 - last: what the block costs inside the last stage, which runs forward, loss and backward at once
   (forward under autograd plus its backward; the head's cost includes the loss).
 A middle stage costs sum(forward + backward) of its blocks per micro-batch, the last stage
@@ -86,8 +87,10 @@ def measure_block_costs(blocks, input_shape, batch_size, num_classes, *, device=
     forward, backward, last, step, out_bytes = [], [], [], [], []
     for i, block in enumerate(blocks):
         is_head = i == len(blocks) - 1
-        # A middle stage of one block: its forward feeds the FIFO, its backward pops it.
-        stage = Stage([block], index=1, num_stages=3)
+        # Timed where training runs it: the first block on stage 0, whose backward computes no
+        # gradient for the images; any other on a middle stage, whose backward must send one.
+        # The forward feeds the FIFO of a buffered block, the backward pops it.
+        stage = Stage([block], index=0 if i == 0 else 1, num_stages=3)
         with torch.no_grad():
             y = stage(x)
         stage.clear()
@@ -101,7 +104,7 @@ def measure_block_costs(blocks, input_shape, batch_size, num_classes, *, device=
             stage.backward(y, grad_y)
 
         def fused():
-            leaf = x.detach().requires_grad_(True)
+            leaf = x.detach().requires_grad_(i > 0)  # no gradient for the images either
             out = block(leaf)
             if is_head:
                 F.cross_entropy(out, labels).backward()

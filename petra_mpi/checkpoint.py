@@ -4,6 +4,7 @@ atomically by the process that owns the stage, then a manifest that marks the ch
 Layout: out_dir/checkpoints/ckpt-e{epoch:05d}-b{position:08d}/ with stage{s}.pt, trainer.json and
 manifest.json. A directory without a manifest, or whose files do not match it, is never picked.
 """
+import itertools
 import json
 import os
 import shutil
@@ -40,8 +41,7 @@ def save_stage(path: str, worker) -> tuple[str, int]:
     returns (file name, size) for the manifest."""
     os.makedirs(path, exist_ok=True)
     state = {"stage": worker.stage.state_dict(), "optimizer": worker.optimizer.state_dict(),
-             "rng": torch.get_rng_state(),
-             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+             "rng": torch.get_rng_state(), "cuda_rng": cuda_rng_state(stage_device(worker))}
     final = os.path.join(path, f"stage{worker.index}.pt")
     tmp = f"{final}.tmp-{os.getpid()}"
     torch.save(state, tmp)
@@ -125,8 +125,35 @@ def load_stage(path: str, worker, device):
     worker.stage.load_state_dict(state["stage"])
     worker.optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"].cpu())  # map_location moved it to the device
-    if state["cuda_rng"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda_rng"]])
+    restore_cuda_rng(state.get("cuda_rng"), torch.device(device))
+
+
+def stage_device(worker) -> torch.device:
+    """The device the worker's stage lives on (its first parameter's or buffer's)."""
+    for t in itertools.chain(worker.stage.parameters(), worker.stage.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+# Training draws no CUDA random numbers today (augmentation uses numpy generators, the models have
+# no dropout), so the CUDA state is kept only so that a future random op resumes exactly. It is the
+# state of the rank's own GPU, not one per visible GPU: a job requeued with fewer GPUs visible per
+# rank (srun --gpus-per-task=1 after a run that saw 4) must still resume.
+def cuda_rng_state(device: torch.device, cuda=torch.cuda):
+    """The random state of `device` when it is a GPU, else None."""
+    if device.type != "cuda":
+        return None
+    return cuda.get_rng_state(device)
+
+
+def restore_cuda_rng(saved, device: torch.device, cuda=torch.cuda):
+    """Put a state saved by cuda_rng_state on this rank's GPU `device`, whatever its index among
+    the GPUs visible now. Nothing for a CPU run, a checkpoint of a CPU run, or a checkpoint of the
+    earlier format (a list of one state per GPU visible then: which of them was this rank's is
+    not recorded, and no training step drew from them)."""
+    if saved is None or isinstance(saved, (list, tuple)) or device.type != "cuda":
+        return
+    cuda.set_rng_state(saved.cpu(), device)
 
 
 def prune(out_dir: str, keep: int):

@@ -109,8 +109,9 @@ class DataConfig:
     prefetch: int = 2
     """Batches read ahead in the background."""
     decode_workers: int = 0
-    """JPEG decode workers of the reader (full-size ImageNet on the CPU); 0: one per CPU of
-    this rank (its affinity set, which under srun is the task's --cpus-per-task)."""
+    """JPEG decode workers of the reader (full-size ImageNet on the CPU); 0: the rank's CPU
+    share, as its torch threads get (run.threads, else its affinity set divided among the ranks
+    of its node that share it; under srun the task's --cpus-per-task)."""
     decode_pool: str = "thread"
     """thread or process: what runs the JPEG decode workers (see docs/gpu.md for figures)."""
 

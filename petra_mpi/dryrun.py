@@ -1,5 +1,6 @@
 """`--dry-run`: build every stage, push one batch of the configured shape through them, and print
-the per-stage table of parameters, buffers and estimated memory; no data, no training. With
+the per-stage table of parameters, buffers and estimated memory; no training, and of the data
+only the file's header (the image size the loader will deliver, see input_side). With
 `--profile` every block is first timed on the run's device and batch (blockcost.py) and the
 stages are those that balancing by measured cost gives."""
 import sys
@@ -11,21 +12,36 @@ from .engine.build import build_stages
 from .schedule import delay
 
 
-def input_side(cfg) -> int:
-    return cfg.data.crop if cfg.model.stem == "imagenet" else 32
+def input_side(cfg) -> tuple[int, str]:
+    """(side of the images training feeds the net, where it was read). As the data loader
+    delivers them: JPEG data cropped to data.crop, array data (and the synthetic set) at their
+    stored size, read from data.path's header. A file that cannot be read here (a dry run away
+    from the data) falls back to what model.stem implies: data.crop for the ImageNet stem, else
+    32 (CIFAR, ImageNet 32x32)."""
+    from .data import open_split
+    from .data.synthetic import SIZE
+    if cfg.data.path == "synthetic":
+        return SIZE, "synthetic set"
+    try:
+        src = open_split(cfg.data.path, "train")
+    except (OSError, ValueError):
+        guess = cfg.data.crop if cfg.model.stem == "imagenet" else 32
+        return guess, f"model.stem {cfg.model.stem}: {cfg.data.path} not readable here"
+    return (cfg.data.crop if src.kind == "jpeg" else src.image_size), cfg.data.path
 
 
-def stage_table(cfg, num_stages: int, dtype=torch.float32, partition=None) -> list[dict]:
+def stage_table(cfg, num_stages: int, dtype=torch.float32, partition=None,
+                side=None) -> list[dict]:
     """Per-stage figures for batch `data.batch_size`, from a real forward of a zero batch;
-    `partition`: blocks per stage (default model.partition, else the estimate)."""
+    `partition`: blocks per stage (default model.partition, else the estimate); `side`: of the
+    input images (default: input_side)."""
+    side = side or input_side(cfg)[0]
     stages = build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, num_stages,
                           seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
                           partition=partition or cfg.model.partition,
                           buffer_inputs=cfg.train.buffer_inputs,
                           stash_weights=cfg.train.stash_weights, dtype=dtype,
-                          image_size=224 if cfg.model.stem == "imagenet" else 32,
-                          model_kw=model_kwargs(cfg))
-    side = input_side(cfg)
+                          image_size=side, model_kw=model_kwargs(cfg))
     batch = cfg.data.batch_size
     x = torch.zeros(1, 3, side, side, dtype=dtype)
     rows = []
@@ -56,14 +72,15 @@ def stage_table(cfg, num_stages: int, dtype=torch.float32, partition=None) -> li
     return rows
 
 
-def profile_blocks(cfg, num_stages: int, device, dtype) -> list[int]:
-    """Time every block, print each block's and each stage's cost, return the split: the one
-    minimising the slowest stage by the measured costs, or model.partition when it is fixed."""
+def profile_blocks(cfg, num_stages: int, device, dtype, side: int) -> list[int]:
+    """Time every block on `side`x`side` images, print each block's and each stage's cost,
+    return the split: the one minimising the slowest stage by the measured costs, or
+    model.partition when it is fixed."""
     from .blockcost import measured_partition_for
-    side = input_side(cfg)
     sizes, costs = measured_partition_for(cfg, num_stages, (3, side, side), device, dtype)
     sizes = list(cfg.model.partition or sizes)
-    print(f"measured on {device}, batch {cfg.data.batch_size}, ms per micro-batch:")
+    print(f"measured on {device}, batch {cfg.data.batch_size} of {side}x{side} images, "
+          f"ms per micro-batch:")
     print(f"{'block':>5} {'forward':>8} {'backward':>8} {'in last':>8} {'step':>8}")
     for b, f in enumerate(costs.forward):
         print(f"{b:>5} {1e3 * f:>8.2f} {1e3 * costs.backward[b]:>8.2f} "
@@ -80,11 +97,13 @@ def report(cfg, num_stages: int, world=None, device="cpu", dtype=torch.float32,
     if world is not None and world.rank != 0:
         world.comm.barrier()
         return 0
-    partition = profile_blocks(cfg, num_stages, device, dtype) if profile else None
-    rows = stage_table(cfg, num_stages, dtype, partition)
+    side, where = input_side(cfg)
+    partition = profile_blocks(cfg, num_stages, device, dtype, side) if profile else None
+    rows = stage_table(cfg, num_stages, dtype, partition, side)
     mib = 2 ** 20
     print(f"{cfg.model.arch} width {cfg.model.width}, {num_stages} stages, method "
-          f"{cfg.train.method}, batch {cfg.data.batch_size} (config {cfg.source})")
+          f"{cfg.train.method}, batch {cfg.data.batch_size} (config {cfg.source}), "
+          f"images {side}x{side} ({where})")
     print(f"{'stage':>5} {'blocks':>6} {'kind':<14} {'input':<16} {'output':<16} "
           f"{'params MiB':>10} {'optim MiB':>9} {'FIFO MiB':>9} {'stash MiB':>9} {'total MiB':>9}")
     total = 0

@@ -221,16 +221,18 @@ def start(enabled: bool, world, stages, device=None) -> list:
 
 
 def finish(tracers: list, world, path: str, meta: dict | None = None) -> str | None:
-    """Gather every rank's events to the last rank, which writes `path` atomically (a temporary
-    file, then a rename). Collective under MPI. Returns the path on the writing rank."""
+    """Gather every rank's events to the rank that writes the run's outputs (World.writer_rank),
+    which writes `path` atomically (a temporary file, then a rename) and records itself as
+    `writer_rank` in its metadata. Collective under MPI. Returns the path on the writing rank."""
     if not tracers or not tracers[0].enabled:
         return None
     log = tracers[0].log
     part = (log.events, log.names, log.origin, log.dropped)
-    parts = [part] if world is None else world.comm.gather(part, root=world.size - 1)
-    if world is not None and world.rank != world.size - 1:
+    writer = 0 if world is None else world.writer_rank
+    parts = [part] if world is None else world.comm.gather(part, root=writer)
+    if world is not None and not world.is_writer:
         return None
-    write(path, parts, meta or {})
+    write(path, parts, {**(meta or {}), "writer_rank": writer})
     return path
 
 

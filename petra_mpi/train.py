@@ -4,7 +4,8 @@ Without MPI (or with one rank) every stage runs in this process; under mpirun ra
 or with R data-parallel replicas (train.replicas, or a world size that is a multiple of
 model.stages) rank replica · J + stage. The training loop below is the same for both engines:
 every replica's stage 0 reads its share of the data, the last stage computes the loss, and
-replica 0's last stage writes metrics.jsonl and summary.json.
+replica 0's last stage (World.writer_rank) writes every run output: metrics.jsonl, summary.json,
+trace.json and the checkpoint manifests.
 """
 import argparse
 import faulthandler
@@ -66,9 +67,25 @@ def lr_schedule(cfg, steps_per_epoch: int, replicas: int = 1) -> LRSchedule:
                       total_steps=steps_per_epoch * cfg.train.epochs)
 
 
-def open_data(cfg, device, shard=(0, 1)):
+def cpu_threads(cfg, world) -> int:
+    """CPU threads this process may keep busy: run.threads, else under MPI the rank's share of
+    its node's CPUs (World.thread_share: its CPU set divided among the ranks that share it), else
+    torch's default."""
+    return cfg.run.threads or (world.thread_share() if world else max(1, torch.get_num_threads()))
+
+
+def decode_threads(cfg, share: int, loaders: int = 1) -> int:
+    """JPEG decode workers of each data loader: data.decode_workers, else the process's CPU share
+    (what its torch threads get) divided among the training loaders it runs at once (R in one
+    process, one per stage-0 rank under MPI). Not the affinity set: R stage-0 ranks sharing a
+    node's CPUs would each start one thread per CPU."""
+    return cfg.data.decode_workers or max(1, share // loaders)
+
+
+def open_data(cfg, device, shard=(0, 1), decoders=1):
     """Training and validation loaders (only processes holding a stage 0 call this). shard:
-    (replica, R): the training loader hands out this replica's share of every epoch."""
+    (replica, R): the training loader hands out this replica's share of every epoch. decoders:
+    JPEG decode workers per loader (decode_threads)."""
     from .data import BatchLoader, open_split
     sizes = (cfg.data.synthetic_train, cfg.data.synthetic_val)
     try:
@@ -81,7 +98,7 @@ def open_data(cfg, device, shard=(0, 1)):
                             f"model.num_classes is {cfg.model.num_classes}")
     jpeg = train.kind == "jpeg"
     common = dict(seed=cfg.run.seed, device=device, crop=cfg.data.crop if jpeg else None,
-                  prefetch=cfg.data.prefetch, decode_threads=cfg.data.decode_workers or None,
+                  prefetch=cfg.data.prefetch, decode_threads=decoders,
                   decode_pool=cfg.data.decode_pool)
     side = cfg.data.crop if jpeg else train.image_size
     return (BatchLoader(train, cfg.data.batch_size, train=True, augment=cfg.data.augment,
@@ -193,10 +210,10 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
         if table:
             print(table, file=sys.stderr, flush=True)
     dtype = getattr(torch, cfg.run.dtype)
-    # every replica's stage 0 reads; replica 0's last stage writes the outputs
-    reads_data, writes = stage == 0, (world.is_last if world else True)
-    torch.set_num_threads(cfg.run.threads or (world.thread_share() if world else
-                                              max(1, torch.get_num_threads())))
+    # every replica's stage 0 reads; one rank writes every output (World.writer_rank)
+    reads_data, writes = stage == 0, (world.is_writer if world else True)
+    threads = cpu_threads(cfg, world)
+    torch.set_num_threads(threads)
     if dry_run:
         from .dryrun import report
         return report(cfg, J, world, device=device, dtype=dtype, profile=profile)
@@ -205,7 +222,8 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
     if reads_data:
         shards = [(replica, R)] if world else [(r, R) for r in range(R)]
         for shard in shards:
-            train_loader, val, input_shape = open_data(cfg, device, shard)
+            train_loader, val, input_shape = open_data(cfg, device, shard,
+                                                       decode_threads(cfg, threads, len(shards)))
             train_loaders.append(train_loader)
             if val_loader is None:
                 val_loader = val
@@ -225,7 +243,7 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
                                seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
                                partition=partition, buffer_inputs=cfg.train.buffer_inputs,
                                stash_weights=cfg.train.stash_weights, device=device, dtype=dtype,
-                               image_size=224 if cfg.model.stem == "imagenet" else 32,
+                               image_size=lengths[2][-1],  # the side the data loader delivers
                                only=stage if world else None, model_kw=model_kwargs(cfg),
                                precision=cfg.run.precision)
     steps_per_epoch = -(-n // cfg.train.accumulation)
@@ -272,7 +290,7 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
             load_stage(resume, w, device)
         state = manifest["trainer"]
     if writer:
-        writer.write("resume" if resume else "start", stages=J, replicas=R,
+        writer.write("resume" if resume else "start", stages=J, replicas=R, writer_rank=rank,
                      method=cfg.train.method, arch=cfg.model.arch, config=cfg.to_dict(),
                      microbatches_per_epoch=n,
                      **({"from": resume, "epoch": state["epoch"], "position": state["position"]}
@@ -293,7 +311,7 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
             world.comm.Barrier()
         files = [save_stage(path, w) for w in own] if replica == 0 else []
         if world:
-            files = world.gather_to_last(files)  # also: every stage file is in place
+            files = world.gather_to_writer(files)  # also: every stage file is in place
         state.update(epoch=epoch, position=position)
         if writes:
             write_manifest(path, identity, {**state, "wall_time_s": prior_wall +
@@ -345,7 +363,7 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
             break
     memory = [stage_memory(w.stage, w.optimizer) for w in own] if replica == 0 else []
     if world:
-        memory = world.gather_to_last(memory)
+        memory = world.gather_to_writer(memory)
     for loader in train_loaders + ([val_loader] if val_loader else []):
         loader.close()
     trace.finish(tracers, world, os.path.join(cfg.run.out_dir, "trace.json"),
@@ -361,7 +379,7 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
                   f"(requeue to resume with run.resume=auto)", file=sys.stderr, flush=True)
         return EXIT_REQUEUE
     if writes:
-        write_summary(cfg, state, J, R, n, memory, prior_wall + time.perf_counter() - start)
+        write_summary(cfg, state, J, R, n, memory, prior_wall + time.perf_counter() - start, rank)
         writer.close()
     return 0
 
@@ -377,7 +395,7 @@ def log_epoch(cfg, writer, state, epoch, step, train_stats, result):
           f"{train_stats['images_per_s']:.0f} img/s", file=sys.stderr, flush=True)
 
 
-def write_summary(cfg, state, J, R, n, memory, wall):
+def write_summary(cfg, state, J, R, n, memory, wall, writer_rank=0):
     history = state["history"]
     trained = sum(h["images"] for h in history)
     summary = {"val_acc": history[-1]["val_acc"], "best_val_acc": state["best_val_acc"],
@@ -386,7 +404,8 @@ def write_summary(cfg, state, J, R, n, memory, wall):
                "images_per_s": trained / max(sum(h["seconds"] for h in history), 1e-9),
                "stages": J, "replicas": R, "method": cfg.train.method, "arch": cfg.model.arch,
                "microbatches_per_epoch": n,  # per replica: an epoch is R times as many
-               "history": history, "memory": memory}
+               "history": history, "memory": memory,
+               "writer_rank": writer_rank}  # the rank that wrote every output of the run
     write_json_atomic(os.path.join(cfg.run.out_dir, "summary.json"), summary)
     print(f"done in {fmt_time(wall)}: val acc {summary['val_acc']:.4f} "
           f"(best {summary['best_val_acc']:.4f}); outputs in {cfg.run.out_dir}", file=sys.stderr)

@@ -1,5 +1,6 @@
 """The performance pieces: the balanced split on given costs, the performance model's arithmetic,
 the receive-buffer pool, the measured split in a run, and the benchmarks under real mpirun."""
+import copy
 import json
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from petra_mpi.blockcost import BlockCosts, measure_block_costs
 from petra_mpi.comm import HostPool
 from petra_mpi.models import build_blocks
 from petra_mpi.partition import balanced_partition, resolve_partition
+from petra_mpi.stages import Stage
 from test_mpi import ROOT, mpirun
 
 
@@ -72,6 +74,43 @@ def test_measured_block_costs_leave_the_model_untouched():
     assert len(costs.forward) == len(costs.backward) == len(costs.last) == 10
     assert all(c > 0 for c in costs.forward + costs.backward + costs.last)
     assert costs.output_bytes[-1] == 4 * 10 * 4  # the logits, float32
+
+
+class InputGradProbe(torch.nn.Module):
+    """A buffered block that records, at every forward under autograd, whether its input asks
+    for a gradient (in `calls`, shared by its deep copies)."""
+    reversible = False
+
+    def __init__(self, name, layer, calls):
+        super().__init__()
+        self.name, self.layer, self.calls = name, layer, calls
+
+    def __deepcopy__(self, memo):  # the timing copies the blocks: keep recording into `calls`
+        return InputGradProbe(self.name, copy.deepcopy(self.layer, memo), self.calls)
+
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            self.calls.append((self.name, x.requires_grad))
+        return self.layer(x)
+
+
+def test_first_block_is_costed_as_stage_0_runs_it():
+    """Stage 0's backward computes no gradient for the images; the costing of the first block
+    must not either (else the measured split puts too little on stage 0), while a later block's
+    backward, as on any other stage, does."""
+    calls = []
+    stem = InputGradProbe("stem", torch.nn.Conv2d(3, 4, 1), calls)
+    head = InputGradProbe("head", torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 10)),
+                          calls)
+    x = torch.randn(2, 3, 2, 2)
+    stage0 = Stage([stem], index=0, num_stages=2)  # what training runs
+    stage0.backward(None, torch.ones_like(stage0(x)))
+    trained = set(calls)
+    calls.clear()
+    measure_block_costs([stem, head], (3, 2, 2), 2, 10, repeats=1)
+    assert trained == {("stem", False)}
+    assert {c for c in calls if c[0] == "stem"} == trained
+    assert {c for c in calls if c[0] == "head"} == {("head", True)}
 
 
 def equal_stages(J, c=1.0, nbytes=0):

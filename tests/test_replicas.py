@@ -239,6 +239,23 @@ def test_trainer_stop_resume_with_two_replicas_equals_running_on(tmp_path):
     assert start["event"] == "start" and start["replicas"] == 2
 
 
+def test_one_rank_writes_every_output_with_replicas(tmp_path):
+    """2 replicas x 2 stages: metrics.jsonl, summary.json and trace.json (every rank's events)
+    all come from one rank, replica 0's last stage, so node-local output directories keep them
+    together."""
+    proc = mpirun(4, ["-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",
+                      f"run.out_dir={tmp_path}", *QUICK, "--set", "model.stages=2",
+                      "--set", "run.trace=true"], timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    start = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert summary["replicas"] == 2 and start["event"] == "start"
+    assert summary["writer_rank"] == start["writer_rank"] == trace["otherData"]["writer_rank"] == 1
+    processes = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert processes == {f"rank {r}" for r in range(4)}
+
+
 def test_world_that_fits_no_layout_fails_on_every_rank_before_work(tmp_path):
     proc = mpirun(3, ["-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",
                       f"run.out_dir={tmp_path}", *QUICK, "--set", "model.stages=2"], timeout=60)

@@ -110,3 +110,87 @@ def test_sigterm_mid_segment_stops_drains_and_resumes(tmp_path):
     kinds = [e["event"] for e in events(tmp_path)]
     assert kinds.count("resume") == 1 and kinds[-1] == "checkpoint"
     assert (tmp_path / "summary.json").exists()
+
+
+# ---------------------------------------------------------------- CUDA random state, without CUDA
+
+class FakeCuda:
+    """The random-state calls of torch.cuda, for `visible` GPUs that each hold their own state
+    (a device index past the visible ones is an IndexError, as in torch)."""
+
+    def __init__(self, visible):
+        self.states = [torch.full((4,), 10 + i, dtype=torch.uint8) for i in range(visible)]
+
+    def _index(self, device):
+        index = torch.device(device).index if not isinstance(device, int) else device
+        index = 0 if index is None else index
+        if index >= len(self.states):
+            raise IndexError(f"device {index} of {len(self.states)} visible")
+        return index
+
+    def is_available(self):
+        return True
+
+    def device_count(self):
+        return len(self.states)
+
+    def get_rng_state(self, device="cuda"):
+        return self.states[self._index(device)].clone()
+
+    def set_rng_state(self, state, device="cuda"):
+        self.states[self._index(device)] = state.clone()
+
+    def get_rng_state_all(self):
+        return [s.clone() for s in self.states]
+
+    def set_rng_state_all(self, states):
+        for i, state in enumerate(states):
+            self.set_rng_state(state, i)
+
+
+def fake_cuda(monkeypatch, visible):
+    fake = FakeCuda(visible)
+    for name in ("is_available", "device_count", "get_rng_state", "set_rng_state",
+                 "get_rng_state_all", "set_rng_state_all"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    return fake
+
+
+def test_cuda_rng_state_is_the_ranks_own_gpu_and_restores_with_fewer_visible():
+    from petra_mpi.checkpoint import cuda_rng_state, restore_cuda_rng
+    four, one = FakeCuda(4), FakeCuda(1)
+    saved = cuda_rng_state(torch.device("cuda", 2), four)  # a rank that used GPU 2 of 4
+    assert torch.equal(saved, four.states[2])
+    restore_cuda_rng(saved, torch.device("cuda", 0), one)  # requeued seeing its GPU alone
+    assert torch.equal(one.states[0], four.states[2])
+    assert cuda_rng_state(torch.device("cpu"), four) is None
+    restore_cuda_rng(None, torch.device("cuda", 0), one)  # a CPU run's checkpoint
+    restore_cuda_rng(saved, torch.device("cpu"), one)  # resumed on the CPU
+    assert torch.equal(one.states[0], four.states[2])
+
+
+def test_old_checkpoint_with_a_state_per_visible_gpu_loads_where_fewer_are_visible(
+        tmp_path, monkeypatch):
+    """A checkpoint of the earlier format (one CUDA state per GPU visible then: 4) resumes where
+    the rank sees one GPU; the weights come back and no state is applied to the wrong GPU."""
+    from petra_mpi.checkpoint import load_stage, save_stage
+    from petra_mpi.engine.build import build_stages, build_workers
+    from petra_mpi.optim import LRSchedule
+
+    def worker(seed):
+        (stage,) = build_stages("revnet18", 2, 10, 1, seed=seed)
+        return build_workers([stage], LRSchedule(0.1, 10))[0]
+
+    saved = worker(seed=1)
+    name, _ = save_stage(str(tmp_path), saved)
+    state = torch.load(tmp_path / name, weights_only=False)
+    assert state["cuda_rng"] is None  # a CPU stage saves no CUDA state
+    state["cuda_rng"] = FakeCuda(4).get_rng_state_all()
+    torch.save(state, tmp_path / name)
+    one = fake_cuda(monkeypatch, 1)
+    before = one.states[0].clone()
+    resumed = worker(seed=2)
+    load_stage(str(tmp_path), resumed, "cpu")
+    assert torch.equal(one.states[0], before)
+    for key, value in saved.stage.state_dict().items():
+        assert torch.equal(value, resumed.stage.state_dict()[key]), key

@@ -1,5 +1,6 @@
 """The reversible vision transformer (issue 13) on the same engine: docs/design.md §1 invariants 1, 2, 3
 and 4 for revvit, AdamW/cosine checkpoint resume, the partition cost of attention, the configs."""
+import json
 import math
 import subprocess
 import sys
@@ -243,3 +244,24 @@ def test_adamw_cosine_checkpoint_resume_equals_running_on(tmp_path):
     other = train_cli("--set", f"run.out_dir={resumed}", *SMALL, "--set", "optim.name=sgd",
                       "--set", "train.epochs=3", timeout=60)
     assert other.returncode == 1 and "optimizer" in other.stderr
+
+
+def test_transformers_are_built_for_the_image_side_the_data_has(tmp_path):
+    """The ViT's patch grid follows the images training feeds it, not the stem's usual size: the
+    ImageNet stem on the 32-pixel synthetic set, and 64-pixel array data in a dry run (timed by
+    --profile at that size) and in training."""
+    from test_data_loader import write_h5
+    proc = train_cli("--set", "model.stem=imagenet", "--set", "data.crop=192", "--dry-run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "images 32x32 (synthetic set)" in proc.stdout
+    data = tmp_path / "px64.h5"
+    write_h5(data, n_train=64, n_val=16, size=64, chunk=16)
+    on_64 = [*SMALL, "--set", f"data.path={data}", "--set", "model.num_classes=7",
+             "--set", "train.epochs=1", "--set", "train.limit_batches=2",
+             "--set", "train.limit_eval_batches=1", "--set", f"run.out_dir={tmp_path / 'run'}"]
+    proc = train_cli(*on_64, "--dry-run", "--profile")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "batch 16 of 64x64 images" in proc.stdout and "(3, 64, 64)" in proc.stdout
+    proc = train_cli(*on_64)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["epochs"] == 1

@@ -171,3 +171,35 @@ def test_dry_run_profile_prints_measured_costs_and_uses_the_measured_split():
     assert fixed.returncode == 0 and "split [1, 2, 3, 4] (model.partition)" in fixed.stdout
     alone = train("--profile")
     assert alone.returncode == 2 and "--profile goes with --dry-run" in alone.stderr
+
+
+def test_decode_workers_default_to_the_ranks_cpu_share():
+    """data.decode_workers: 0 sizes each loader's JPEG decode pool from the rank's CPU share, the
+    one its torch threads get, not from the whole affinity set that ranks may share."""
+    from petra_mpi.engine.world import cpu_share
+    from petra_mpi.train import cpu_threads, decode_threads, open_data
+
+    class Rank:  # a rank of a node whose ranks' CPU sets are `node`
+        def __init__(self, mine, node):
+            self.mine, self.node = mine, node
+
+        def thread_share(self):
+            return cpu_share(self.mine, self.node)
+
+    cfg = load_config(ROOT / "configs/quickstart.yaml", ["data.synthetic_train=64",
+                                                         "data.synthetic_val=16"])
+    assert cfg.run.threads == 0 and cfg.data.decode_workers == 0
+    shared = Rank({0, 1, 2, 3}, [{0, 1, 2, 3}] * 4)  # unbound mpirun: 4 ranks, one set
+    own = Rank({0, 1, 2, 3}, [{0, 1, 2, 3}, {4, 5, 6, 7}])  # srun --cpus-per-task=4
+    assert decode_threads(cfg, cpu_threads(cfg, shared)) == 1
+    assert decode_threads(cfg, cpu_threads(cfg, own)) == 4
+    assert decode_threads(cfg, 4, loaders=2) == 2  # one process running 2 replicas
+    assert decode_threads(cfg, 1, loaders=3) == 1
+    threads = load_config(ROOT / "configs/quickstart.yaml", ["run.threads=3"])
+    assert decode_threads(threads, cpu_threads(threads, shared)) == 3
+    fixed = load_config(ROOT / "configs/quickstart.yaml", ["data.decode_workers=5"])
+    assert decode_threads(fixed, cpu_threads(fixed, shared)) == 5
+    train_loader, val_loader, _ = open_data(cfg, "cpu", decoders=decode_threads(cfg, 3))
+    assert train_loader.decode_threads == val_loader.decode_threads == 3
+    train_loader.close()
+    val_loader.close()

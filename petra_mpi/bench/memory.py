@@ -51,8 +51,8 @@ def main(argv):
         cfg = dataclasses.replace(base, train=TrainConfig(method="delayed",
                                                           buffer_inputs=buffer_inputs,
                                                           stash_weights=stash))
-        results.append((buffer_inputs, stash, total_bytes(stage_table(cfg, a.stages)), paper_gb,
-                        paper_saving))
+        rows = stage_table(cfg, a.stages, side=32 if vit else 224)
+        results.append((buffer_inputs, stash, total_bytes(rows), paper_gb, paper_saving))
     reference = results[0][2]["total"]
     gb = 1e9
     print(f"{a.arch} width {base.model.width} on " +

@@ -12,9 +12,10 @@ import numpy as np
 NUM_CLASSES = 10
 _ORIENTATIONS = 5
 _FREQUENCIES = (0.14, 0.26)  # cycles per pixel
+SIZE = 32  # image side of the set the trainer uses (data.path: synthetic)
 
 
-def make_synthetic(n: int, seed: int, size: int = 32) -> tuple[np.ndarray, np.ndarray]:
+def make_synthetic(n: int, seed: int, size: int = SIZE) -> tuple[np.ndarray, np.ndarray]:
     """Return (images uint8 (n, size, size, 3), labels int64 (n,)), a pure function of (n, seed)."""
     if n < 0 or size < 8:
         raise ValueError(f"make_synthetic: need n >= 0 and size >= 8, got n={n}, size={size}")

@@ -89,9 +89,16 @@ class World:
         return cls(MPI.COMM_WORLD)
 
     @property
-    def is_last(self):
-        """Whether this rank writes the run's outputs: the last stage of replica 0."""
-        return self.rank == self.stages - 1
+    def writer_rank(self) -> int:
+        """The one rank that writes the run's outputs (metrics.jsonl, summary.json, trace.json,
+        checkpoint manifests): replica 0's last stage, which computes the loss the metrics report.
+        One rank for all of them, so that with node-local output directories they land on one
+        node."""
+        return self.stages - 1
+
+    @property
+    def is_writer(self) -> bool:
+        return self.rank == self.writer_rank
 
     def thread_share(self) -> int:
         """This rank's share of its CPU set for torch's CPU threads (see cpu_share)."""
@@ -102,10 +109,10 @@ class World:
         """Rank 0 (the data reader) tells everyone the segment lengths and input shape."""
         return self.comm.bcast(lengths, root=0)
 
-    def gather_to_last(self, items: list):
-        """Every rank's list, concatenated in rank order on the writing rank (is_last)."""
-        gathered = self.comm.gather(items, root=self.stages - 1)
-        return [x for part in gathered for x in part] if self.is_last else None
+    def gather_to_writer(self, items: list):
+        """Every rank's list, concatenated in rank order on the writing rank (None elsewhere)."""
+        gathered = self.comm.gather(items, root=self.writer_rank)
+        return [x for part in gathered for x in part] if self.is_writer else None
 
     def run_guarded(self, fn, expected_errors) -> int:
         """Run fn(); on any exception print it once from the failing rank and abort every rank
