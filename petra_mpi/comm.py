@@ -88,7 +88,8 @@ CONTIGUOUS, CHANNELS_LAST = "contiguous", "channels_last"  # message layouts
 def layout_of(t: torch.Tensor) -> str:
     """The layout a message of t travels in: channels-last for a 4-D tensor dense in that format
     and not in NCHW (where both hold, e.g. one pixel per channel, the two orders are the same)."""
-    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous():
+    if (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
+            and not t.is_contiguous()):
         return CHANNELS_LAST
     return CONTIGUOUS
 

@@ -37,8 +37,8 @@ class MPIEngine:
             worker.reducer = MPIMean(world.dp, t, path)
             line += f", replica average {path}" + (f" ({why_avg})" if why_avg else "")
         if world.rank == 0:
-            layout = f"{world.replicas} replicas x {J} stages" if world.replicas > 1 else f"{J} ranks"
-            print(f"petra_mpi: {layout}, {line}", file=sys.stderr, flush=True)
+            ranks = f"{world.replicas} replicas x {J} stages" if world.replicas > 1 else f"{J} ranks"
+            print(f"petra_mpi: {ranks}, {line}", file=sys.stderr, flush=True)
         # Shapes and layouts are agreed once: each rank learns its input's from the previous one,
         # and every message of a link (activation forward, rebuilt input and gradient back)
         # travels in the layout its producer makes (channels-last on CUDA), so nobody converts.

@@ -57,7 +57,7 @@ class MPIMean:
     summed by a non-blocking Iallreduce. On a GPU the bucket (or its pinned host copy, queued
     behind the backward) is handed to MPI once an event after it has completed: posted by a
     poll between blocks, or before the rank blocks, polling the transport meanwhile. The host
-    never waits for the GPU. Registered with the transport like its boxes, for both."""
+    never waits for the GPU. It joins the transport's boxes, so that polls and post_all reach it."""
 
     def __init__(self, comm, transport, path):
         self.comm, self.transport, self.path = comm, transport, path
@@ -88,7 +88,6 @@ class MPIMean:
 
     def post_ready(self, wait: bool):
         """Post the all-reduce once its data are ready; with `wait`, poll until they are."""
-        from mpi4py import MPI
         while self.unposted is not None:
             buf, ready = self.unposted
             if ready is not None and not ready.query():
@@ -96,6 +95,7 @@ class MPIMean:
                     return
                 self.transport.wait_for(ready)
                 continue  # look again: a poll while waiting may have posted it already
+            from mpi4py import MPI
             self.unposted = None
             self.request = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
