@@ -7,8 +7,18 @@ Outbox: non-blocking sends; a tensor stays referenced until its send completes.
 
 GPU tensors: with a CUDA-aware MPI the device buffers go to MPI directly, otherwise they are
 staged through pinned host buffers. MPI knows nothing of CUDA streams, so a send is posted only
-once an event recorded on the producing stream has completed (the host never waits for the
-stream: the send is posted by a later poll).
+once an event recorded on the producing stream has completed. The host never blocks on the GPU:
+the send is posted by a later poll, and where the rank must post it before going on (it is about
+to wait for a neighbour) it polls the transport until the event completes (Transport.wait_for),
+so transfers in flight keep moving meanwhile. Device receive buffers are allocated on a stream
+of their own, which no kernel uses, and handed to the compute stream with record_stream: the
+caching allocator then reuses their memory only once the compute stream is done with it, with no
+host synchronisation.
+
+Layout: a message travels in the memory format its producer made it in (channels-last on CUDA
+stages), agreed once per link at start-up, so neither side converts it. MPI is handed the tensor's
+memory in storage order (NHWC for channels-last: a view, not a copy) and the receiver gets an NCHW
+view with channels-last strides of an NHWC buffer.
 
 Progress: large messages (rendezvous) move only while the library is inside an MPI call, so the
 engine calls Transport.poll() between blocks; it tests the pending requests (which drives MPI's
@@ -19,8 +29,8 @@ instead of a fresh allocation (page faults on every large message) per message.
 """
 import ctypes
 import os
-import sys
 import time
+import weakref
 from collections import deque
 
 import numpy as np
@@ -48,6 +58,16 @@ def cuda_aware_mpi() -> tuple[bool, str]:
     return False, "no MPIX_Query_cuda_support in the MPI library"
 
 
+def device_collectives() -> tuple[bool, str]:
+    """(whether a non-blocking collective may be handed device memory, how that was decided).
+    MPIX_Query_cuda_support speaks for point-to-point (and in Open MPI blocking collectives)
+    only: Open MPI's non-blocking collectives (libnbc) reduce on the CPU over the raw device
+    pointers. So only an explicit PETRA_MPI_DEVICE_COLLECTIVES=1 says yes."""
+    if os.environ.get("PETRA_MPI_DEVICE_COLLECTIVES") == "1":
+        return True, "PETRA_MPI_DEVICE_COLLECTIVES=1"
+    return False, "non-blocking collectives on device memory not known to be safe"
+
+
 def _loaded_mpi_libraries():
     try:
         with open("/proc/self/maps") as f:
@@ -62,27 +82,63 @@ def _host_view(t: torch.Tensor):
     return t.numpy()
 
 
+CONTIGUOUS, CHANNELS_LAST = "contiguous", "channels_last"  # message layouts
+
+
+def layout_of(t: torch.Tensor) -> str:
+    """The layout a message of t travels in: channels-last for a 4-D tensor dense in that format
+    and not in NCHW (where both hold, e.g. one pixel per channel, the two orders are the same)."""
+    if (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
+            and not t.is_contiguous()):
+        return CHANNELS_LAST
+    return CONTIGUOUS
+
+
+def in_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """t dense in `layout` (a copy only where it is not already)."""
+    fmt = torch.channels_last if layout == CHANNELS_LAST else torch.contiguous_format
+    return t.contiguous(memory_format=fmt)
+
+
+def storage_order(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """A C-contiguous view of t (dense in `layout`) over the same memory: what MPI reads or
+    writes, since mpi4py takes contiguous buffers only (NHWC for channels-last)."""
+    return t.permute(0, 2, 3, 1) if layout == CHANNELS_LAST else t
+
+
+def empty_in_layout(shape, layout: str, allocate) -> torch.Tensor:
+    """An NCHW-shaped tensor dense in `layout`, from `allocate(shape)` (a C-contiguous tensor)."""
+    if layout == CHANNELS_LAST:
+        n, c, h, w = shape
+        return allocate((n, h, w, c)).permute(0, 3, 1, 2)
+    return allocate(tuple(shape))
+
+
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int64}
 
 
 class HostPool:
-    """Reusable CPU receive buffers. Each is a numpy array wrapped by torch.from_numpy: torch's
-    storage holds a reference to the array until its last view is freed, so an array that only
-    the pool references is free to receive again."""
+    """Reusable CPU receive buffers. A buffer is lent as a fresh numpy view of it, wrapped by
+    torch.from_numpy: torch's storage owns that view until the storage's last tensor (the one
+    lent, or any slice, reshape or narrow of it, or a numpy array made from one) is freed. The
+    pool keeps only a weak reference to the view, so once it is dead nothing can read the buffer
+    and it may receive again. (No reference counting: Python versions count differently.)"""
 
     def __init__(self):
-        self.arrays = {}  # (shape, numpy dtype) -> arrays
+        self.slots = {}  # (shape, numpy dtype) -> [[array, weak reference to its lent view]]
 
     def tensor(self, shape, dtype) -> torch.Tensor:
         np_dtype = _NUMPY_DTYPES.get(dtype)
         if np_dtype is None:
             return torch.empty(shape, dtype=dtype)
-        arrays = self.arrays.setdefault((tuple(shape), np_dtype), [])
-        for array in arrays:
-            if sys.getrefcount(array) == 3:  # the list, this loop's name, getrefcount's argument
-                return torch.from_numpy(array)
-        arrays.append(np.empty(shape, dtype=np_dtype))
-        return torch.from_numpy(arrays[-1])
+        slots = self.slots.setdefault((tuple(shape), np_dtype), [])
+        slot = next((s for s in slots if s[1]() is None), None)
+        if slot is None:
+            slot = [np.empty(shape, dtype=np_dtype), None]
+            slots.append(slot)
+        lent = slot[0].view()
+        slot[1] = weakref.ref(lent)
+        return torch.from_numpy(lent)
 
 
 class Transport:
@@ -92,7 +148,12 @@ class Transport:
         self.device = device
         self.direct = device.type != "cuda" or cuda_aware
         self.pool = HostPool() if device.type != "cuda" else None
-        self.boxes = []  # every Inbox and Outbox on this transport, for poll()
+        # device receive buffers come from this stream's share of the caching allocator
+        self.receive_stream = (torch.cuda.Stream(device)
+                               if device.type == "cuda" and self.direct else None)
+        # every Inbox and Outbox on this transport, and the replicas' average (replicas.py):
+        # poll() drives them all; those with a post_ready method may hold work not yet posted
+        self.boxes = []
 
     def poll(self):
         """Drive MPI's progress and post the sends whose GPU data are ready (between blocks)."""
@@ -103,8 +164,14 @@ class Transport:
         """Post every send still waiting for its GPU data: called before this rank blocks, since
         the neighbour it waits for may itself be waiting for one of them."""
         for box in self.boxes:
-            if isinstance(box, Outbox):
-                box._post(wait=True)
+            if hasattr(box, "post_ready"):
+                box.post_ready(wait=True)
+
+    def wait_for(self, event):
+        """Return once the GPU has passed `event`, polling the transport meanwhile: blocking in
+        event.synchronize() would stop every transfer in flight until the GPU catches up."""
+        while not event.query():
+            self.poll()
 
     @property
     def mode(self):
@@ -112,44 +179,58 @@ class Transport:
             return "cpu"
         return "cuda-aware" if self.direct else "pinned-host-staging"
 
-    def send_buffer(self, t: torch.Tensor):
+    def send_buffer(self, t: torch.Tensor, layout: str = CONTIGUOUS):
         """(the object to hand to MPI, what must stay alive until the send completes, a CUDA
-        event that must complete before the send is posted or None)."""
-        t = t.detach().contiguous()
+        event that must complete before the send is posted or None). t is sent in `layout`:
+        no copy when its producer made it so."""
+        t = in_layout(t.detach(), layout)
         if t.device.type != "cuda":
-            return _host_view(t), t, None
+            return _host_view(storage_order(t, layout)), t, None
         if not self.direct:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host = empty_in_layout(t.shape, layout, lambda shape: torch.empty(
+                shape, dtype=t.dtype, pin_memory=True))
             host.copy_(t, non_blocking=True)
-            t, buf = host, _host_view(host)
+            t, buf = host, _host_view(storage_order(host, layout))
         else:
-            buf = t
+            buf = storage_order(t, layout)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         return buf, t, ready
 
-    def recv_buffer(self, shape, dtype):
-        """(the tensor MPI writes into, the object to hand to MPI)."""
+    def recv_buffer(self, shape, dtype, layout: str = CONTIGUOUS):
+        """(the tensor MPI writes into, dense in `layout`, the object to hand to MPI)."""
         if self.device.type != "cuda":
-            t = self.pool.tensor(shape, dtype)
-            return t, _host_view(t)
+            t = empty_in_layout(shape, layout, lambda s: self.pool.tensor(s, dtype))
+            return t, _host_view(storage_order(t, layout))
         if self.direct:
-            t = torch.empty(shape, dtype=dtype, device=self.device)
-            torch.cuda.current_stream(self.device).synchronize()
-            return t, t
-        t = torch.empty(shape, dtype=dtype, pin_memory=True)
-        return t, _host_view(t)
+            # MPI writes outside any stream: memory the compute stream freed may still be read
+            # by its queued kernels, so take it from a stream no kernel runs on (see hand_over)
+            with torch.cuda.stream(self.receive_stream):
+                t = empty_in_layout(shape, layout, lambda s: torch.empty(
+                    s, dtype=dtype, device=self.device))
+            return t, storage_order(t, layout)
+        t = empty_in_layout(shape, layout, lambda s: torch.empty(s, dtype=dtype, pin_memory=True))
+        return t, _host_view(storage_order(t, layout))
 
-    def to_device(self, t: torch.Tensor):
-        return t if t.device == self.device else t.to(self.device, non_blocking=True)
+    def hand_over(self, t: torch.Tensor):
+        """A received tensor, on this rank's device, for the compute stream."""
+        if t.device.type != self.device.type:  # staged: one asynchronous copy up
+            return t.to(self.device, non_blocking=True)
+        if t.device.type == "cuda":
+            # allocated on receive_stream: its memory goes back to that stream only once the
+            # compute stream has passed the point where the tensor is freed
+            t.record_stream(torch.cuda.current_stream(self.device))
+        return t
 
 
 class Inbox:
-    """Receives `count` tensors of at most `shape` from `source` under `tag`, posted ahead."""
+    """Receives `count` tensors of at most `shape` from `source` under `tag`, posted ahead, in
+    the layout the sender sends."""
 
-    def __init__(self, comm, transport, source, tag, shape, dtype, depth=RECEIVE_DEPTH):
+    def __init__(self, comm, transport, source, tag, shape, dtype, depth=RECEIVE_DEPTH,
+                 layout=CONTIGUOUS):
         self.comm, self.transport, self.source, self.tag = comm, transport, source, tag
-        self.shape, self.dtype, self.depth = tuple(shape), dtype, depth
+        self.shape, self.dtype, self.depth, self.layout = tuple(shape), dtype, depth, layout
         self.per_sample = int(np.prod(self.shape[1:], dtype=np.int64))
         self.pending = deque()
         self.remaining = 0
@@ -176,7 +257,7 @@ class Inbox:
     def _post(self):
         from mpi4py import MPI
         while self.remaining > 0 and len(self.pending) < self.depth:
-            tensor, buf = self.transport.recv_buffer(self.shape, self.dtype)
+            tensor, buf = self.transport.recv_buffer(self.shape, self.dtype, self.layout)
             req = self.comm.Irecv(buf, source=self.source, tag=self.tag)
             self.pending.append((req, tensor, MPI.Status()))
             self.remaining -= 1
@@ -189,47 +270,53 @@ class Inbox:
         self.waited += time.perf_counter() - start
         self._post()
         n = status.Get_count(_mpi_datatype(self.dtype)) // max(1, self.per_sample)
-        return self.transport.to_device(tensor[:n] if n != self.shape[0] else tensor)
+        # the first n samples: the batch dimension is outermost in every layout's storage order
+        return self.transport.hand_over(tensor[:n] if n != self.shape[0] else tensor)
 
 
 class Outbox:
-    """Non-blocking sends to `dest` under `tag`; at most `depth` in flight (posted or waiting for
-    their GPU data). Sends are posted in order: MPI matches messages of one tag in posting order."""
+    """Non-blocking sends to `dest` under `tag` in `layout`; at most `depth` in flight (posted or
+    waiting for their GPU data). Sends are posted in order: MPI matches messages of one tag in
+    posting order."""
 
-    def __init__(self, comm, transport, dest, tag, depth=2):
+    def __init__(self, comm, transport, dest, tag, depth=2, layout=CONTIGUOUS):
         self.comm, self.transport, self.dest, self.tag, self.depth = comm, transport, dest, tag, depth
+        self.layout = layout
         self.unposted = deque()  # (buffer, tensor kept alive, CUDA event) not yet handed to MPI
         self.pending = deque()   # (request, tensor kept alive)
         self.waited = 0.0
         transport.boxes.append(self)
 
     def put(self, t: torch.Tensor):
-        self.unposted.append(self.transport.send_buffer(t))
-        self._post(wait=False)
+        self.unposted.append(self.transport.send_buffer(t, self.layout))
+        self.post_ready(wait=False)
         self._drain(self.depth)
 
     def poll(self):
-        self._post(wait=False)
+        self.post_ready(wait=False)
         if self.pending:
             self.pending[0][0].Get_status()
 
     def flush(self):
         self._drain(0)
 
-    def _post(self, wait: bool):
+    def post_ready(self, wait: bool):
+        """Post the sends whose data are ready, in order; with `wait`, all of them, polling the
+        transport until their GPU data are."""
         while self.unposted:
             buf, keep, ready = self.unposted[0]
             if ready is not None and not ready.query():
                 if not wait:
                     return
-                ready.synchronize()
+                self.transport.wait_for(ready)
+                continue  # look again: a poll while waiting may have posted it already
             self.unposted.popleft()
             self.pending.append((self.comm.Isend(buf, dest=self.dest, tag=self.tag), keep))
 
     def _drain(self, keep: int):
         start = time.perf_counter()
         if len(self.unposted) + len(self.pending) > keep:
-            self._post(wait=True)
+            self.post_ready(wait=True)
         while len(self.pending) > keep:
             self.pending.popleft()[0].Wait()
         self.waited += time.perf_counter() - start

@@ -14,8 +14,8 @@ import time
 import numpy as np
 import torch
 
-from ..comm import (RECEIVE_DEPTH, TAG_ACTIVATION, TAG_GRADIENT, TAG_LABELS, TAG_REBUILT, Inbox,
-                    Outbox, Transport, cuda_aware_mpi)
+from ..comm import (CONTIGUOUS, RECEIVE_DEPTH, TAG_ACTIVATION, TAG_GRADIENT, TAG_LABELS,
+                    TAG_REBUILT, Inbox, Outbox, Transport, cuda_aware_mpi, in_layout, layout_of)
 from ..schedule import num_ticks, stop_count, tick_ops
 from ..stopping import STOP_CHECK_TICKS
 from .metrics import EvalTotals
@@ -28,29 +28,39 @@ class MPIEngine:
         device = next(worker.stage.parameters()).device
         aware, why = cuda_aware_mpi() if device.type == "cuda" else (False, "")
         self.transport = t = Transport(device, aware)
-        if world.rank == 0:
-            layout = f"{world.replicas} replicas x {J} stages" if world.replicas > 1 else f"{J} ranks"
-            print(f"petra_mpi: {layout}, transport {t.mode}" + (f" ({why})" if why else ""),
-                  file=sys.stderr, flush=True)
+        line = f"transport {t.mode}" + (f" ({why})" if why else "")
         if world.replicas > 1:
-            from .replicas import MPIMean
-            worker.reducer = MPIMean(world.dp, t)
-        # Shapes are agreed once: each rank learns its input shape from the previous one.
-        in_shape = (batch_size, *input_shape) if r == 0 else comm.recv(source=r - 1, tag=1)
-        out_shape = self._output_shape(in_shape, device, dtype)
+            from ..comm import device_collectives
+            from .replicas import MPIMean, average_path
+            allowed, why_avg = device_collectives() if t.mode == "cuda-aware" else (False, "")
+            path = average_path(device.type, t.direct, allowed)
+            worker.reducer = MPIMean(world.dp, t, path)
+            line += f", replica average {path}" + (f" ({why_avg})" if why_avg else "")
+        if world.rank == 0:
+            ranks = f"{world.replicas} replicas x {J} stages" if world.replicas > 1 else f"{J} ranks"
+            print(f"petra_mpi: {ranks}, {line}", file=sys.stderr, flush=True)
+        # Shapes and layouts are agreed once: each rank learns its input's from the previous one,
+        # and every message of a link (activation forward, rebuilt input and gradient back)
+        # travels in the layout its producer makes (channels-last on CUDA), so nobody converts.
+        in_shape, in_fmt = (((batch_size, *input_shape), CONTIGUOUS) if r == 0
+                            else comm.recv(source=r - 1, tag=1))
+        out_shape, out_fmt = self._output_spec(in_shape, in_fmt, device, dtype)
         if r < J - 1:
-            comm.send(out_shape, dest=r + 1, tag=1)
+            comm.send((out_shape, out_fmt), dest=r + 1, tag=1)
         # A stage whose last block is buffered ignores ỹ, so its successor need not send it.
         wants_rebuilt = comm.sendrecv(worker.stage.needs_rebuilt_input, dest=(r + 1) % J,
                                       source=(r - 1) % J)
         self.send_rebuilt = r > 0 and wants_rebuilt
-        self.inputs = Inbox(comm, t, r - 1, TAG_ACTIVATION, in_shape, dtype) if r > 0 else None
-        self.outputs = Outbox(comm, t, r + 1, TAG_ACTIVATION) if r < J - 1 else None
-        self.rebuilt_in = (Inbox(comm, t, r + 1, TAG_REBUILT, out_shape, dtype)
+        self.inputs = (Inbox(comm, t, r - 1, TAG_ACTIVATION, in_shape, dtype, layout=in_fmt)
+                       if r > 0 else None)
+        self.outputs = Outbox(comm, t, r + 1, TAG_ACTIVATION, layout=out_fmt) if r < J - 1 else None
+        self.rebuilt_in = (Inbox(comm, t, r + 1, TAG_REBUILT, out_shape, dtype, layout=out_fmt)
                            if r < J - 1 and worker.stage.needs_rebuilt_input else None)
-        self.grads_in = Inbox(comm, t, r + 1, TAG_GRADIENT, out_shape, dtype) if r < J - 1 else None
-        self.rebuilt_out = Outbox(comm, t, r - 1, TAG_REBUILT) if self.send_rebuilt else None
-        self.grads_out = Outbox(comm, t, r - 1, TAG_GRADIENT) if r > 0 else None
+        self.grads_in = (Inbox(comm, t, r + 1, TAG_GRADIENT, out_shape, dtype, layout=out_fmt)
+                         if r < J - 1 else None)
+        self.rebuilt_out = (Outbox(comm, t, r - 1, TAG_REBUILT, layout=in_fmt)
+                            if self.send_rebuilt else None)
+        self.grads_out = Outbox(comm, t, r - 1, TAG_GRADIENT, layout=in_fmt) if r > 0 else None
         # with one stage (J = 1, replicas only) the labels never leave the rank
         self.labels_out = (Outbox(comm, t, J - 1, TAG_LABELS, depth=J + 2)
                            if r == 0 and J > 1 else None)
@@ -59,13 +69,15 @@ class MPIEngine:
         self.compute_seconds = 0.0  # in the stage's own work (forward, backward, optimizer step)
 
     @torch.no_grad()
-    def _output_shape(self, in_shape, device, dtype):
+    def _output_spec(self, in_shape, in_fmt, device, dtype):
+        """(output shape, output layout) of this stage for an input of in_shape in in_fmt."""
         stage = self.w.stage
         was_training = stage.training
         stage.eval()  # running statistics: a shape probe must not touch anything
         try:
-            out = stage.evaluate(torch.zeros((1, *in_shape[1:]), device=device, dtype=dtype))
-            return (in_shape[0], *out.shape[1:])
+            probe = torch.zeros((1, *in_shape[1:]), device=device, dtype=dtype)
+            out = stage.evaluate(in_layout(probe, in_fmt))
+            return (in_shape[0], *out.shape[1:]), layout_of(out)
         finally:
             stage.train(was_training)
 

@@ -41,41 +41,78 @@ def _unflatten_into(flat, params):
         offset += n
 
 
+def average_path(device_type: str, cuda_aware: bool, device_collectives: bool) -> str:
+    """How the replica average reaches MPI: "cpu" (host gradients), "cuda-aware" (the device
+    buffer to Iallreduce) or "pinned-host-staging". A CUDA-aware library reads device memory in
+    point-to-point transfers, but its non-blocking collectives may not (Open MPI's libnbc reduces
+    on the CPU over the raw pointers), so the device path needs both, device_collectives being
+    an explicit opt-in (comm.device_collectives)."""
+    if device_type != "cuda":
+        return "cpu"
+    return "cuda-aware" if cuda_aware and device_collectives else "pinned-host-staging"
+
+
 class MPIMean:
     """One stage's average over its data-parallel communicator: one flattened bucket per step,
-    summed by a non-blocking Iallreduce."""
+    summed by a non-blocking Iallreduce. On a GPU the bucket (or its pinned host copy, queued
+    behind the backward) is handed to MPI once an event after it has completed: posted by a
+    poll between blocks, or before the rank blocks, polling the transport meanwhile. The host
+    never waits for the GPU. It joins the transport's boxes, so that polls and post_all reach it."""
 
-    def __init__(self, comm, transport):
-        self.comm, self.transport = comm, transport
+    def __init__(self, comm, transport, path):
+        self.comm, self.transport, self.path = comm, transport, path
         self.size = comm.Get_size()
-        self.pending = None
+        self.unposted = None  # (buffer for MPI, CUDA event or None) not yet handed to MPI
+        self.request = None
+        self.held = None  # (flattened gradients, their host copy or None, parameters)
         self.waited = 0.0  # seconds blocked finishing all-reduces (for the benchmark)
+        transport.boxes.append(self)
 
     def start(self, worker):
-        from mpi4py import MPI
         params = _with_grads(worker)
         flat = _flatten(params)
-        host = None
-        if flat.device.type != "cuda":
+        host = ready = None
+        if self.path == "cpu":
             buf = flat.numpy()
-        elif self.transport.direct:  # CUDA-aware: MPI reads the device buffer once it is written
-            torch.cuda.current_stream(flat.device).synchronize()
-            buf = flat
-        else:  # staged through host memory (a blocking copy: the data must be there to post)
-            host = flat.cpu()
-            buf = host.numpy()
-        request = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        self.pending = (request, flat, host, params)
+        else:
+            if self.path == "pinned-host-staging":
+                host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                host.copy_(flat, non_blocking=True)
+                buf = host.numpy()
+            else:  # (a stage without parameters has an empty host bucket)
+                buf = flat if flat.is_cuda else flat.numpy()
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.transport.device))
+        self.unposted, self.held = (buf, ready), (flat, host, params)
+        self.post_ready(wait=False)
+
+    def post_ready(self, wait: bool):
+        """Post the all-reduce once its data are ready; with `wait`, poll until they are."""
+        while self.unposted is not None:
+            buf, ready = self.unposted
+            if ready is not None and not ready.query():
+                if not wait:
+                    return
+                self.transport.wait_for(ready)
+                continue  # look again: a poll while waiting may have posted it already
+            from mpi4py import MPI
+            self.unposted = None
+            self.request = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+    def poll(self):
+        self.post_ready(wait=False)
+        if self.request is not None:
+            self.request.Get_status()  # drives MPI's progress
 
     def finish(self, worker):
-        request, flat, host, params = self.pending
-        self.pending = None
-        self.transport.post_all()  # a neighbour we never wait for may wait for these sends
+        self.transport.post_all()  # a neighbour we never wait for may wait for our sends
+        self.post_ready(wait=True)  # (post_all has posted it, unless a caller emptied the boxes)
         start = time.perf_counter()
-        request.Wait()
+        self.request.Wait()
         self.waited += time.perf_counter() - start
+        (flat, host, params), self.request, self.held = self.held, None, None
         if host is not None:
-            flat.copy_(host)
+            flat.copy_(host, non_blocking=True)
         flat.div_(self.size)
         _unflatten_into(flat, params)
 

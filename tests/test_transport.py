@@ -1,0 +1,277 @@
+"""The transport's logic on the CPU (comm.py, replicas.py): when a pooled receive buffer may be
+reused, how the host waits for GPU data (by polling MPI, never by blocking), which path the
+replicas' average takes, and messages in channels-last layout. GPU events and MPI requests are
+played by fakes here; tests/test_gpu.py runs the real thing where a GPU exists."""
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from petra_mpi.comm import (CHANNELS_LAST, CONTIGUOUS, TAG_ACTIVATION, HostPool, Inbox, Outbox,
+                            Transport, device_collectives, empty_in_layout, in_layout, layout_of,
+                            storage_order)
+from petra_mpi.engine.replicas import MPIMean, average_path
+from test_mpi import ROOT, mpirun
+
+# ---------------------------------------------------------------- receive-buffer pool
+
+SHAPE = (4, 3, 2, 2)
+
+KEEPERS = {  # what a consumer may keep of a received tensor (a stage-0 FIFO entry, a slice...)
+    "tensor": lambda t: t,
+    "slice": lambda t: t[1:3],
+    "reshape": lambda t: t.reshape(4, -1),
+    "narrow": lambda t: t.narrow(0, 0, 1),
+    "channels-last view": lambda t: t.permute(0, 2, 3, 1),
+    "numpy view": lambda t: t.numpy()[2:],
+}
+
+
+@pytest.fixture(params=["3.11", "3.14"])
+def counting(request, monkeypatch):
+    """Python 3.14 borrows references for locals passed as arguments, so sys.getrefcount reports
+    one less than 3.11 does; liveness must not depend on it."""
+    if request.param == "3.14":
+        real = sys.getrefcount
+        probe = object()
+        wrapper_own = (lambda obj: real(obj))(probe) - real(probe)  # the wrapper's argument
+        monkeypatch.setattr(sys, "getrefcount", lambda obj: real(obj) - wrapper_own - 1)
+        assert sys.getrefcount(probe) == real(probe) - 1
+    return request.param
+
+
+@pytest.mark.parametrize("keep", KEEPERS)
+def test_pool_never_reuses_a_buffer_something_still_views(counting, keep):
+    pool = HostPool()
+    first = pool.tensor(SHAPE, torch.float32)
+    first.fill_(7.0)
+    kept = KEEPERS[keep](first)
+    address = first.data_ptr()
+    del first
+    second = pool.tensor(SHAPE, torch.float32)
+    assert second.data_ptr() != address, f"a buffer whose {keep} is alive was lent again"
+    second.fill_(-1.0)
+    assert (torch.as_tensor(kept) == 7.0).all()
+
+
+@pytest.mark.parametrize("keep", KEEPERS)
+def test_pool_reuses_a_buffer_once_every_view_is_gone(counting, keep):
+    pool = HostPool()
+    first = pool.tensor(SHAPE, torch.float32)
+    address = first.data_ptr()
+    kept = KEEPERS[keep](first)
+    del first, kept
+    assert pool.tensor(SHAPE, torch.float32).data_ptr() == address, "a free buffer leaked"
+
+
+def test_pool_lends_each_buffer_once_while_held(counting):
+    pool = HostPool()
+    held = [pool.tensor(SHAPE, torch.float32) for _ in range(3)]
+    assert len({t.data_ptr() for t in held}) == 3
+    address = held[1].data_ptr()
+    del held[1]
+    assert pool.tensor(SHAPE, torch.float32).data_ptr() == address
+
+
+# ---------------------------------------------------------------- waiting for GPU data
+
+class FakeEvent:
+    """A CUDA event whose work completes after `polls` queries; blocking on it is a defect."""
+
+    def __init__(self, polls):
+        self.polls = polls
+
+    def query(self):
+        if self.polls == 0:
+            return True
+        self.polls -= 1
+        return False
+
+    def synchronize(self):
+        raise AssertionError("the host blocked on the GPU without driving MPI")
+
+
+class FakeRequest:
+    def __init__(self, log, what):
+        self.log, self.what = log, what
+
+    def Get_status(self, status=None):
+        self.log.append(("progress", self.what))
+        return False
+
+    def Wait(self, status=None):
+        self.log.append(("wait", self.what))
+
+
+class FakeComm:
+    """Records what is handed to MPI, and each progress call on a request, in order."""
+
+    def __init__(self):
+        self.log = []
+        self.buffers = []  # what each all-reduce was handed
+
+    def Get_size(self):
+        return 2
+
+    def Isend(self, buf, dest, tag):
+        what = buf if isinstance(buf, str) else "host tensor"
+        self.log.append(("send", what))
+        return FakeRequest(self.log, what)
+
+    def Irecv(self, buf, source, tag):
+        return FakeRequest(self.log, "receive")
+
+    def Iallreduce(self, sendbuf, buf, op):
+        self.buffers.append(buf)
+        self.log.append(("allreduce", "bucket"))
+        return FakeRequest(self.log, "allreduce")
+
+
+def test_posting_gpu_sends_polls_mpi_instead_of_blocking():
+    """Before a rank blocks it posts every send still waiting for its GPU data: while an event is
+    not ready it must drive the receives and sends in flight, then post in order, each once."""
+    comm, transport = FakeComm(), Transport(torch.device("cpu"), cuda_aware=False)
+    inbox = Inbox(comm, transport, 0, TAG_ACTIVATION, (2, 3), torch.float32)
+    inbox.expect(1)
+    outbox = Outbox(comm, transport, 1, TAG_ACTIVATION, depth=4)
+    outbox.put(torch.zeros(2))  # a CPU send: posted at once
+    first, second = FakeEvent(3), FakeEvent(0)
+    outbox.unposted.extend([("a", None, first), ("b", None, second)])
+    transport.post_all()
+    sends = [what for kind, what in comm.log if kind == "send"][1:]
+    assert sends == ["a", "b"], "GPU sends posted out of order or twice"
+    before_a = comm.log[:comm.log.index(("send", "a"))]
+    assert ("progress", "receive") in before_a, "receives in flight were not driven"
+    assert ("progress", "host tensor") in before_a, "sends in flight were not driven"
+    assert not outbox.unposted and first.polls == 0
+
+
+def test_a_poll_posts_only_what_is_ready():
+    comm, transport = FakeComm(), Transport(torch.device("cpu"), cuda_aware=False)
+    outbox = Outbox(comm, transport, 1, TAG_ACTIVATION)
+    outbox.unposted.extend([("a", None, FakeEvent(1)), ("b", None, FakeEvent(0))])
+    transport.poll()
+    assert [e for e in comm.log if e[0] == "send"] == []  # b waits behind a: MPI matches in order
+    transport.poll()
+    assert [w for k, w in comm.log if k == "send"] == ["a", "b"]
+
+
+# ---------------------------------------------------------------- the replicas' average
+
+@pytest.mark.parametrize("device,aware,collectives,path", [
+    ("cpu", False, False, "cpu"),
+    ("cpu", True, True, "cpu"),
+    ("cuda", False, False, "pinned-host-staging"),
+    ("cuda", False, True, "pinned-host-staging"),
+    # CUDA-aware point-to-point says nothing of non-blocking collectives: staged by default
+    ("cuda", True, False, "pinned-host-staging"),
+    ("cuda", True, True, "cuda-aware"),
+])
+def test_replica_average_path(device, aware, collectives, path):
+    assert average_path(device, aware, collectives) == path
+
+
+def test_device_collectives_need_an_explicit_opt_in(monkeypatch):
+    monkeypatch.delenv("PETRA_MPI_DEVICE_COLLECTIVES", raising=False)
+    assert device_collectives()[0] is False
+    monkeypatch.setenv("PETRA_MPI_DEVICE_COLLECTIVES", "0")
+    assert device_collectives()[0] is False
+    monkeypatch.setenv("PETRA_MPI_DEVICE_COLLECTIVES", "1")
+    assert device_collectives() == (True, "PETRA_MPI_DEVICE_COLLECTIVES=1")
+
+
+class FakeWorker:
+    def __init__(self, grads):
+        params = [torch.nn.Parameter(torch.zeros(len(g))) for g in grads]
+        for p, g in zip(params, grads):
+            p.grad = torch.tensor(g)
+        self.optimizer = type("Optimizer", (), {"params": params})()
+
+
+def test_replica_average_is_posted_once_its_gpu_data_are_ready():
+    """The all-reduce waits for the event after its bucket (the copy to pinned memory on a GPU):
+    a poll posts it only once ready, and finishing it polls MPI rather than blocking."""
+    comm, transport = FakeComm(), Transport(torch.device("cpu"), cuda_aware=False)
+    outbox = Outbox(comm, transport, 1, TAG_ACTIVATION)
+    outbox.put(torch.zeros(2))
+    mean = MPIMean(comm, transport, "cpu")
+    worker = FakeWorker([[2.0, 4.0], [6.0]])
+    mean.start(worker)
+    (buf,) = comm.buffers
+    del comm.log[:]
+    mean.request = None  # as if the bucket were on a GPU: held back behind an event
+    mean.unposted = (buf, FakeEvent(2))
+    transport.poll()
+    assert not any(k == "allreduce" for k, _ in comm.log)
+    mean.finish(worker)
+    kinds = [k for k, _ in comm.log]
+    assert kinds.index("allreduce") > kinds.index("progress") and kinds[-1] == "wait"
+    assert kinds.count("allreduce") == 1
+    # the fake all-reduce summed nothing: the mean over 2 replicas halves the gradients
+    assert [p.grad.tolist() for p in worker.optimizer.params] == [[1.0, 2.0], [3.0]]
+
+
+# ---------------------------------------------------------------- channels-last messages
+
+def channels_last(n=4):
+    x = torch.arange(n * 3 * 2 * 5, dtype=torch.float32).reshape(n, 3, 2, 5)
+    return x.contiguous(memory_format=torch.channels_last)
+
+
+def test_layout_of_a_message():
+    x = channels_last()
+    assert layout_of(x) == CHANNELS_LAST
+    assert layout_of(x.contiguous()) == CONTIGUOUS
+    assert layout_of(torch.zeros(4, 10)) == CONTIGUOUS
+    # one pixel per channel: both orders are the same memory, sent as NCHW
+    assert layout_of(torch.zeros(4, 8, 1, 1).contiguous(memory_format=torch.channels_last)) \
+        == CONTIGUOUS
+
+
+def test_a_channels_last_message_is_sent_without_a_copy():
+    x = channels_last()
+    buf, keep, ready = Transport(torch.device("cpu"), False).send_buffer(x, CHANNELS_LAST)
+    assert keep.data_ptr() == x.data_ptr() and keep.stride() == x.stride() and ready is None
+    assert buf.flags["C_CONTIGUOUS"] and np.shares_memory(buf, x.numpy())
+    assert buf.shape == (4, 2, 5, 3)  # NHWC: storage order
+
+
+def test_a_message_is_sent_in_the_agreed_layout_whatever_the_producer_made():
+    x = channels_last()
+    buf, keep, _ = Transport(torch.device("cpu"), False).send_buffer(x, CONTIGUOUS)
+    assert keep.is_contiguous() and torch.equal(keep, x)
+    assert np.array_equal(buf, x.contiguous().numpy())
+    buf, keep, _ = Transport(torch.device("cpu"), False).send_buffer(x.contiguous(), CHANNELS_LAST)
+    assert np.array_equal(buf, x.permute(0, 2, 3, 1).numpy())
+
+
+def test_a_channels_last_message_is_received_with_channels_last_strides():
+    transport = Transport(torch.device("cpu"), False)
+    x = channels_last()
+    sent, _, _ = transport.send_buffer(x, CHANNELS_LAST)
+    got, buf = transport.recv_buffer(x.shape, torch.float32, CHANNELS_LAST)
+    assert got.shape == x.shape and got.stride() == x.stride()
+    np.copyto(buf, sent)  # what MPI does: the bytes in storage order
+    assert torch.equal(got, x)
+    # a smaller batch fills the buffer's first samples: the batch is outermost in NHWC too
+    got, buf = transport.recv_buffer(x.shape, torch.float32, CHANNELS_LAST)
+    buf.reshape(-1)[:3 * 30] = sent.reshape(-1)[:3 * 30]
+    assert torch.equal(got[:3], x[:3])
+
+
+def test_layout_helpers_round_trip():
+    x = channels_last()
+    assert in_layout(x, CHANNELS_LAST) is x
+    assert storage_order(x, CHANNELS_LAST).is_contiguous()
+    y = empty_in_layout((4, 3, 2, 5), CHANNELS_LAST, lambda s: torch.empty(s))
+    assert y.shape == (4, 3, 2, 5) and y.is_contiguous(memory_format=torch.channels_last)
+    assert empty_in_layout((4, 10), CONTIGUOUS, lambda s: torch.empty(s)).shape == (4, 10)
+
+
+def test_channels_last_through_mpi():
+    """Real MPI, 2 ranks: channels-last and NCHW messages, a short one into a full-size buffer;
+    the sender hands MPI the producer's memory and the receiver gets channels-last strides."""
+    proc = mpirun(2, [ROOT / "tests" / "mpi" / "layout.py", "cpu"], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "layout ok" in proc.stdout
