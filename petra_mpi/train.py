@@ -107,10 +107,12 @@ def decode_cpu_warning(cfg, cpus: int, gpu_decode: bool):
     needed = cfg.data.decode_workers or MIN_DECODE_CPUS
     if gpu_decode or cpus >= needed:
         return None
+    wanted = ("data.decode_workers asks for" if cfg.data.decode_workers else
+              "full-size ImageNet wants")
     return (f"petra_mpi: warning: stage 0 decodes JPEGs on {cpus} CPU(s), fewer than the "
-            f"{needed} that data.decode_workers={cfg.data.decode_workers} calls for: the "
-            f"pipeline will wait for data. Under SLURM give the job --cpus-per-task={needed} "
-            f"and pass it to srun (slurm/common.sh does); the rank map shows each rank's CPUs")
+            f"{needed} that {wanted}: the pipeline will wait for data. Under SLURM give the "
+            f"job --cpus-per-task={needed} and pass it to srun (slurm/common.sh does); the rank "
+            f"map shows each rank's CPUs")
 
 
 def evaluate_in_pieces(engine, batches, m, world, interrupts):
