@@ -51,6 +51,10 @@ class RunConfig:
     checkpoint_every_microbatches: int = 0
     """Also drain and checkpoint every this many micro-batches within an epoch (0: never); for
     epochs that outlast a job's time limit."""
+    checkpoint_every_minutes: float = 0.0
+    """Also drain and checkpoint when this many minutes of wall time have passed since the last
+    checkpoint (0: never), so that a lost node or a preemption without warning costs at most
+    that much training; rank 0's clock decides, through the stop vote."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept; older ones are deleted."""
     trace: bool = False
@@ -289,6 +293,7 @@ def validate(cfg: Config, world_size: int | None = None):
     need(cfg.run.threads >= 0, "run.threads", "must be >= 0")
     need(cfg.run.log_every >= 1, "run.log_every", "must be >= 1")
     need(cfg.run.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0")
+    need(cfg.run.checkpoint_every_minutes >= 0, "run.checkpoint_every_minutes", "must be >= 0")
     need(cfg.run.checkpoint_every_microbatches >= 0, "run.checkpoint_every_microbatches",
          "must be >= 0")
     need(cfg.run.keep_checkpoints >= 1, "run.keep_checkpoints", "must be >= 1")

@@ -8,6 +8,7 @@ replica 0's last stage (World.writer_rank) writes every run output: metrics.json
 trace.json and the checkpoint manifests.
 """
 import argparse
+import dataclasses
 import faulthandler
 import itertools
 import json
@@ -26,7 +27,7 @@ from .engine.metrics import correct
 from .metrics import MetricsWriter, Progress, fmt_time, stage_memory, write_json_atomic
 from .models import num_blocks
 from .optim import LRSchedule, peak_lr
-from .stopping import EXIT_REQUEUE, StopRequest
+from .stopping import EVAL_CHECK_BATCHES, EXIT_REQUEUE, STOP, Interrupts, StopRequest, agree
 from . import trace
 
 
@@ -97,6 +98,11 @@ def open_data(cfg, device, shard=(0, 1), decoders=1):
         raise TrainingError(f"data.path {cfg.data.path} has {train.num_classes} classes but "
                             f"model.num_classes is {cfg.model.num_classes}")
     jpeg = train.kind == "jpeg"
+    if jpeg:
+        from .data.augment import has_gpu_decode
+        warning = decode_cpu_warning(cfg, len(os.sched_getaffinity(0)), has_gpu_decode(device))
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
     common = dict(seed=cfg.run.seed, device=device, crop=cfg.data.crop if jpeg else None,
                   prefetch=cfg.data.prefetch, decode_threads=decoders,
                   decode_pool=cfg.data.decode_pool)
@@ -105,6 +111,47 @@ def open_data(cfg, device, shard=(0, 1), decoders=1):
                         shard=shard, **common),
             BatchLoader(val, cfg.data.batch_size, train=False, augment=False, **common),
             (3, side, side))
+
+
+# CPUs a stage-0 rank decoding full-size JPEGs on the CPU should have when data.decode_workers
+# leaves it to the rank's CPU set: what the ImageNet batch scripts give each rank.
+MIN_DECODE_CPUS = 8
+
+
+def decode_cpu_warning(cfg, cpus: int, gpu_decode: bool):
+    """A warning when this stage-0 rank has fewer CPUs than the config's JPEG decode needs (a
+    launcher that binds each rank to one CPU starves the whole pipeline of data), else None."""
+    needed = cfg.data.decode_workers or MIN_DECODE_CPUS
+    if gpu_decode or cpus >= needed:
+        return None
+    wanted = ("data.decode_workers asks for" if cfg.data.decode_workers else
+              "full-size ImageNet wants")
+    return (f"petra_mpi: warning: stage 0 decodes JPEGs on {cpus} CPU(s), fewer than the "
+            f"{needed} that {wanted}: the pipeline will wait for data. Under SLURM give the "
+            f"job --cpus-per-task={needed} and pass it to srun (slurm/common.sh does); the rank "
+            f"map shows each rank's CPUs")
+
+
+def evaluate_in_pieces(engine, batches, m, world, interrupts):
+    """The evaluation of m batches in pieces of EVAL_CHECK_BATCHES, every rank agreeing after
+    each whether to stop, so a stop request need not wait for a whole evaluation (a due
+    wall-time checkpoint does wait). Returns (totals, stopped); totals: the summed EvalTotals
+    where the loss is computed, None elsewhere and when stopped."""
+    totals, done = None, 0
+    while True:
+        piece = min(EVAL_CHECK_BATCHES, m - done)
+        part = engine.evaluate(None if batches is None else itertools.islice(batches, piece),
+                               piece)
+        if totals is None:
+            totals = part
+        elif part is not None:
+            for f in dataclasses.fields(totals):
+                setattr(totals, f.name, getattr(totals, f.name) + getattr(part, f.name))
+        done += piece
+        if done >= m:
+            return totals, False
+        if agree(world, interrupts) == STOP:
+            return None, True
 
 
 def choose_partition(cfg, J, world, device, dtype, input_shape, resume):
@@ -302,6 +349,7 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
     def checkpoint(epoch, position):
         with tracer.span(trace.CHECKPOINT):
             save_checkpoint(epoch, position)
+        interrupts.restart()  # the wall-time cadence counts from the last checkpoint
 
     def save_checkpoint(epoch, position):
         path = checkpoint_dir(cfg.run.out_dir, epoch, position)
@@ -322,6 +370,7 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
             world.comm.Barrier()  # the checkpoint is complete when any rank returns
 
     cadence = cfg.run.checkpoint_every_microbatches
+    interrupts = Interrupts(stop, cfg.run.checkpoint_every_minutes, keeps_clock=rank == 0)
     prior_wall = state["wall_time_s"]  # of the jobs before a resume
     start = time.perf_counter()
     stopping = False
@@ -340,24 +389,35 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
         on_loss = own[-1].tracer.wrap_callback(trace.LOG, log)  # log itself when off
         while position < n and not stopping:
             length = n - position if not cadence else min(n - position, cadence - position % cadence)
-            position += engine.train_segment(batches, length, on_loss=on_loss, stop=stop)
-            stopping = engine.any_stop(stop)
-            if position < n and (stopping or (cadence and position % cadence == 0)):
+            position += engine.train_segment(batches, length, on_loss=on_loss, stop=interrupts)
+            level = agree(world, interrupts)  # a stop, or a due wall-time checkpoint
+            stopping = level == STOP
+            if position < n and (level or (cadence and position % cadence == 0)):
                 checkpoint(epoch, position)
         if position < n:
             break  # stopped mid-epoch, checkpointed above
-        val_batches = None
-        if reads_data:
-            val_loader.load_state_dict({"epoch": 0, "position": 0})
-            val_batches = _as_dtype(itertools.islice(iter(val_loader), m), dtype)
-        with tracer.span(trace.EVAL):
-            totals = engine.evaluate(val_batches, m)
+        train_stats = log.finish() if writes else None
+        if writes and "epoch_train" in state:  # resumed into this epoch's evaluation
+            train_stats = state.pop("epoch_train")
+        if not stopping:
+            val_batches = None
+            if reads_data:
+                val_loader.load_state_dict({"epoch": 0, "position": 0})
+                val_batches = _as_dtype(itertools.islice(iter(val_loader), m), dtype)
+            with tracer.span(trace.EVAL):
+                totals, stopping = evaluate_in_pieces(engine, val_batches, m, world, interrupts)
+        if stopping:  # before or during the evaluation: the resumed run evaluates this epoch
+            if writes:
+                state["epoch_train"] = train_stats
+            checkpoint(epoch, n)
+            break
         if writes:
-            log_epoch(cfg, writer, state, epoch, own[-1].optimizer.steps, log.finish(),
+            log_epoch(cfg, writer, state, epoch, own[-1].optimizer.steps, train_stats,
                       totals.result())
-        stopping = stopping or engine.any_stop(stop)
+        level = agree(world, interrupts)
+        stopping = level == STOP
         every = cfg.run.checkpoint_every
-        if (every and (epoch + 1) % every == 0) or epoch + 1 == cfg.train.epochs or stopping:
+        if (every and (epoch + 1) % every == 0) or epoch + 1 == cfg.train.epochs or level:
             checkpoint(epoch + 1, 0)
         if stopping:
             break

@@ -8,8 +8,8 @@
 #   EXTRA_ARGS  more trainer arguments, split on whitespace, e.g. "--set train.epochs=1"
 #   OUT_DIR     the run directory (default: runs/<config path under configs/, without .yaml>;
 #               stable across requeues, so a requeued job finds its checkpoints)
-#   LAUNCHER    srun (default) or mpirun
-#   SRUN_MPI    the srun --mpi plugin (default pmix)
+#   LAUNCHER    srun (default) or mpirun (one node only)
+#   SRUN_MPI    the srun --mpi plugin (default: none given, so srun uses the site's MpiDefault)
 #   DRY_RUN=1   only run the trainer's --dry-run in one process (no srun/mpirun) and exit
 #   MAX_REQUEUES  stop requeueing after this many restarts (default 100)
 #
@@ -17,8 +17,15 @@
 # (#SBATCH --signal=B:USR1@300); `scancel --signal=USR1 --batch JOB` does the same by hand. The trap
 # forwards it to the launcher, which forwards it to every rank; the ranks drain the pipeline, write
 # a checkpoint and exit 3, and the job requeues itself; the requeued job resumes (run.resume=auto).
-# SIGTERM (scancel, preemption) also makes the ranks checkpoint and exit 3, but the job does not
-# requeue itself: a cancelled job stays cancelled, and SLURM requeues a preempted job on its own.
+# SIGTERM to this shell (scancel, preemption, admin tooling) is forwarded as SIGUSR1 too: srun
+# answers a SIGTERM by killing every rank at once, mid-checkpoint. After a SIGTERM the job does
+# not requeue itself (a cancelled job stays cancelled; SLURM requeues a preempted job on its own)
+# and ends with EXIT_CHECKPOINTED_TERM.
+#
+# Exit statuses of a job: 0 finished, or checkpointed and requeued; 2 a problem of this script
+# (config not found, bad LAUNCHER...); 3 checkpointed but not requeued (MAX_REQUEUES reached, or
+# scontrol requeue refused): resubmit to resume; 4 checkpointed after SIGTERM, not requeued;
+# anything else the trainer's failure (1 a training error, 2 a config error, >128 a signal).
 
 # ============================== site settings: edit for your cluster ==============================
 # Software: load modules and activate the Python environment holding petra_mpi and an mpi4py built
@@ -27,12 +34,15 @@
 #   source "$HOME/venvs/petra/bin/activate"          # or: conda activate petra
 # Partition and account: set them in the #SBATCH lines of each script, or once in your shell before
 # sbatch:  export SBATCH_PARTITION=gpu SBATCH_ACCOUNT=myproject
+: "${GPUS_PER_NODE:=4}" # GPUs per node of your GPU partition: slurm/submit.sh lays ranks out by it
 : "${LAUNCHER:=srun}"    # srun: a SLURM-integrated MPI; mpirun: one node only (e.g. PyPI's MPICH)
-: "${SRUN_MPI:=pmix}"    # pmix for Open MPI and most sites; pmi2 for MPICH / Intel MPI
+: "${SRUN_MPI:=}"        # empty: the site's MpiDefault; else e.g. pmix, pmi2, cray_shasta
 : "${PYTHON:=python}"
 # ==================================================================================================
 
-EXIT_REQUEUE=3          # the trainer's "checkpointed, please requeue" status
+EXIT_REQUEUE=3            # the trainer's "checkpointed, please requeue" status; also ours when
+                          # a checkpointed job is not requeued (resubmit to resume)
+EXIT_CHECKPOINTED_TERM=4  # checkpointed after SIGTERM (cancel, preemption): do not requeue
 
 petra_say() {
     local line="[petra $(date '+%F %T')] $*"
@@ -74,19 +84,31 @@ petra_resolve() {
     read -r -a EXTRA <<<"${EXTRA_ARGS:-}"
 }
 
-# Forward a signal to the launcher (which forwards it to every rank); remember it if none runs yet.
+# The --nodes, --ntasks-per-node and --gpus-per-node of a job of NTASKS ranks, one GPU each, on
+# nodes of GPUS_PER_NODE GPUs: the fewest nodes, the ranks spread evenly over them (consecutive
+# ranks, i.e. consecutive stages, share a node under SLURM's block distribution).
+petra_layout() {
+    local ntasks=$1 per_node=${2:-$GPUS_PER_NODE}
+    ((ntasks > 0 && per_node > 0)) || petra_die "petra_layout: ranks and GPUs per node must be > 0"
+    local nodes=$(((ntasks + per_node - 1) / per_node))
+    local tasks=$(((ntasks + nodes - 1) / nodes))
+    echo "--nodes=$nodes --ntasks-per-node=$tasks --gpus-per-node=$tasks"
+}
+
+# Tell the launcher to stop the ranks; remember the signal (and act on it later if none runs yet).
+# Always SIGUSR1: srun passes it to every rank, while a SIGTERM makes srun kill the step at once.
 petra_forward() {
     PETRA_SIGNAL+=" $1"
-    petra_say "batch shell got SIG$1: forwarding it to the launcher (pid ${PETRA_PID:-none})"
-    if [[ -n ${PETRA_PID:-} ]]; then kill -s "$1" "$PETRA_PID" 2>/dev/null; fi
+    petra_say "batch shell got SIG$1: sending SIGUSR1 to the launcher (pid ${PETRA_PID:-none})"
+    if [[ -n ${PETRA_PID:-} ]]; then kill -s USR1 "$PETRA_PID" 2>/dev/null; fi
 }
 
 petra_requeue() {
     local restarts=${SLURM_RESTART_COUNT:-0}
-    if [[ $PETRA_SIGNAL == " TERM"* ]]; then
+    if [[ $PETRA_SIGNAL == *TERM* ]]; then
         petra_say "checkpointed after SIGTERM (scancel or preemption): not requeueing;" \
                   "resubmit the same script to resume"
-        exit "$EXIT_REQUEUE"
+        exit "$EXIT_CHECKPOINTED_TERM"
     fi
     if ((restarts >= ${MAX_REQUEUES:-100})); then
         petra_say "checkpointed, not requeueing: restarted $restarts times (MAX_REQUEUES)"
@@ -121,8 +143,19 @@ petra_train() {
                    --set run.resume=auto "${EXTRA[@]}")
     local launch
     case $LAUNCHER in
-        srun) launch=(srun "--mpi=$SRUN_MPI") ;;
-        mpirun) launch=(mpirun -n "${SLURM_NTASKS:-1}") ;;
+        srun)
+            # --cpus-per-task explicitly: srun 22.05-23.02 ignores SLURM_CPUS_PER_TASK and binds
+            # each rank to one CPU. --gpu-bind=none: every rank sees all GPUs of its node (CUDA
+            # IPC between the stages of a node needs that); petra_mpi picks one by SLURM_LOCALID.
+            launch=(srun "--cpus-per-task=${SLURM_CPUS_PER_TASK:-1}" --gpu-bind=none)
+            if [[ -n $SRUN_MPI ]]; then launch+=("--mpi=$SRUN_MPI"); fi ;;
+        mpirun)
+            # mpirun knows nothing of SLURM's GPUs on other nodes (nor, with some MPIs, of the
+            # nodes at all): remote ranks could share one GPU, or all run on this node.
+            ((${SLURM_JOB_NUM_NODES:-1} == 1)) ||
+                petra_die "LAUNCHER=mpirun runs on one node only; this job has" \
+                          "$SLURM_JOB_NUM_NODES nodes: use LAUNCHER=srun (see docs/clusters.md)"
+            launch=(mpirun -n "${SLURM_NTASKS:-1}") ;;
         *) petra_die "LAUNCHER must be srun or mpirun, not '$LAUNCHER'" ;;
     esac
     petra_say "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0})" \
@@ -130,16 +163,14 @@ petra_train() {
     petra_say "${launch[*]} ${trainer[*]}"
     if [[ -n $PETRA_SIGNAL ]]; then petra_requeue; fi   # stopped before starting: nothing to save
 
-    # In the background, so the traps run while we wait; a trap interrupts `wait`, so wait again
-    # until the launcher has really exited.
+    # In the background, so the traps run while we wait; a trap interrupts `wait` (status > 128),
+    # so wait again until the launcher has really exited. The launcher may exit while a trap runs,
+    # after the interrupted `wait`: the last `wait` then reaps its real status (bash keeps it).
     "${launch[@]}" "${trainer[@]}" >>"$PETRA_LOG" 2>&1 &
     PETRA_PID=$!
-    local status
-    while :; do
-        wait "$PETRA_PID"
-        status=$?
-        kill -0 "$PETRA_PID" 2>/dev/null || break
-    done
+    while kill -0 "$PETRA_PID" 2>/dev/null; do wait "$PETRA_PID"; done
+    wait "$PETRA_PID"
+    local status=$?
     PETRA_PID=""
     case $status in
         0) petra_say "finished: $OUT_DIR/summary.json"; exit 0 ;;

@@ -34,12 +34,20 @@ mkdir -p "$PARTS" "$(dirname "$OUT")" || petra_die "cannot create $PARTS"
 # The first task of a fresh submission queues the merge, to start when all shards succeeded.
 first=${SLURM_ARRAY_TASK_MIN:-0}
 if [[ $task == "$first" && ${SLURM_RESTART_COUNT:-0} == 0 && -z ${NO_MERGE:-} ]]; then
-    merge_id=$(sbatch --parsable --job-name=pack_imagenet_merge \
+    # The merge runs under this job's account, partition and QOS (where -A is mandatory a bare
+    # sbatch fails); if it cannot be queued, the shards still get packed: merge by hand.
+    if merge_id=$(sbatch --parsable --job-name=pack_imagenet_merge \
+        ${SLURM_JOB_ACCOUNT:+"--account=$SLURM_JOB_ACCOUNT"} \
+        ${SLURM_JOB_PARTITION:+"--partition=$SLURM_JOB_PARTITION"} \
+        ${SLURM_JOB_QOS:+"--qos=$SLURM_JOB_QOS"} \
         --dependency="afterok:$SLURM_ARRAY_JOB_ID" --ntasks=1 --cpus-per-task=2 --time=6:00:00 \
         --output="$(dirname "$OUT")/slurm-%x-%j.out" \
-        --wrap "$PYTHON -m data_prep.imagenet merge --out $OUT $PARTS/part*.h5") ||
-        petra_die "could not submit the merge job"
-    petra_say "submitted merge job $merge_id (after array $SLURM_ARRAY_JOB_ID): writes $OUT"
+        --wrap "$PYTHON -m data_prep.imagenet merge --out $OUT $PARTS/part*.h5"); then
+        petra_say "submitted merge job $merge_id (after array $SLURM_ARRAY_JOB_ID): writes $OUT"
+    else
+        petra_say "warning: could not submit the merge job; once every shard is packed, run:" \
+                  "python -m data_prep.imagenet merge --out $OUT $PARTS/part*.h5"
+    fi
 fi
 
 petra_say "shard $task/$SHARDS of $SOURCE -> $PARTS/part$task.h5"

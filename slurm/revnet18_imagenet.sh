@@ -1,18 +1,18 @@
 #!/bin/bash
-# RevNet18 on ImageNet with PETRA (paper Table 2): 10 stages, one rank and GPU each, over 2 nodes.
+# RevNet18 on ImageNet with PETRA (paper Table 2): 10 stages, one rank and GPU each, over nodes.
 # From the repository root: sbatch slurm/revnet18_imagenet.sh  (overrides: see common.sh)
 #SBATCH --job-name=revnet18_imagenet
 #SBATCH --ntasks=10
-#SBATCH --gpus-per-task=1
+# layout for 4 GPUs per node, one GPU per rank (other sites: slurm/submit.sh, GPUS_PER_NODE)
+#SBATCH --nodes=3
+#SBATCH --ntasks-per-node=4
+#SBATCH --gpus-per-node=4
 #SBATCH --cpus-per-task=8
-#SBATCH --time=24:00:00
+#SBATCH --time=12:00:00
 #SBATCH --requeue
 #SBATCH --signal=B:USR1@300
 #SBATCH --open-mode=append
 #SBATCH --output=slurm-%x-%j.out
-# site: ranks per node <= GPUs per node (consecutive stages share a node)
-#SBATCH --nodes=2
-#SBATCH --ntasks-per-node=5
 # ---- site settings: partition and account (or export SBATCH_PARTITION / SBATCH_ACCOUNT) ----
 ##SBATCH --partition=gpu
 ##SBATCH --account=myproject

@@ -4,9 +4,12 @@
 # backprop baseline: CONFIG=configs/revvit/cifar10_backprop.yaml sbatch slurm/revvit_cifar10.sh)
 #SBATCH --job-name=revvit_cifar10
 #SBATCH --ntasks=10
-#SBATCH --gpus-per-task=1
+# layout for 4 GPUs per node, one GPU per rank (other sites: slurm/submit.sh, GPUS_PER_NODE)
+#SBATCH --nodes=3
+#SBATCH --ntasks-per-node=4
+#SBATCH --gpus-per-node=4
 #SBATCH --cpus-per-task=4
-#SBATCH --time=24:00:00
+#SBATCH --time=12:00:00
 #SBATCH --requeue
 #SBATCH --signal=B:USR1@300
 #SBATCH --open-mode=append

@@ -3,11 +3,14 @@
 # CONFIGS[i] (0-4 RevNet34, 5-9 RevNet50). 18 stages, one rank and one GPU each.
 # Submit from the repository root:  sbatch slurm/table4_revnet34_50.sh   (a subset: --array=0-4)
 #SBATCH --job-name=table4_revnet34_50
-#SBATCH --array=0-9
+#SBATCH --array=0-9%2
 #SBATCH --ntasks=18
-#SBATCH --gpus-per-task=1
+# layout for 4 GPUs per node, one GPU per rank (other sites: slurm/submit.sh, GPUS_PER_NODE)
+#SBATCH --nodes=5
+#SBATCH --ntasks-per-node=4
+#SBATCH --gpus-per-node=4
 #SBATCH --cpus-per-task=4
-#SBATCH --time=24:00:00
+#SBATCH --time=12:00:00
 #SBATCH --requeue
 #SBATCH --signal=B:USR1@300
 #SBATCH --open-mode=append

@@ -42,8 +42,11 @@ def _sbin(name):
 
 
 class Cluster:
-    def __init__(self, root):
+    def __init__(self, root, cpus=CPUS, task_plugin="task/none"):
+        """cpus: what the node claims; task/affinity binds tasks to CPUs only when that is no
+        more than the machine has (else slurmd logs "more resources configured than exist")."""
         self.root = str(root)
+        self.cpus, self.task_plugin = cpus, task_plugin
         self.procs = []          # daemons we started (Popen), stopped in reverse order
         self.host = socket.gethostname().split(".")[0]
         self.conf = os.path.join(self.root, "slurm.conf")
@@ -125,8 +128,8 @@ SlurmdPidFile={r}/slurmd.pid
 SlurmctldLogFile={r}/log/slurmctld.log
 SlurmdLogFile={r}/log/slurmd.log
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
+TaskPlugin={self.task_plugin}
+{self._task_params()}JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/filetxt
 JobCompLoc={r}/log/jobcomp.txt
@@ -141,11 +144,16 @@ MinJobAge=600
 ReturnToService=2
 KillWait=10
 SchedulerParameters=sched_interval=2
-NodeName={self.host} NodeAddr=127.0.0.1 CPUs={CPUS} Gres=gpu:{GPUS} State=UNKNOWN
+NodeName={self.host} NodeAddr=127.0.0.1 CPUs={self.cpus} Gres=gpu:{GPUS} State=UNKNOWN
 PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 """
         with open(self.conf, "w") as f:
             f.write(conf)
+
+    def _task_params(self):
+        # task/affinity binds nothing unless a step asks for it; bind each task to its CPUs
+        # (cores here) by default, as production sites configure it
+        return "TaskPluginParam=autobind=cores\n" if self.task_plugin == "task/affinity" else ""
 
     def _wait_idle(self, timeout):
         deadline = time.time() + timeout

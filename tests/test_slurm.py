@@ -17,13 +17,16 @@ from petra_mpi.config import load_config, num_replicas, num_stages, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "slurm", "*.sh")))
-EXPERIMENTS = [s for s in SCRIPTS if os.path.basename(s) not in ("common.sh", "pack_imagenet.sh")]
+HELPERS = ("common.sh", "submit.sh")  # sourced or run by hand, not submitted
+EXPERIMENTS = [s for s in SCRIPTS if os.path.basename(s) not in HELPERS + ("pack_imagenet.sh",)]
 SMOKE = ("--set run.device=cpu --set model.stages=0 --set train.epochs=1 --set train.limit_batches=8 "
          "--set data.synthetic_train=1024 --set data.synthetic_val=128 --set model.width=4 "
          "--set run.progress=false")
-# Fewer ranks than the scripts ask for, one CPU each: command-line options override #SBATCH lines.
-SMALL = ("--ntasks=2", "--gpus-per-task=1", "--cpus-per-task=1")
-# srun with PMI-2: PyPI's MPICH cannot use the PMIx plugin (no libpmix), but PMI-2 works.
+# Fewer ranks than the scripts ask for, on one node, one CPU each: command-line options override
+# #SBATCH lines.
+SMALL = ("--nodes=1", "--ntasks=2", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1")
+# srun with PMI-2: PyPI's MPICH cannot use the PMIx plugin (no libpmix), but PMI-2 works (the test
+# cluster's MpiDefault is none, so the scripts' default, no --mpi, would start 2 singletons).
 SRUN = {"LAUNCHER": "srun", "SRUN_MPI": "pmi2"}
 
 
@@ -57,16 +60,25 @@ def resolve(env, before=""):
 @pytest.mark.parametrize("script", SCRIPTS, ids=os.path.basename)
 def test_script_syntax_and_contract(script):
     subprocess.run(["bash", "-n", script], check=True, timeout=10)
-    if script.endswith("common.sh"):
+    if os.path.basename(script) in HELPERS:
         return
     text = open(script).read()
     assert '/slurm/common.sh"' in text and "#SBATCH --requeue" in text
     if script in EXPERIMENTS:
-        assert "#SBATCH --signal=B:USR1@300" in text and "#SBATCH --gpus-per-task=1" in text
-        assert text.rstrip().endswith("petra_train")
-    if "CONFIGS=(" in text:  # a job array: one task per config
-        lo, hi = map(int, sbatch_option(script, "array").split("-"))
+        assert "#SBATCH --signal=B:USR1@300" in text and text.rstrip().endswith("petra_train")
+        # one GPU per rank, all the node's GPUs visible to each rank (CUDA IPC needs them):
+        # --gpus-per-node, never --gpus-per-task; the layout is petra_layout's for 4 GPUs a node
+        assert "--gpus-per-task" not in text
+        layout = [f"--{name}={sbatch_option(script, name)}"
+                  for name in ("nodes", "ntasks-per-node", "gpus-per-node")]
+        assert layout == petra_layout(int(sbatch_option(script, "ntasks")), 4), layout
+        hours = int(sbatch_option(script, "time").split(":")[0])
+        assert hours <= 12, "--time above many partitions' maximum leaves the job pending"
+    if "CONFIGS=(" in text:  # a job array: one task per config, a few at a time
+        span, throttle = sbatch_option(script, "array").split("%")
+        lo, hi = map(int, span.split("-"))
         assert (lo, hi) == (0, len(script_configs(script)) - 1), "--array must cover CONFIGS"
+        assert int(throttle) <= 2
 
 
 @pytest.mark.parametrize("script", EXPERIMENTS, ids=os.path.basename)
@@ -115,6 +127,102 @@ def test_config_and_out_dir_resolution():
                     "OUT_DIR": "/tmp/r"}) == ["configs/quickstart.yaml", "/tmp/r/task1"]
 
 
+def petra_layout(ntasks, gpus_per_node):
+    out = subprocess.run(["bash", "-c", f"source slurm/common.sh && petra_layout {ntasks} "
+                          f"{gpus_per_node}"], capture_output=True, text=True, timeout=10,
+                         cwd=ROOT, check=True)
+    return out.stdout.split()
+
+
+def test_layout_for_gpus_per_node():
+    """The worked examples of docs/clusters.md: the fewest nodes, ranks spread evenly, one GPU
+    per rank, never more ranks on a node than it has GPUs."""
+    assert petra_layout(10, 4) == ["--nodes=3", "--ntasks-per-node=4", "--gpus-per-node=4"]
+    assert petra_layout(10, 8) == ["--nodes=2", "--ntasks-per-node=5", "--gpus-per-node=5"]
+    assert petra_layout(18, 4) == ["--nodes=5", "--ntasks-per-node=4", "--gpus-per-node=4"]
+    assert petra_layout(18, 8) == ["--nodes=3", "--ntasks-per-node=6", "--gpus-per-node=6"]
+    assert petra_layout(36, 8) == ["--nodes=5", "--ntasks-per-node=8", "--gpus-per-node=8"]
+    for ntasks in range(1, 40):
+        for per_node in (1, 2, 4, 6, 8):
+            nodes, tasks, gpus = (int(o.split("=")[1]) for o in petra_layout(ntasks, per_node))
+            assert tasks == gpus <= per_node and (nodes - 1) * tasks < ntasks <= nodes * tasks
+
+
+def fake_commands(bin_dir, **bodies):
+    """Executables named by the keywords, each a bash body, first on a PATH that is returned."""
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in bodies.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
+        (bin_dir / name).chmod(0o755)
+    return f"{bin_dir}:{os.environ['PATH']}"
+
+
+def test_submit_lays_out_by_gpus_per_node(tmp_path):
+    """slurm/submit.sh passes sbatch the layout for GPUS_PER_NODE, then the user's options."""
+    args = tmp_path / "args"
+    path = fake_commands(tmp_path / "bin", sbatch=f'echo "$@" >{args}')
+    env = {"PATH": path, "GPUS_PER_NODE": "8"}
+    subprocess.run(["bash", "slurm/submit.sh", "slurm/revnet50_imagenet.sh", "--array=1"],
+                   cwd=ROOT, env=env, check=True, timeout=20, capture_output=True)
+    assert args.read_text().split() == ["--nodes=3", "--ntasks-per-node=6", "--gpus-per-node=6",
+                                        "--array=1", "slurm/revnet50_imagenet.sh"]
+
+
+def run_batch_script(tmp_path, path, **env):
+    """The CIFAR script as a job's batch shell would run it, with fake launchers on `path`."""
+    env = {"PATH": path, "SLURM_JOB_ID": "7", "CONFIG": "configs/quickstart.yaml",
+           "OUT_DIR": str(tmp_path / "run"), **env}
+    return subprocess.run(["bash", "slurm/revnet18_cifar10.sh"], cwd=ROOT, env=env, timeout=30,
+                          capture_output=True, text=True)
+
+
+def test_srun_line(tmp_path):
+    """srun gets the job's --cpus-per-task (srun 22.05-23.02 ignores SLURM_CPUS_PER_TASK) and
+    --gpu-bind=none, and --mpi only when SRUN_MPI names a plugin (else the site's MpiDefault)."""
+    args = tmp_path / "args"
+    path = fake_commands(tmp_path / "bin", srun=f'echo "$@" >{args}')
+    proc = run_batch_script(tmp_path, path, SLURM_CPUS_PER_TASK="8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert args.read_text().split()[:3] == ["--cpus-per-task=8", "--gpu-bind=none", "python"]
+    proc = run_batch_script(tmp_path, path, SLURM_CPUS_PER_TASK="8", SRUN_MPI="pmi2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert args.read_text().split()[:3] == ["--cpus-per-task=8", "--gpu-bind=none", "--mpi=pmi2"]
+
+
+def test_mpirun_refused_on_several_nodes(tmp_path):
+    """mpirun cannot place ranks on SLURM's GPUs of other nodes: a multi-node job refuses it."""
+    ran = tmp_path / "ran"
+    path = fake_commands(tmp_path / "bin", mpirun=f"touch {ran}")
+    proc = run_batch_script(tmp_path, path, LAUNCHER="mpirun", SLURM_JOB_NUM_NODES="2",
+                            SLURM_NTASKS="10")
+    assert proc.returncode == 2 and "one node only" in proc.stdout, proc.stdout + proc.stderr
+    assert not ran.exists()
+    proc = run_batch_script(tmp_path, path, LAUNCHER="mpirun", SLURM_JOB_NUM_NODES="1",
+                            SLURM_NTASKS="2")
+    assert proc.returncode == 0 and ran.exists(), proc.stdout + proc.stderr
+
+
+def test_pack_merge_submission(tmp_path):
+    """The first shard task queues the merge under the job's account, partition and QOS, and
+    when that sbatch fails it warns and packs its shard anyway."""
+    args = tmp_path / "args"
+    env = {"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_JOB_ID": "5", "SLURM_JOB_ACCOUNT": "proj",
+           "SLURM_JOB_PARTITION": "cpu", "SLURM_JOB_QOS": "normal", "PYTHON": "true",
+           "OUT": str(tmp_path / "imagenet.h5"), "PARTS": str(tmp_path / "parts")}
+    path = fake_commands(tmp_path / "bin", sbatch=f'echo "$@" >{args}; echo 6')
+    proc = subprocess.run(["bash", "slurm/pack_imagenet.sh"], cwd=ROOT, timeout=30, text=True,
+                          capture_output=True, env={**env, "PATH": path})
+    assert proc.returncode == 0 and "submitted merge job 6" in proc.stdout, proc.stdout + proc.stderr
+    given = args.read_text().split()
+    assert {"--account=proj", "--partition=cpu", "--qos=normal",
+            "--dependency=afterok:5"} <= set(given), given
+    path = fake_commands(tmp_path / "bin", sbatch="echo 'sbatch: error: no account' >&2; exit 1")
+    proc = subprocess.run(["bash", "slurm/pack_imagenet.sh"], cwd=ROOT, timeout=30, text=True,
+                          capture_output=True, env={**env, "PATH": path})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "could not submit the merge job" in proc.stdout and "shard 0/16" in proc.stdout
+
+
 # ---------------------------------------------------------------- on a real SLURM cluster
 
 @pytest.fixture(scope="module")
@@ -147,14 +255,15 @@ def submit(cluster, tmp_path, script, *options, **env):
                           f"--output={tmp_path}/slurm-%j.out", *options, env=env, cwd=ROOT)
 
 
-@pytest.mark.parametrize("script", [s for s in SCRIPTS if not s.endswith("common.sh")],
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if os.path.basename(s) not in HELPERS],
                          ids=os.path.basename)
 def test_sbatch_accepts_full_request(cluster, script):
     """sbatch --test-only: the #SBATCH lines parse and the full request (one node here, with
     enough CPUs and GPUs; multi-node requests squeezed onto it) could be scheduled."""
     options = []
     if sbatch_option(script, "nodes"):
-        options = ["--nodes=1", f"--ntasks-per-node={sbatch_option(script, 'ntasks')}"]
+        ntasks = sbatch_option(script, "ntasks")
+        options = ["--nodes=1", f"--ntasks-per-node={ntasks}", f"--gpus-per-node={ntasks}"]
     proc = cluster.run("sbatch", "--test-only", *options, script, check=False, cwd=ROOT)
     assert proc.returncode == 0 and "to start at" in proc.stderr, proc.stderr
 
@@ -171,7 +280,7 @@ def test_smoke_job(cluster, tmp_path):
     assert any(r["event"] == "train" for r in read_jsonl(out / "metrics.jsonl"))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stages"] == 2 and summary["epochs"] == 1
-    assert "run.resume=auto" in log and "srun --mpi=pmi2" in log
+    assert "run.resume=auto" in log and "srun --cpus-per-task=1 --gpu-bind=none --mpi=pmi2" in log
 
 
 def test_failing_job_reports_failure(cluster, tmp_path):
@@ -241,6 +350,85 @@ def test_scancel_checkpoints_and_stays_cancelled(cluster, tmp_path):
     assert glob.glob(str(out / "checkpoints" / "*" / "manifest.json")), log
 
 
+def test_term_to_batch_shell_checkpoints_without_requeue(cluster, tmp_path):
+    """SIGTERM to the batch shell alone (admin tooling, `scancel -s TERM -b`) while the job runs:
+    the shell sends srun SIGUSR1, not the TERM (srun would kill every rank at once), so the ranks
+    checkpoint; the job does not requeue and ends with status 4."""
+    jobid, out = start_training(cluster, tmp_path)
+    cluster.run("scancel", "--signal=TERM", "--batch", jobid)
+    (job,) = cluster.wait(jobid, timeout=120)
+    log = (out / "logs" / "train.log").read_text()
+    assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("FAILED", "4:0", "0"), \
+        job_output(cluster, job) + log
+    assert "got SIGTERM: sending SIGUSR1" in log and "not requeueing" in log, log
+    assert "received SIGUSR1" in log and "checkpoint complete" in log, log
+    assert glob.glob(str(out / "checkpoints" / "*" / "manifest.json")), log
+
+
+def test_launcher_ending_while_the_trap_runs(cluster, tmp_path):
+    """The launcher exits (status 3, "checkpointed") while the batch shell's USR1 trap runs,
+    i.e. between the interrupted `wait` and the check that it still runs: the script must still
+    see status 3 (not 138, 128 + SIGUSR1). A fake trainer stands in for python; a `date` shim,
+    which the trap's log line calls, ends it and returns only once srun has exited."""
+    race = tmp_path / "race"
+    race.mkdir()
+    trainer = race / "trainer"
+    trainer.write_text(f"#!/bin/bash\ntouch {race}/running.$SLURM_PROCID\n"
+                       f"until [[ -e {race}/go ]]; do sleep 0.1; done\nexit 3\n")
+    trainer.chmod(0o755)
+    # While the batch shell has a live srun child (a zombie has exited), keep waiting. The shim
+    # runs in the shell's command substitution: its parent is the shell, or a subshell of it.
+    alive_srun = ("ps -o stat=,comm= --ppid $PPID,$(ps -o ppid= -p $PPID | tr -d ' ') | "
+                  "awk '$1 !~ /^Z/ && $2 == \"srun\"' | grep -q .")
+    path = fake_commands(race / "bin", date=(
+        f'if rm {race}/armed 2>/dev/null; then\n  touch {race}/go\n'
+        f'  while {alive_srun}; do sleep 0.1; done\nfi\nexec /bin/date "$@"'))
+    out = tmp_path / "run"
+    jobid = submit(cluster, tmp_path, "revnet18_cifar10.sh", CONFIG="configs/quickstart.yaml",
+                   OUT_DIR=str(out), PYTHON=str(trainer), PATH=path, MAX_REQUEUES="0")
+    cluster.wait(jobid, lambda jobs: (race / "running.0").exists()
+                 or jobs[0]["JobState"] in slurm_cluster.TERMINAL, timeout=90, what="to start")
+    (race / "armed").touch()
+    cluster.run("scancel", "--signal=USR1", "--batch", jobid)
+    (job,) = cluster.wait(jobid, timeout=60)
+    log = (out / "logs" / "train.log").read_text()
+    assert not (race / "armed").exists(), "the trap never ran: " + log
+    assert (job["JobState"], job["ExitCode"]) == ("FAILED", "3:0"), job_output(cluster, job) + log
+    assert "checkpointed, not requeueing" in log and "status 138" not in log, log
+
+
+@pytest.fixture
+def affinity_cluster(tmp_path_factory):
+    """A cluster whose node claims only this machine's CPUs, so task/affinity binds tasks."""
+    why = slurm_cluster.missing()
+    if why:
+        pytest.skip(why)
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("binding needs 2 CPUs to show a task's share")
+    c = slurm_cluster.Cluster(tmp_path_factory.mktemp("slurm_affinity"),
+                              cpus=len(os.sched_getaffinity(0)),
+                              task_plugin="task/affinity").start()
+    yield c
+    c.stop()
+
+
+def test_ranks_get_their_cpus_per_task(affinity_cluster, tmp_path):
+    """With CPU binding on (task/affinity), a rank sees the job's --cpus-per-task CPUs: srun
+    22.05-23.02 ignores SLURM_CPUS_PER_TASK and would bind it to one."""
+    trainer = tmp_path / "trainer"
+    trainer.write_text(f"#!/bin/bash\nnproc >{tmp_path}/cpus.$SLURM_PROCID\n")
+    trainer.chmod(0o755)
+    jobid = affinity_cluster.sbatch(
+        os.path.join(ROOT, "slurm", "revnet18_cifar10.sh"), "--nodes=1", "--ntasks=1",
+        "--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=2",
+        f"--output={tmp_path}/slurm-%j.out", cwd=ROOT,
+        env={"CONFIG": "configs/quickstart.yaml", "OUT_DIR": str(tmp_path / "run"),
+             "PYTHON": str(trainer), **SRUN})
+    (job,) = affinity_cluster.wait(jobid, timeout=90)
+    assert job["JobState"] == "COMPLETED", job_output(affinity_cluster, job)
+    assert (tmp_path / "cpus.0").read_text().strip() == "2"
+
+
 def test_replicas_job(cluster, tmp_path):
     """The replicas script, small: 2 tasks under srun as 2 replicas of a 1-stage net."""
     out = tmp_path / "run"
@@ -279,8 +467,8 @@ def test_pack_imagenet_array_and_merge(cluster, tmp_path):
     env = {"SOURCE": str(tmp_path / "src"), "OUT": str(merged), "PARTS": str(tmp_path / "parts"),
            "SHARDS": "2", "PACK_ARGS": "--size 40", "PYTHON": sys.executable}
     jobid = cluster.sbatch(os.path.join(ROOT, "slurm", "pack_imagenet.sh"), "--array=0-1",
-                           "--cpus-per-task=1", f"--output={tmp_path}/slurm-%A_%a.out", env=env,
-                           cwd=ROOT)
+                           "--cpus-per-task=1", "--account=petra_project", "--partition=debug",
+                           f"--output={tmp_path}/slurm-%A_%a.out", env=env, cwd=ROOT)
     jobs = cluster.wait(jobid, timeout=120)
     assert all(j["JobState"] == "COMPLETED" for j in jobs), \
         "\n".join(job_output(cluster, j) for j in jobs)
@@ -289,6 +477,8 @@ def test_pack_imagenet_array_and_merge(cluster, tmp_path):
     assert len(merge) == 1
     (job,) = cluster.wait(merge[0], timeout=60)
     assert job["JobState"] == "COMPLETED", job_output(cluster, job)
+    # queued under the array's account and partition (where -A is mandatory, it must be)
+    assert (job["Account"], job["Partition"]) == ("petra_project", "debug"), job
     verify = subprocess.run([sys.executable, "-m", "data_prep.verify", str(merged)], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert verify.returncode == 0, verify.stdout + verify.stderr
