@@ -21,10 +21,12 @@ images (taken before re-encoding; JPEG rounding moves them by well under 1e-3).
 them: the result equals a single-pass pack.
 """
 import argparse
+import collections
 import contextlib
 import functools
 import hashlib
 import io
+import itertools
 import multiprocessing
 import os
 import re
@@ -36,7 +38,8 @@ import numpy as np
 from PIL import Image
 
 from data_prep.common import (SPLITS, ChannelStats, JpegWriter, PrepError, Progress, atomic_h5,
-                              print_summary, run_cli, worker_init, write_root_attrs)
+                              print_summary, run_cli, sigint_blocked, worker_init,
+                              write_root_attrs)
 
 IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png")
 QUALITY = 90
@@ -154,16 +157,43 @@ def encode(path, size):
 
 
 @contextlib.contextmanager
-def ordered_map(workers):
+def ordered_map(workers, chunk=8):
     """Yield a map(fn, items) that preserves order, over `workers` processes (or in-process).
 
-    Leaving the `with` (end, error, Ctrl-C) terminates the pool. Open it before any output
-    file: forked workers would otherwise inherit the file's descriptor and HDF5 lock."""
+    At most 2 * workers chunks of `chunk` items are handed to the pool and not yet consumed: a
+    consumer that stalls (a slow file system under the writer) stops the workers instead of
+    letting finished images pile up in memory. Leaving the `with` (end, error, Ctrl-C)
+    terminates the pool. Open it before any output file: forked workers would otherwise inherit
+    the file's descriptor and HDF5 lock."""
     if workers <= 1:
         yield map
         return
-    with multiprocessing.Pool(workers, initializer=worker_init) as pool:
-        yield functools.partial(pool.imap, chunksize=8)
+    with sigint_blocked():  # no worker may see a Ctrl-C before worker_init ignores it
+        pool = multiprocessing.Pool(workers, initializer=worker_init)
+    with pool:
+        yield functools.partial(bounded_imap, pool, chunk=chunk, max_chunks=2 * workers)
+
+
+def bounded_imap(pool, fn, items, *, chunk, max_chunks):
+    """pool.imap(fn, items) in order, with at most max_chunks chunks submitted and unconsumed.
+
+    Items are drawn from `items` only as room frees up, in the caller's thread."""
+    items = iter(items)
+    pending = collections.deque()
+    while True:
+        while len(pending) < max_chunks:
+            batch = list(itertools.islice(items, chunk))
+            if not batch:
+                break
+            pending.append(pool.apply_async(map_list, (fn, batch)))
+        if not pending:
+            return
+        yield from pending.popleft().get()
+
+
+def map_list(fn, batch):
+    """Worker side of bounded_imap: one chunk."""
+    return [fn(x) for x in batch]
 
 
 def shard_range(n, index, count):
