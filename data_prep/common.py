@@ -290,7 +290,11 @@ def describe(f):
             shape = "x".join(str(s) for s in g["images"].shape[1:])
             lines.append(f"  {split}: {n} images {shape}")
         elif "jpeg" in g:
-            lines.append(f"  {split}: {n} JPEGs, {g['jpeg'].shape[0] / 2**20:.1f} MiB")
+            joined = ""
+            if g["jpeg"].is_virtual:
+                files = {v.file_name for v in g["jpeg"].virtual_sources()}
+                joined = f", read from {len(files)} shard files"
+            lines.append(f"  {split}: {n} JPEGs, {g['jpeg'].shape[0] / 2**20:.1f} MiB{joined}")
     a = f.attrs
     names = f["classes"][:3] if "classes" in f else []
     names = ", ".join(n.decode() if isinstance(n, bytes) else str(n) for n in names)

@@ -425,23 +425,49 @@ def read_all(path):
         return data, {k: f.attrs[k] for k in f.attrs}
 
 
-def test_shards_merge_to_single_pass(tmp_path):
+@pytest.mark.parametrize("copy", [False, True])
+def test_shards_merge_to_single_pass(tmp_path, copy):
+    """Joined shards read byte for byte as a single-pass pack, through h5py, the trainer's
+    reader and verify: by default a virtual join (the shards' bytes are not copied), with
+    --copy a file that stands alone."""
+    from petra_mpi.data.source import open_split
     make_imagenet(tmp_path / "src", val_folders=True)
     common = ["--source", tmp_path / "src", "--size", TARGET, "--workers", 1]
     single = tmp_path / "single.h5"
     assert_ok(run("imagenet", *common, "--out", single))
-    shards = [tmp_path / f"part{i}.h5" for i in range(3)]
+    (tmp_path / "parts").mkdir()
+    shards = [tmp_path / "parts" / f"part{i}.h5" for i in range(3)]
     for i, shard in enumerate(shards):
         assert_ok(run("imagenet", *common, "--out", shard, "--shard", f"{i}/3"))
     assert_ok(run("verify", shards[1]))  # a shard is a valid file on its own
-    merged = tmp_path / "merged.h5"
-    assert_ok(run("imagenet", "merge", "--out", merged, shards[2], shards[0], shards[1]))
+    merged = tmp_path / "joined" / "merged.h5"
+    assert_ok(run("imagenet", "merge", "--out", merged, shards[2], shards[0], shards[1],
+                  *(["--copy"] if copy else [])))
+    with h5py.File(merged, "r") as f:
+        assert f["train/jpeg"].is_virtual != copy
     (d1, a1), (d2, a2) = read_all(single), read_all(merged)
     assert d1.keys() == d2.keys() and a1.keys() == a2.keys()
     for k in d1:
         np.testing.assert_array_equal(d1[k], d2[k], err_msg=k)
     for k in a1:
         np.testing.assert_array_equal(a1[k], a2[k], err_msg=k)
+    for split in ("train", "val"):
+        want, got = open_split(single, split), open_split(merged, split)
+        everything = np.arange(len(want))[::-1]  # out of order, across shard boundaries
+        (w_blobs, w_labels), (g_blobs, g_labels) = want.take(everything), got.take(everything)
+        assert g_blobs == w_blobs
+        np.testing.assert_array_equal(g_labels, w_labels)
+    assert_ok(run("verify", merged))
+    # A virtual join needs its shards: without one it is refused, not read as zeros.
+    os.rename(shards[1], tmp_path / "elsewhere.h5")
+    if copy:
+        assert_ok(run("verify", merged))
+    else:
+        proc = run("verify", merged)
+        assert proc.returncode == 1 and "part1.h5" in proc.stderr, proc.stderr
+        with pytest.raises(ValueError, match="part1.h5"):
+            open_split(merged, "train")
+    os.rename(tmp_path / "elsewhere.h5", shards[1])
     # An incomplete or inconsistent set of shards is refused.
     out = str(tmp_path / "bad.h5")
     assert_clean_failure(run("imagenet", "merge", "--out", out, shards[0], shards[2]), out,
