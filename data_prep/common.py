@@ -88,7 +88,7 @@ def announce_start(path):
 
 
 @contextlib.contextmanager
-def sigint_blocked():
+def interrupts_held_back():
     """Hold back SIGINT and SIGTERM while the block runs (they stay pending, not lost).
 
     Processes forked inside the block start with both blocked, so a Ctrl-C to the process group
@@ -105,7 +105,7 @@ def sigint_blocked():
 def worker_init():
     """Pool initializer: workers leave Ctrl-C to the parent (which then terminates the pool)
     and die quietly on the SIGTERM of Pool.terminate instead of running our handler. The
-    signals blocked by sigint_blocked are unblocked once these dispositions are in place."""
+    signals blocked by interrupts_held_back are unblocked once these dispositions are in place."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})

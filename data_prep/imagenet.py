@@ -42,7 +42,7 @@ from PIL import Image
 from petra_mpi.data.source import open_readonly
 
 from data_prep.common import (SPLITS, ChannelStats, JpegWriter, PrepError, Progress, atomic_h5,
-                              print_summary, run_cli, sigint_blocked, worker_init,
+                              print_summary, run_cli, interrupts_held_back, worker_init,
                               write_root_attrs)
 
 IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png")
@@ -172,7 +172,7 @@ def ordered_map(workers, chunk=8):
     if workers <= 1:
         yield map
         return
-    with sigint_blocked():  # no worker may see a Ctrl-C before worker_init ignores it
+    with interrupts_held_back():  # no worker may see a Ctrl-C before worker_init ignores it
         pool = multiprocessing.Pool(workers, initializer=worker_init)
     with pool:
         yield functools.partial(bounded_imap, pool, chunk=chunk, max_chunks=2 * workers)
