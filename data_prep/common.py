@@ -39,14 +39,19 @@ class PrepError(Exception):
 def run_cli(main, argv=None):
     """Run main(argv) as a command: PrepError -> one line + exit 2, Ctrl-C/SIGTERM -> exit 130.
 
-    SIGTERM is turned into KeyboardInterrupt so that both unwind through the `with` blocks
-    that delete temporary output: a killed run never leaves a file that looks finished."""
+    Both signals get our own handler, which raises KeyboardInterrupt, so that they unwind through
+    the `with` blocks that delete temporary output: a killed run never leaves a file that looks
+    finished. SIGINT is installed explicitly because a process started in the background by a
+    shell without job control inherits SIGINT as ignored, and Python then leaves it ignored."""
     # Under `python -m data_prep.x` main.__module__ is "__main__"; its spec has the real name.
     spec = getattr(sys.modules[main.__module__], "__spec__", None)
     prog = spec.name if spec else main.__module__
+    _interrupt_signals.clear()
+    signal.signal(signal.SIGINT, _raise_interrupt)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         status = main(argv)
+        check_interrupt()  # a signal whose exception something swallowed still counts
     except PrepError as e:
         message = " ".join(str(e).split())  # one line, even when a library's message is not
         print(f"{prog}: error: {message}", file=sys.stderr)
@@ -57,15 +62,53 @@ def run_cli(main, argv=None):
     raise SystemExit(status or 0)
 
 
+# The signals received since run_cli started. The handler raises KeyboardInterrupt wherever the
+# main thread happens to be, and an exception raised inside a finalizer (__del__, a weakref or
+# garbage-collector callback) is printed and dropped by Python: the record lets the commit of the
+# output (atomic_path) and run_cli refuse to finish after an interrupt all the same.
+_interrupt_signals = []
+
+
 def _raise_interrupt(signum, frame):
+    _interrupt_signals.append(signum)
     raise KeyboardInterrupt
+
+
+def check_interrupt():
+    """Raise KeyboardInterrupt if a Ctrl-C or SIGTERM reached run_cli's handler."""
+    if _interrupt_signals:
+        raise KeyboardInterrupt
+
+
+def announce_start(path):
+    """Print the line that says the packer is under way: its signal handlers are installed and
+    the temporary output exists, so an interrupt from now on removes it (scripts and tests wait
+    for this line before they interrupt)."""
+    print(f"started: writing {path} (Ctrl-C stops and removes it)", flush=True)
+
+
+@contextlib.contextmanager
+def interrupts_held_back():
+    """Hold back SIGINT and SIGTERM while the block runs (they stay pending, not lost).
+
+    Processes forked inside the block start with both blocked, so a Ctrl-C to the process group
+    cannot reach a pool worker before worker_init has told it to ignore SIGINT; the parent gets
+    the pending signal as soon as the block ends."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def worker_init():
     """Pool initializer: workers leave Ctrl-C to the parent (which then terminates the pool)
-    and die quietly on the SIGTERM of Pool.terminate instead of running our handler."""
+    and die quietly on the SIGTERM of Pool.terminate instead of running our handler. The
+    signals blocked by interrupts_held_back are unblocked once these dispositions are in place."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 # CIFAR batches and the pickled Imagenet32 release are pickles. Unpickling can run arbitrary
@@ -104,6 +147,7 @@ def atomic_path(path):
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         yield tmp
+        check_interrupt()
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -116,6 +160,7 @@ def atomic_h5(path):
     """An h5py.File open for writing that appears at `path` only when complete."""
     with atomic_path(path) as tmp:
         with h5py.File(tmp, "w") as f:
+            announce_start(tmp)
             yield f
 
 
@@ -245,7 +290,11 @@ def describe(f):
             shape = "x".join(str(s) for s in g["images"].shape[1:])
             lines.append(f"  {split}: {n} images {shape}")
         elif "jpeg" in g:
-            lines.append(f"  {split}: {n} JPEGs, {g['jpeg'].shape[0] / 2**20:.1f} MiB")
+            joined = ""
+            if g["jpeg"].is_virtual:
+                files = {v.file_name for v in g["jpeg"].virtual_sources()}
+                joined = f", read from {len(files)} shard files"
+            lines.append(f"  {split}: {n} JPEGs, {g['jpeg'].shape[0] / 2**20:.1f} MiB{joined}")
     a = f.attrs
     names = f["classes"][:3] if "classes" in f else []
     names = ", ".join(n.decode() if isinstance(n, bytes) else str(n) for n in names)

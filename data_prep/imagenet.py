@@ -2,7 +2,7 @@
 
   python -m data_prep.imagenet --source DIR --out imagenet.h5 [--size 256] [--workers N]
   python -m data_prep.imagenet --source DIR --out part0.h5 --shard 0/4     (then 1/4, 2/4, 3/4)
-  python -m data_prep.imagenet merge --out imagenet.h5 part0.h5 part1.h5 part2.h5 part3.h5
+  python -m data_prep.imagenet merge --out imagenet.h5 part0.h5 part1.h5 part2.h5 part3.h5 [--copy]
 
 Layout of DIR: train/<wnid>/*.JPEG; the classes are the sorted train folder names. The
 validation images are either in val/<wnid>/*.JPEG folders, or flat in val/*.JPEG with
@@ -17,14 +17,18 @@ Every image is decoded, converted to RGB, resized so its shorter side is --size 
 antialiased) and re-encoded as JPEG quality 90. mean/std are exact over all resized training
 images (taken before re-encoding; JPEG rounding moves them by well under 1e-3).
 --shard i/n packs the i-th (0-based) of n contiguous slices of each split's sorted file list;
-`merge` checks that the shards are all there and from the same file list, then concatenates
-them: the result equals a single-pass pack.
+`merge` checks that the shards are all there and from the same file list, then joins them:
+the result reads exactly as a single-pass pack. By default the join writes only labels, offsets
+and an HDF5 virtual dataset over the shards' JPEG bytes (the shard files must stay beside it);
+`merge --copy` copies the bytes into a file that stands alone.
 """
 import argparse
+import collections
 import contextlib
 import functools
 import hashlib
 import io
+import itertools
 import multiprocessing
 import os
 import re
@@ -35,8 +39,11 @@ import h5py
 import numpy as np
 from PIL import Image
 
+from petra_mpi.data.source import open_readonly
+
 from data_prep.common import (SPLITS, ChannelStats, JpegWriter, PrepError, Progress, atomic_h5,
-                              print_summary, run_cli, worker_init, write_root_attrs)
+                              print_summary, run_cli, interrupts_held_back, worker_init,
+                              write_root_attrs)
 
 IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png")
 QUALITY = 90
@@ -154,16 +161,43 @@ def encode(path, size):
 
 
 @contextlib.contextmanager
-def ordered_map(workers):
+def ordered_map(workers, chunk=8):
     """Yield a map(fn, items) that preserves order, over `workers` processes (or in-process).
 
-    Leaving the `with` (end, error, Ctrl-C) terminates the pool. Open it before any output
-    file: forked workers would otherwise inherit the file's descriptor and HDF5 lock."""
+    At most 2 * workers chunks of `chunk` items are handed to the pool and not yet consumed: a
+    consumer that stalls (a slow file system under the writer) stops the workers instead of
+    letting finished images pile up in memory. Leaving the `with` (end, error, Ctrl-C)
+    terminates the pool. Open it before any output file: forked workers would otherwise inherit
+    the file's descriptor and HDF5 lock."""
     if workers <= 1:
         yield map
         return
-    with multiprocessing.Pool(workers, initializer=worker_init) as pool:
-        yield functools.partial(pool.imap, chunksize=8)
+    with interrupts_held_back():  # no worker may see a Ctrl-C before worker_init ignores it
+        pool = multiprocessing.Pool(workers, initializer=worker_init)
+    with pool:
+        yield functools.partial(bounded_imap, pool, chunk=chunk, max_chunks=2 * workers)
+
+
+def bounded_imap(pool, fn, items, *, chunk, max_chunks):
+    """pool.imap(fn, items) in order, with at most max_chunks chunks submitted and unconsumed.
+
+    Items are drawn from `items` only as room frees up, in the caller's thread."""
+    items = iter(items)
+    pending = collections.deque()
+    while True:
+        while len(pending) < max_chunks:
+            batch = list(itertools.islice(items, chunk))
+            if not batch:
+                break
+            pending.append(pool.apply_async(map_list, (fn, batch)))
+        if not pending:
+            return
+        yield from pending.popleft().get()
+
+
+def map_list(fn, batch):
+    """Worker side of bounded_imap: one chunk."""
+    return [fn(x) for x in batch]
 
 
 def shard_range(n, index, count):
@@ -210,7 +244,7 @@ def merge(args):
     shards = []
     for path in args.shards:
         try:
-            f = h5py.File(path, "r")
+            f = open_readonly(path)
         except OSError as e:
             raise PrepError(f"cannot open shard {path}: {e}") from None
         if "shard_index" not in f.attrs:
@@ -240,32 +274,60 @@ def merge(args):
                     raise PrepError(f"{path}: {len(f[split]['labels'])} {split} images, expected {hi - lo}")
 
         stats = ChannelStats()
-        bar = Progress(sum(len(f[s]["labels"]) for _, f in ordered for s in SPLITS), "images")
         with atomic_h5(args.out) as out:
             for split in SPLITS:
-                writer = JpegWriter(out, split)
-                for _, f in ordered:
-                    offsets, labels, jpeg = f[split]["offsets"][:], f[split]["labels"][:], f[split]["jpeg"]
-                    a = 0
-                    while a < len(labels):  # copy blocks of whole images, ~64 MB at a time
-                        b = int(np.searchsorted(offsets, offsets[a] + MERGE_BLOCK_BYTES, "right")) - 1
-                        b = min(max(b, a + 1), len(labels))
-                        writer.append_many(jpeg[offsets[a]:offsets[b]], offsets[a:b + 1] - offsets[a],
-                                           labels[a:b])
-                        bar.advance(b - a)
-                        a = b
-                writer.close()
+                if args.copy:
+                    copy_split(out, split, ordered)
+                else:
+                    link_split(out, split, ordered, os.path.dirname(os.path.abspath(args.out)))
             for _, f in ordered:
                 stats.add(ChannelStats.from_attrs(f.attrs))
             classes = [c.decode() for c in first["classes"][:]]
             write_root_attrs(out, num_classes=int(first.attrs["num_classes"]), stats=stats,
                              source=first.attrs["source"], classes=classes,
                              image_size=np.int64(first.attrs["image_size"]))
-        bar.close()
     finally:
         for _, f in shards:
             f.close()
     print_summary(args.out, start)
+
+
+def copy_split(out, split, ordered):
+    """Join one split by copying every shard's bytes into `out` (the file stands alone)."""
+    writer = JpegWriter(out, split)
+    bar = Progress(sum(len(f[split]["labels"]) for _, f in ordered), f"{split} images")
+    for _, f in ordered:
+        offsets, labels, jpeg = f[split]["offsets"][:], f[split]["labels"][:], f[split]["jpeg"]
+        a = 0
+        while a < len(labels):  # copy blocks of whole images, ~64 MB at a time
+            b = int(np.searchsorted(offsets, offsets[a] + MERGE_BLOCK_BYTES, "right")) - 1
+            b = min(max(b, a + 1), len(labels))
+            writer.append_many(jpeg[offsets[a]:offsets[b]], offsets[a:b + 1] - offsets[a],
+                               labels[a:b])
+            bar.advance(b - a)
+            a = b
+    bar.close()
+    writer.close()
+
+
+def link_split(out, split, ordered, out_dir):
+    """Join one split without copying image bytes: /<split>/jpeg becomes an HDF5 virtual
+    dataset that maps each shard's /<split>/jpeg end to end, and the small offsets (rebased by
+    the bytes of the shards before) and labels are written for real. The shard files are named
+    relative to the joined file, which HDF5 resolves from the joined file's folder: the folder
+    of the joined file and of the shards can move together, but the shards must stay."""
+    sizes = [f[split]["jpeg"].shape[0] for _, f in ordered]
+    layout = h5py.VirtualLayout(shape=(sum(sizes),), dtype=np.uint8)
+    offsets, labels, base = [np.zeros(1, np.int64)], [], 0
+    for (path, f), size in zip(ordered, sizes):
+        name = os.path.relpath(os.path.abspath(path), out_dir)
+        layout[base:base + size] = h5py.VirtualSource(name, f"{split}/jpeg", shape=(size,))
+        offsets.append(f[split]["offsets"][1:] + base)
+        labels.append(f[split]["labels"][:])
+        base += size
+    out.create_virtual_dataset(f"{split}/jpeg", layout)
+    out.create_dataset(f"{split}/offsets", data=np.concatenate(offsets))
+    out.create_dataset(f"{split}/labels", data=np.concatenate(labels).astype(np.int64))
 
 
 def parse_shard(text):
@@ -278,9 +340,15 @@ def parse_shard(text):
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["merge"]:
-        p = argparse.ArgumentParser(prog="python -m data_prep.imagenet merge",
-                                    description="Concatenate shard files (any order) into one file.")
-        p.add_argument("--out", required=True, help="the merged HDF5 file to write")
+        p = argparse.ArgumentParser(
+            prog="python -m data_prep.imagenet merge",
+            description="Join shard files (any order) into one file. By default the joined file "
+                        "holds only labels, offsets and a virtual view of the shards' image bytes "
+                        "(seconds, no extra space; the shards must stay where they are); --copy "
+                        "writes a file that stands alone.")
+        p.add_argument("--out", required=True, help="the joined HDF5 file to write")
+        p.add_argument("--copy", action="store_true",
+                       help="copy the image bytes instead of referring to the shard files")
         p.add_argument("shards", nargs="+", help="the shard files, all n of them")
         merge(p.parse_args(argv[1:]))
         return

@@ -16,6 +16,8 @@ import h5py
 import numpy as np
 from PIL import Image
 
+from petra_mpi.data.source import missing_virtual_sources, open_readonly
+
 from data_prep.common import (SCHEMA_VERSION, SPLITS, ChannelStats, PrepError, describe,
                               run_cli)
 
@@ -163,11 +165,13 @@ def check_pixels(f, kinds, sample, bad):
 def verify(path, sample=1000):
     """Return (summary lines, violations)."""
     try:
-        f = h5py.File(path, "r")
+        f = open_readonly(path)
     except OSError as e:
         raise PrepError(f"cannot open {path} as HDF5: {e}") from None
-    bad = []
+    bad = [f"joins a shard file that is missing: {name}" for name in missing_virtual_sources(f, path)]
     with f:
+        if bad:  # its bytes would read as zeros
+            return describe(f), bad
         check_root(f, bad)
         n = f.attrs.get("num_classes")
         num_classes = int(n) if n is not None and np.asarray(n).ndim == 0 else None

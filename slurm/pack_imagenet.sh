@@ -1,7 +1,10 @@
 #!/bin/bash
 # Pack ILSVRC2012 into data/imagenet.h5 (the encoded-JPEG schema) on the cluster: a job array packs
 # one shard per task, and a merge job, which the first task submits with --dependency=afterok on
-# this array, joins the shards once every task has succeeded.
+# this array, joins the shards once every task has succeeded. The join is virtual (seconds, no
+# copy: data/imagenet.h5 reads the shard files, which must stay in $PARTS); MERGE_COPY=1 copies
+# the bytes into a file that stands alone instead. Requests are sized in docs/data.md
+# ("Packing ImageNet on a cluster"): about 5 minutes of work per shard, 1 hour asked.
 #   SOURCE=/datasets/ILSVRC2012 sbatch slurm/pack_imagenet.sh
 # SOURCE holds train/<wnid>/*.JPEG and val/ (see python -m data_prep.imagenet --help); more packer
 # options in PACK_ARGS, e.g. PACK_ARGS="--val-labels /datasets/LOC_val_solution.csv".
@@ -13,8 +16,8 @@
 #SBATCH --job-name=pack_imagenet
 #SBATCH --array=0-15
 #SBATCH --ntasks=1
-#SBATCH --cpus-per-task=16
-#SBATCH --time=12:00:00
+#SBATCH --cpus-per-task=8
+#SBATCH --time=1:00:00
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output=slurm-%x-%A_%a.out
@@ -34,19 +37,22 @@ mkdir -p "$PARTS" "$(dirname "$OUT")" || petra_die "cannot create $PARTS"
 # The first task of a fresh submission queues the merge, to start when all shards succeeded.
 first=${SLURM_ARRAY_TASK_MIN:-0}
 if [[ $task == "$first" && ${SLURM_RESTART_COUNT:-0} == 0 && -z ${NO_MERGE:-} ]]; then
+    # virtual join: reads ~20 MB of offsets and labels; a copy moves ~35 GB (>= 100 MB/s)
+    merge_time=0:15:00 merge_copy=
+    [[ -n ${MERGE_COPY:-} ]] && merge_time=2:00:00 merge_copy=" --copy"
     # The merge runs under this job's account, partition and QOS (where -A is mandatory a bare
     # sbatch fails); if it cannot be queued, the shards still get packed: merge by hand.
     if merge_id=$(sbatch --parsable --job-name=pack_imagenet_merge \
         ${SLURM_JOB_ACCOUNT:+"--account=$SLURM_JOB_ACCOUNT"} \
         ${SLURM_JOB_PARTITION:+"--partition=$SLURM_JOB_PARTITION"} \
         ${SLURM_JOB_QOS:+"--qos=$SLURM_JOB_QOS"} \
-        --dependency="afterok:$SLURM_ARRAY_JOB_ID" --ntasks=1 --cpus-per-task=2 --time=6:00:00 \
+        --dependency="afterok:$SLURM_ARRAY_JOB_ID" --ntasks=1 --cpus-per-task=1 --time=$merge_time \
         --output="$(dirname "$OUT")/slurm-%x-%j.out" \
-        --wrap "$PYTHON -m data_prep.imagenet merge --out $OUT $PARTS/part*.h5"); then
+        --wrap "$PYTHON -m data_prep.imagenet merge --out $OUT$merge_copy $PARTS/part*.h5"); then
         petra_say "submitted merge job $merge_id (after array $SLURM_ARRAY_JOB_ID): writes $OUT"
     else
         petra_say "warning: could not submit the merge job; once every shard is packed, run:" \
-                  "python -m data_prep.imagenet merge --out $OUT $PARTS/part*.h5"
+                  "python -m data_prep.imagenet merge --out $OUT$merge_copy $PARTS/part*.h5"
     fi
 fi
 

@@ -402,3 +402,29 @@ def test_interpreter_exits_with_a_live_iterator(tmp_path):
         "print('ok')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_reads_a_file_another_process_holds_open_for_writing(tmp_path):
+    """The reader and verify open without HDF5's file lock: a file that another process holds
+    open for writing (HDF5 locks it then) still reads, as it does where the file system offers
+    no lock at all."""
+    import subprocess
+    import sys
+
+    from data_prep.verify import verify
+    path = tmp_path / "d.h5"
+    data = write_h5(path)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, h5py\nf = h5py.File(sys.argv[1], 'r+')\n"
+                               "print('open', flush=True)\nsys.stdin.read()", str(path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "open\n"
+        images, labels = open_split(path, "train").take(np.arange(5))
+        np.testing.assert_array_equal(images, data["train"][0][:5])
+        np.testing.assert_array_equal(labels, data["train"][1][:5])
+        summary, bad = verify(str(path), sample=50)
+        assert not [b for b in bad if "lock" in b] and summary
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)

@@ -4,12 +4,14 @@ import functools
 import hashlib
 import http.server
 import io
+import multiprocessing
 import os
 import pickle
 import shutil
 import signal
 import subprocess
 import sys
+import queue
 import tarfile
 import threading
 import time
@@ -20,7 +22,7 @@ import pytest
 from PIL import Image, ImageFilter
 
 from data_prep.common import PrepError
-from data_prep.imagenet import encode, read_val_labels
+from data_prep.imagenet import encode, ordered_map, read_val_labels
 from data_prep.verify import verify
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -423,23 +425,49 @@ def read_all(path):
         return data, {k: f.attrs[k] for k in f.attrs}
 
 
-def test_shards_merge_to_single_pass(tmp_path):
+@pytest.mark.parametrize("copy", [False, True])
+def test_shards_merge_to_single_pass(tmp_path, copy):
+    """Joined shards read byte for byte as a single-pass pack, through h5py, the trainer's
+    reader and verify: by default a virtual join (the shards' bytes are not copied), with
+    --copy a file that stands alone."""
+    from petra_mpi.data.source import open_split
     make_imagenet(tmp_path / "src", val_folders=True)
     common = ["--source", tmp_path / "src", "--size", TARGET, "--workers", 1]
     single = tmp_path / "single.h5"
     assert_ok(run("imagenet", *common, "--out", single))
-    shards = [tmp_path / f"part{i}.h5" for i in range(3)]
+    (tmp_path / "parts").mkdir()
+    shards = [tmp_path / "parts" / f"part{i}.h5" for i in range(3)]
     for i, shard in enumerate(shards):
         assert_ok(run("imagenet", *common, "--out", shard, "--shard", f"{i}/3"))
     assert_ok(run("verify", shards[1]))  # a shard is a valid file on its own
-    merged = tmp_path / "merged.h5"
-    assert_ok(run("imagenet", "merge", "--out", merged, shards[2], shards[0], shards[1]))
+    merged = tmp_path / "joined" / "merged.h5"
+    assert_ok(run("imagenet", "merge", "--out", merged, shards[2], shards[0], shards[1],
+                  *(["--copy"] if copy else [])))
+    with h5py.File(merged, "r") as f:
+        assert f["train/jpeg"].is_virtual != copy
     (d1, a1), (d2, a2) = read_all(single), read_all(merged)
     assert d1.keys() == d2.keys() and a1.keys() == a2.keys()
     for k in d1:
         np.testing.assert_array_equal(d1[k], d2[k], err_msg=k)
     for k in a1:
         np.testing.assert_array_equal(a1[k], a2[k], err_msg=k)
+    for split in ("train", "val"):
+        want, got = open_split(single, split), open_split(merged, split)
+        everything = np.arange(len(want))[::-1]  # out of order, across shard boundaries
+        (w_blobs, w_labels), (g_blobs, g_labels) = want.take(everything), got.take(everything)
+        assert g_blobs == w_blobs
+        np.testing.assert_array_equal(g_labels, w_labels)
+    assert_ok(run("verify", merged))
+    # A virtual join needs its shards: without one it is refused, not read as zeros.
+    os.rename(shards[1], tmp_path / "elsewhere.h5")
+    if copy:
+        assert_ok(run("verify", merged))
+    else:
+        proc = run("verify", merged)
+        assert proc.returncode == 1 and "part1.h5" in proc.stderr, proc.stderr
+        with pytest.raises(ValueError, match="part1.h5"):
+            open_split(merged, "train")
+    os.rename(tmp_path / "elsewhere.h5", shards[1])
     # An incomplete or inconsistent set of shards is refused.
     out = str(tmp_path / "bad.h5")
     assert_clean_failure(run("imagenet", "merge", "--out", out, shards[0], shards[2]), out,
@@ -464,37 +492,50 @@ def children_of(pid):
     return kids
 
 
-def start_and_interrupt(cmd, out, sig, settle, group=False):
-    """Start a packer, wait for its temporary file, let it work `settle` s, send `sig` to it
-    (or, with group=True, to its whole process group, as Ctrl-C in a terminal does)."""
+def start_and_interrupt(cmd, sig, group=False, sigint_ignored=False):
+    """Start a packer, wait for its "started" line (its handlers are in place and its temporary
+    output exists), then send `sig` to it (or, with group=True, to its whole process group, as
+    Ctrl-C in a terminal does). sigint_ignored: start it with SIGINT ignored, as a shell without
+    job control starts a background command."""
+    def ignore_sigint():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     proc = subprocess.Popen([sys.executable, "-m", *map(str, cmd)], cwd=REPO, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    folder, deadline = os.path.dirname(out), time.monotonic() + 30
-    while not [n for n in os.listdir(folder) if ".tmp-" in n]:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.01)
-    time.sleep(settle)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=ignore_sigint if sigint_ignored else None)
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put("")],
+                     daemon=True).start()
+    while True:
+        line = lines.get(timeout=60)
+        assert line, ("the packer ended before it started", proc.wait(), proc.stderr.read())
+        if line.startswith("started: writing "):
+            break
     kids = children_of(proc.pid)
     assert proc.poll() is None, "the packer finished before it could be interrupted"
     if group:
         os.killpg(proc.pid, sig)
     else:
         proc.send_signal(sig)
-    _, err = proc.communicate(timeout=30)
+    err = proc.stderr.read()
+    proc.wait(timeout=60)
     return proc.returncode, err, kids
 
 
-def test_interrupted_synthetic_leaves_nothing(tmp_path):
-    """Ctrl-C to a single-process packer while it computes (the pool case is below)."""
+@pytest.mark.parametrize("sigint_ignored", [False, True])
+def test_interrupted_synthetic_leaves_nothing(tmp_path, sigint_ignored):
+    """Ctrl-C to a single-process packer while it computes (the pool case is below), also when
+    it was started with SIGINT ignored (Python would leave it ignored)."""
     out = str(tmp_path / "s.h5")
     rc, err, _ = start_and_interrupt(["data_prep.synthetic", "--out", out, "--train", 100000],
-                                     out, signal.SIGINT, settle=0.2)
+                                     signal.SIGINT, sigint_ignored=sigint_ignored)
     assert rc == 130 and "data_prep.synthetic: interrupted" in err and "Traceback" not in err
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("sig, group", [(signal.SIGINT, True), (signal.SIGTERM, False)])
-def test_interrupted_imagenet_pool_leaves_nothing(tmp_path, sig, group):
+@pytest.mark.parametrize("sig, group, sigint_ignored", [(signal.SIGINT, True, False),
+                                                        (signal.SIGINT, True, True),
+                                                        (signal.SIGTERM, False, False)])
+def test_interrupted_imagenet_pool_leaves_nothing(tmp_path, sig, group, sigint_ignored):
     """Ctrl-C (to the process group) or SIGTERM (to the packer) mid-run with 2 worker
     processes: no output, no temp file, no orphaned worker, no traceback from the workers."""
     src = tmp_path / "src"
@@ -511,12 +552,59 @@ def test_interrupted_imagenet_pool_leaves_nothing(tmp_path, sig, group):
     out = str(outdir / "in.h5")
     rc, err, kids = start_and_interrupt(
         ["data_prep.imagenet", "--source", src, "--out", out, "--size", 700, "--workers", 2],
-        out, sig, settle=0.8, group=group)
+        sig, group=group, sigint_ignored=sigint_ignored)
     assert rc == 130 and "Traceback" not in err, err
     assert os.listdir(outdir) == []
     assert len(kids) == 2  # the pool was running ...
-    time.sleep(0.5)
-    assert not [k for k in kids if os.path.exists(f"/proc/{k}")]  # ... and is gone
+    for kid in kids:  # ... and is gone (the packer waited for it: no zombie, no orphan)
+        assert not os.path.exists(f"/proc/{kid}"), kid
+
+
+def test_interrupt_swallowed_on_the_way_still_stops_the_commit(tmp_path, monkeypatch):
+    """A signal whose KeyboardInterrupt was dropped (raised inside a finalizer, say) still
+    keeps the output from appearing."""
+    from data_prep import common
+    monkeypatch.setattr(common, "_interrupt_signals", [signal.SIGINT])
+    out = tmp_path / "x.h5"
+    with pytest.raises(KeyboardInterrupt):
+        with common.atomic_h5(out) as f:
+            f["a"] = np.arange(3)
+    assert os.listdir(tmp_path) == []
+
+
+FINISHED = multiprocessing.Value("i", 0)  # items the pool workers have finished (fork-shared)
+
+
+def count_finished(x):
+    with FINISHED.get_lock():
+        FINISHED.value += 1
+    return x
+
+
+def test_pool_results_in_flight_are_bounded():
+    """A writer that stalls: the workers finish what they were given and stop there, so the
+    results finished and not yet consumed stay bounded (2 chunks per worker + the one being
+    consumed), not the whole input."""
+    FINISHED.value = 0
+    pulled = []  # items handed over to the pool
+
+    def items():
+        for i in range(400):
+            pulled.append(i)
+            yield i
+
+    workers, chunk = 2, 8  # 8: the packer's chunk
+    bound = (2 * workers + 1) * chunk
+    with ordered_map(workers) as pmap:
+        for consumed, value in enumerate(pmap(count_finished, items())):
+            assert value == consumed
+            if consumed == 10:  # stall until the workers have finished all they were given
+                deadline = time.monotonic() + 60
+                while FINISHED.value < len(pulled):
+                    assert time.monotonic() < deadline, (FINISHED.value, len(pulled))
+                    time.sleep(0.01)
+                assert FINISHED.value - consumed <= bound, FINISHED.value
+    assert consumed == 399 and FINISHED.value == 400
 
 
 # ---------------------------------------------------------------- synthetic, verify, --help

@@ -258,3 +258,23 @@ def test_bench_data_times_every_loader_and_the_jpeg_path():
     assert out["pipeline_split"] == [1] * 10
     assert out["loader_over_pipeline"] == pytest.approx(
         out["jpeg_images_per_s"] / out["pipeline_images_per_s"])
+
+
+def test_bench_data_cpu_seconds_count_worker_processes():
+    """Images per CPU-second must count the decode workers: a process below this one that is
+    still running (not yet waited for) and its own child are both in cpu_seconds()."""
+    from petra_mpi.bench.data import cpu_seconds
+    burn = ("import sys, time\n"
+            "while time.process_time() < 0.5: pass\n"
+            "print('burnt', flush=True)\n"
+            "sys.stdin.read()\n")
+    nest = f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {burn!r}])\n"
+    before = cpu_seconds()
+    child = subprocess.Popen([sys.executable, "-c", nest], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "burnt\n"  # the grandchild burnt 0.5 s and waits
+        assert cpu_seconds() - before >= 0.5
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)

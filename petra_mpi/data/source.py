@@ -73,6 +73,28 @@ def channel_stats(images):
     return tuple(mean), tuple(std)
 
 
+def open_readonly(path, **kwargs):
+    """h5py.File(path, "r") without HDF5's file lock. A read-only open still takes a lock, which
+    fails ("unable to lock file") where the file system has no flock (Lustre mounted without
+    it, Cray DVS, some NFS) and conflicts with a writer's lock; readers here never need it."""
+    return h5py.File(path, "r", locking=False, **kwargs)
+
+
+def missing_virtual_sources(f, path):
+    """The source files of /<split>/jpeg virtual datasets (a joined shard set) that do not
+    exist: HDF5 would read their bytes as zeros without an error. Relative names are resolved
+    from the folder of `path`, as HDF5 does."""
+    folder, missing = os.path.dirname(os.path.abspath(path)), []
+    for split in SPLITS:
+        ds = f.get(f"{split}/jpeg")
+        if isinstance(ds, h5py.Dataset) and ds.is_virtual:
+            for source in ds.virtual_sources():
+                name = os.path.join(folder, source.file_name)
+                if source.file_name != "." and not os.path.isfile(name) and name not in missing:
+                    missing.append(name)
+    return missing
+
+
 def _runs(idx):
     """Split sorted indices into runs of consecutive values: (starts, ends) into idx."""
     breaks = np.flatnonzero(np.diff(idx) != 1) + 1
@@ -152,7 +174,7 @@ class H5Source:
         if not os.path.isfile(self.path):
             raise FileNotFoundError(f"{self.path}: dataset file not found")
         try:
-            f = h5py.File(self.path, "r")
+            f = open_readonly(self.path)
         except OSError as e:
             raise ValueError(f"{self.path}: not a readable HDF5 file ({e})") from None
         with f:
@@ -196,6 +218,9 @@ class H5Source:
                                  f"has {g['offsets'].shape}")
             if "image_size" not in f.attrs:
                 raise ValueError(f"{p}: JPEG-variant file lacks the root attribute image_size")
+            missing = missing_virtual_sources(f, p)
+            if missing:
+                raise ValueError(f"{p}: joins shard files that are missing: {', '.join(missing)}")
             self.kind, self.image_size = "jpeg", int(f.attrs["image_size"])
             self.in_memory = bool(in_memory)
         else:
@@ -211,7 +236,7 @@ class H5Source:
         with self._lock:
             if self._h5 is None or self._h5[0] != os.getpid():
                 # rdcc_nbytes=0: no chunk cache, so a random read costs just its bytes (see top).
-                f = h5py.File(self.path, "r", rdcc_nbytes=0)
+                f = open_readonly(self.path, rdcc_nbytes=0)
                 g = f[self.split]
                 self._labels = g["labels"][:]
                 ds = g["jpeg" if self.kind == "jpeg" else "images"]
