@@ -94,6 +94,24 @@ def test_stage_files_hold_network_names_that_load_on_any_split(tmp_path, optimiz
             w.optimizer.pending for w in loaded)
 
 
+@pytest.mark.parametrize("kw", [{"precision": "bf16"}, {"dtype": torch.float64}])
+def test_float32_checkpoint_loads_into_bf16_compute_or_float64_stages(tmp_path, kw):
+    """bf16 compute keeps float32 weights (autocast inside the blocks): they load bitwise;
+    float64 stages hold the float32 values exactly, optimizer state included."""
+    manifest = write_checkpoint(tmp_path, trained_workers([5, 5]), [5, 5])
+    stages = build_stages("revnet18", 4, 10, 3, seed=7, partition=[3, 3, 4], **kw)
+    loaded = build_workers(stages, LRSchedule(0.1, 10), 2)
+    for w in loaded:
+        load_blocks(str(tmp_path), manifest, w, "cpu")
+        save_blocks(str(tmp_path / "again"), w)
+    got = merged(tmp_path / "again")
+    dtype = kw.get("dtype", torch.float32)
+    assert all(v.dtype == dtype for v in got[0].values() if v.is_floating_point())
+    as32 = ({k: v.float() if v.is_floating_point() else v for k, v in got[0].items()},
+            {k: {n: t.float() for n, t in s.items()} for k, s in got[1].items()}, got[2])
+    assert_bitwise_equal(as32, merged(tmp_path))
+
+
 def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path):
     manifest = write_checkpoint(tmp_path, trained_workers([5, 5], "adamw"), [5, 5])
     with pytest.raises(CheckpointError, match="adamw"):
