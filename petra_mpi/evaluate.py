@@ -10,6 +10,7 @@ run's, so the figures equal the run's final evaluation.
 """
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -20,7 +21,6 @@ from .export import ExportError, MODEL_FORMAT, exported_model, find_checkpoint, 
 
 def load_saved(source: str, checkpoint: str | None = None) -> dict:
     """An exported model: the file `source`, or exported in memory from a run directory."""
-    import os
     if os.path.isdir(source):
         return exported_model(find_checkpoint(source, checkpoint))
     saved = torch.load(source, map_location="cpu", weights_only=True)
