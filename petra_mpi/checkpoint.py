@@ -3,6 +3,14 @@ atomically by the process that owns the stage, then a manifest that marks the ch
 
 Layout: out_dir/checkpoints/ckpt-e{epoch:05d}-b{position:08d}/ with stage{s}.pt, trainer.json and
 manifest.json. A directory without a manifest, or whose files do not match it, is never picked.
+
+The checkpoint does not depend on the layout that wrote it (manifest "format": 2): stage{s}.pt
+holds that stage's blocks under the names of the whole network ("blocks.{g}.{rest}", g the
+block's index in the network), its optimizer state keyed by the same parameter names, the
+optimizer's counters and the random state; the manifest says which blocks each file holds. A run
+with another number of stages, another split or another number of replicas reads the blocks it
+owns from whichever files hold them. Checkpoints of the earlier format (no "format": stage-local
+names) still load, on the layout that wrote them.
 """
 import itertools
 import json
@@ -14,6 +22,7 @@ import torch
 from .metrics import write_json_atomic
 
 MANIFEST = "manifest.json"
+LAYOUT_FREE = 2  # the manifest's "format" of checkpoints keyed by the network's own names
 # Identity keys added after the first checkpoints were written, with the value those runs had.
 IDENTITY_DEFAULTS = {"optimizer": "sgd", "lr_schedule": "step", "replicas": 1}
 
@@ -47,6 +56,108 @@ def save_stage(path: str, worker) -> tuple[str, int]:
     torch.save(state, tmp)
     os.replace(tmp, final)
     return os.path.basename(final), os.path.getsize(final)
+
+
+def block_offset(stage) -> int:
+    """The network index of the stage's first block."""
+    return sum(stage.partition[:stage.index])
+
+
+def _network_name(stage, local: str) -> str:
+    """A stage's state key "blocks.{i}.{rest}" as the network's "blocks.{offset + i}.{rest}"."""
+    head, i, rest = local.split(".", 2)
+    return f"{head}.{int(i) + block_offset(stage)}.{rest}"
+
+
+def _stage_name(stage, name: str) -> str:
+    head, g, rest = name.split(".", 2)
+    return f"{head}.{int(g) - block_offset(stage)}.{rest}"
+
+
+def block_index(name: str) -> int:
+    return int(name.split(".", 2)[1])
+
+
+def _param_names(worker) -> list:
+    """The network names of the optimizer's parameters, in the torch optimizer's index order
+    (its groups' parameters one after the other: StageOptimizer.params)."""
+    local = {id(p): n for n, p in worker.stage.named_parameters()}
+    return [_network_name(worker.stage, local[id(p)]) for p in worker.optimizer.params]
+
+
+def save_blocks(path: str, worker) -> tuple[str, int]:
+    """Write one stage's blocks under their network names: weights and batch-norm statistics,
+    the optimizer state of each parameter, the optimizer's counters and the random state,
+    atomically; returns (file name, size) for the manifest."""
+    os.makedirs(path, exist_ok=True)
+    stage, opt = worker.stage, worker.optimizer
+    if opt.pending:  # a checkpoint is taken after a drain, whose last backward steps
+        raise CheckpointError(f"stage {worker.index}: {opt.pending} gradients not yet applied")
+    per_param = {}
+    if opt.sgd is not None:
+        names = _param_names(worker)
+        per_param = {names[i]: s for i, s in opt.sgd.state_dict()["state"].items()}
+    first = block_offset(stage)
+    state = {"format": LAYOUT_FREE, "blocks": [first, first + len(stage.blocks)],
+             "stage": {_network_name(stage, k): v for k, v in stage.state_dict().items()},
+             "optimizer": {opt.name: {"state": per_param}, "steps": opt.steps,
+                           "pending": opt.pending},
+             "rng": torch.get_rng_state(), "cuda_rng": cuda_rng_state(stage_device(worker))}
+    final = os.path.join(path, f"stage{worker.index}.pt")
+    tmp = f"{final}.tmp-{os.getpid()}"
+    torch.save(state, tmp)
+    os.replace(tmp, final)
+    return os.path.basename(final), os.path.getsize(final)
+
+
+def block_files(partition) -> dict:
+    """{file name: [first block, end block)} of a layout-free checkpoint written on `partition`."""
+    starts = list(itertools.accumulate([0, *partition]))
+    return {f"stage{s}.pt": [starts[s], starts[s + 1]] for s in range(len(partition))}
+
+
+def read_blocks(path: str, manifest: dict, first: int, end: int, device="cpu") -> dict:
+    """The saved state of network blocks [first, end) of a layout-free checkpoint, merged from
+    the files that hold them: {"stage": names -> tensors, "optimizer": {"state": names ->
+    per-parameter state}, "steps", "name", "rng", "cuda_rng"}; the counters and the random
+    state are those of the file holding block `first`."""
+    merged = {"stage": {}, "state": {}}
+    for name, (lo, hi) in manifest["block_files"].items():
+        if hi <= first or lo >= end:
+            continue
+        part = torch.load(os.path.join(path, name), map_location=device, weights_only=False)
+        wanted = lambda key: first <= block_index(key) < end  # noqa: E731
+        merged["stage"].update({k: v for k, v in part["stage"].items() if wanted(k)})
+        opt_name = next(n for n in part["optimizer"] if n not in ("steps", "pending"))
+        per_param = part["optimizer"][opt_name]["state"]
+        merged["state"].update({k: v for k, v in per_param.items() if wanted(k)})
+        if lo <= first < hi:
+            merged.update(name=opt_name, steps=part["optimizer"]["steps"],
+                          pending=part["optimizer"]["pending"], rng=part["rng"],
+                          cuda_rng=part.get("cuda_rng"))
+    return merged
+
+
+def load_blocks(path: str, manifest: dict, worker, device):
+    """Load a worker's blocks, whatever the layout that wrote them: weights and statistics
+    (strictly: every key), the optimizer state of each parameter, the counters, the random
+    state. The optimizer's hyper-parameters are this run's."""
+    stage, opt = worker.stage, worker.optimizer
+    first = block_offset(stage)
+    saved = read_blocks(path, manifest, first, first + len(stage.blocks), device)
+    if saved.get("name", opt.name) != opt.name:
+        raise CheckpointError(f"the checkpoint holds {saved['name']} state, this run uses "
+                              f"{opt.name}")
+    stage.load_state_dict({_stage_name(stage, k): v for k, v in saved["stage"].items()})
+    if opt.sgd is not None:
+        names = _param_names(worker)
+        state = {i: saved["state"][n] for i, n in enumerate(names) if n in saved["state"]}
+        # torch casts each state to its parameter's device and dtype (CPU <-> GPU)
+        opt.sgd.load_state_dict({"state": state,
+                                 "param_groups": opt.sgd.state_dict()["param_groups"]})
+    opt.steps, opt.pending = saved["steps"], saved["pending"]
+    torch.set_rng_state(saved["rng"].cpu())
+    restore_cuda_rng(saved.get("cuda_rng"), torch.device(device))
 
 
 def write_manifest(path: str, identity: dict, trainer_state: dict, stage_files: dict):
@@ -96,24 +207,36 @@ def find_resume(out_dir: str, resume: str):
     return resume
 
 
-def read_manifest(path: str, identity: dict) -> dict:
-    """The manifest, after checking it was written by the same model, split and method."""
+# What checkpoints of the first format also had to share with the run that resumes them.
+FIRST_FORMAT_LAYOUT = ("stages", "partition", "replicas", "microbatches_per_epoch")
+FIRST_FORMAT_MISSING = ("stem",)  # identity keys those checkpoints do not record
+
+
+def read_manifest(path: str, identity: dict, layout: dict) -> dict:
+    """The manifest, after checking it was written by the same model, data and recipe
+    (`identity`); a checkpoint of the first format must also share the `layout` keys
+    FIRST_FORMAT_LAYOUT. A layout-free checkpoint's layout is the caller's to compare."""
     with open(os.path.join(path, MANIFEST)) as f:
         manifest = json.load(f)
     manifest = {**IDENTITY_DEFAULTS, **manifest}
-    if manifest["replicas"] != identity.get("replicas", 1):
-        # Not remapped: each replica's share of an epoch, the steps per epoch (and with them
-        # the learning-rate schedule) and the per-replica batch-norm statistics depend on R.
+    layout_free = manifest.get("format") == LAYOUT_FREE
+    if not layout_free and manifest["replicas"] != layout.get("replicas", 1):
+        # Not remapped: checkpoints of the first format are tied to the layout that wrote them.
         raise CheckpointError(
             f"cannot resume from {path}: it was written by {manifest['replicas']} replica(s) and "
-            f"this run has {identity.get('replicas', 1)}; resuming with another number of "
-            f"replicas is not supported (the epoch's shares, steps per epoch and learning-rate "
-            f"schedule depend on it): run with {manifest['replicas']} replica(s), i.e. mpirun -n "
-            f"{manifest['replicas']} x {manifest.get('stages')}, or start a new run.out_dir")
+            f"this run has {layout.get('replicas', 1)}; a checkpoint of the first format (one "
+            f"file per stage, stage-local names) resumes on its own layout only: run with "
+            f"{manifest['replicas']} replica(s), i.e. mpirun -n {manifest['replicas']} x "
+            f"{manifest.get('stages')}, or start a new run.out_dir")
+    wanted = dict(identity) if layout_free else {
+        **{k: v for k, v in identity.items() if k not in FIRST_FORMAT_MISSING},
+        **{k: layout[k] for k in FIRST_FORMAT_LAYOUT}}
     wrong = [f"{k}: checkpoint has {manifest.get(k)!r}, this run has {v!r}"
-             for k, v in identity.items() if manifest.get(k) != v]
+             for k, v in wanted.items() if manifest.get(k) != v]
     if wrong:
-        raise CheckpointError(f"cannot resume from {path}: " + "; ".join(wrong))
+        why = ("; the model, the data and the training recipe must be the checkpoint's (the "
+               "stages, split, replicas, device and precision may change)" if layout_free else "")
+        raise CheckpointError(f"cannot resume from {path}: " + "; ".join(wrong) + why)
     with open(os.path.join(path, "trainer.json")) as f:
         manifest["trainer"] = json.load(f)
     return manifest

@@ -19,8 +19,9 @@ import time
 
 import torch
 
-from .checkpoint import (MANIFEST, CheckpointError, checkpoint_dir, find_resume, invalidate, load_stage,
-                         prune, read_manifest, save_stage, write_manifest)
+from .checkpoint import (LAYOUT_FREE, MANIFEST, CheckpointError, block_files, checkpoint_dir,
+                         find_resume, invalidate, load_blocks, load_stage, prune, read_manifest,
+                         save_blocks, write_manifest)
 from .config import ConfigError, load_config, model_kwargs, num_replicas, num_stages, validate
 from .engine.build import build_stages, build_workers
 from .engine.metrics import correct
@@ -164,7 +165,10 @@ def choose_partition(cfg, J, world, device, dtype, input_shape, resume):
         return cfg.model.partition
     if resume:
         with open(os.path.join(resume, MANIFEST)) as f:
-            return json.load(f).get("partition")
+            manifest = json.load(f)
+        # A layout-free checkpoint written with other stages is split afresh below.
+        if manifest.get("format") != LAYOUT_FREE or manifest.get("stages") == J:
+            return manifest.get("partition")
     if cfg.model.balance != "measure":
         return None
     sizes = None
@@ -177,6 +181,64 @@ def choose_partition(cfg, J, world, device, dtype, input_shape, resume):
               f"to time {blocks_total} blocks): blocks per stage {sizes}, ms per micro-batch "
               f"{per_stage}", file=sys.stderr, flush=True)
     return world.comm.bcast(sizes, root=0) if world else sizes
+
+
+def resume_from(path, identity, layout, workers, device):
+    """Load the checkpoint at `path` into the workers. Returns the trainer state, with the data
+    position and the optimizer step counter carried over to this run's layout, and the list of
+    layout changes that alter the learning dynamics (empty on the checkpoint's own layout)."""
+    manifest = read_manifest(path, identity, layout)
+    state = manifest["trainer"]
+    if manifest.get("format") != LAYOUT_FREE:  # the first format: on its own layout only
+        for w in workers:
+            load_stage(path, w, device)
+        return state, []
+    for w in workers:
+        load_blocks(path, manifest, w, device)
+    old = {k: manifest.get(k) for k in layout}
+    carry_over(state, workers, old, layout)
+    return state, layout_changes(old, layout)
+
+
+def carry_over(state, workers, old, new):
+    """Map the checkpoint's progress onto this layout. The data position counts each replica's
+    micro-batches: replica r's batch i is batch i·R + r of the epoch, so p batches on R replicas
+    are p·R of the epoch, p·R // R' on R' (the same batches when R' divides p·R). The learning-
+    rate schedule is a function of the optimizer step and the steps per epoch (which depend on
+    R): the step counter is rescaled so the schedule keeps its place in the run, in epochs."""
+    n0, n1 = old["microbatches_per_epoch"], new["microbatches_per_epoch"]
+    if (n0, old["replicas"]) != (n1, new["replicas"]):
+        p = state["position"]
+        state["position"] = n1 if p == n0 else min(n1, p * old["replicas"] // new["replicas"])
+    s0, s1 = old["steps_per_epoch"], new["steps_per_epoch"]
+    if s0 != s1:
+        for w in workers:
+            w.optimizer.steps = round(w.optimizer.steps * s1 / s0)
+
+
+def layout_changes(old, new) -> list[str]:
+    """Each difference between the checkpoint's layout and this run's, said with what it does
+    to training."""
+    changes = []
+    if old["stages"] != new["stages"]:
+        changes.append(f"stages {old['stages']} -> {new['stages']} (the gradient delays "
+                       f"2(J-1-s) change with J)")
+    elif old["partition"] != new["partition"]:
+        changes.append(f"split {old['partition']} -> {new['partition']} (the delay each block "
+                       f"sees changes)")
+    if old["replicas"] != new["replicas"]:
+        changes.append(f"replicas {old['replicas']} -> {new['replicas']} (effective batch, peak "
+                       f"lr {old['peak_lr']:g} -> {new['peak_lr']:g} and batch-norm batches "
+                       f"change; steps per epoch {old['steps_per_epoch']} -> "
+                       f"{new['steps_per_epoch']}, the step counter rescaled to keep the "
+                       f"schedule's place)")
+    elif old["microbatches_per_epoch"] != new["microbatches_per_epoch"]:
+        changes.append(f"micro-batches per epoch {old['microbatches_per_epoch']} -> "
+                       f"{new['microbatches_per_epoch']}")
+    for key in ("device", "dtype", "precision"):
+        if old[key] != new[key]:
+            changes.append(f"{key} {old[key]} -> {new[key]} (rounding differs)")
+    return changes
 
 
 def segment_lengths(cfg, train_batches: int, val_batches: int):
@@ -294,7 +356,8 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
                                only=stage if world else None, model_kw=model_kwargs(cfg),
                                precision=cfg.run.precision)
     steps_per_epoch = -(-n // cfg.train.accumulation)
-    workers = build_workers(stages, lr_schedule(cfg, steps_per_epoch, R), cfg.train.accumulation,
+    schedule = lr_schedule(cfg, steps_per_epoch, R)
+    workers = build_workers(stages, schedule, cfg.train.accumulation,
                             cfg.optim.momentum, cfg.optim.nesterov, cfg.optim.weight_decay,
                             optimizer=cfg.optim.name, betas=tuple(cfg.optim.betas))
     own = workers[:J]  # replica 0's: what checkpoints hold (replicas are identical)
@@ -319,32 +382,42 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
         engine = Diagnostics(engine, cfg.train.diag_every, emit=lambda record: writer.write(
             "diag", step=last.optimizer.steps, epoch=current_epoch[0], **record))
 
-    # What a checkpoint must share with this run (the sampler position and the learning-rate
-    # schedule depend on the batch size, k, the seed and the data too).
+    # What a checkpoint must share with this run: the model, the data and the recipe (the
+    # sampler position and the learning-rate schedule depend on the batch size, k and the seed).
     identity = {"arch": cfg.model.arch, "width": cfg.model.width,
-                "num_classes": cfg.model.num_classes, "stages": J,
-                "partition": stages[0].partition, "method": cfg.train.method,
-                "buffer_inputs": cfg.train.buffer_inputs,
+                "num_classes": cfg.model.num_classes, "stem": cfg.model.stem,
+                "method": cfg.train.method, "buffer_inputs": cfg.train.buffer_inputs,
                 "stash_weights": cfg.train.stash_weights, "batch_size": cfg.data.batch_size,
-                "accumulation": cfg.train.accumulation, "replicas": R, "seed": cfg.run.seed,
-                "data": cfg.data.path, "microbatches_per_epoch": n,
-                "optimizer": cfg.optim.name, "lr_schedule": cfg.optim.schedule,
-                **model_kwargs(cfg)}
+                "accumulation": cfg.train.accumulation, "seed": cfg.run.seed,
+                "data": cfg.data.path, "optimizer": cfg.optim.name,
+                "lr_schedule": cfg.optim.schedule, **model_kwargs(cfg)}
+    # What it may differ in: reported at start-up when it does.
+    layout = {"stages": J, "partition": stages[0].partition, "replicas": R,
+              "microbatches_per_epoch": n, "steps_per_epoch": steps_per_epoch,
+              "peak_lr": schedule.peak, "device": device.type, "dtype": cfg.run.dtype,
+              "precision": cfg.run.precision}
+    # The arguments of models.build_network: the plain model an export builds.
+    network = {"arch": cfg.model.arch, "width": cfg.model.width,
+               "num_classes": cfg.model.num_classes, "imagenet_stem": cfg.model.stem == "imagenet",
+               "image_size": lengths[2][-1], **model_kwargs(cfg)}
+    manifest_head = {**identity, **layout, "format": LAYOUT_FREE, "network": network,
+                     "block_files": block_files(stages[0].partition), "config": cfg.to_dict()}
     state = {"epoch": 0, "position": 0, "best_val_acc": None, "history": [], "wall_time_s": 0.0}
+    changes = []
     if resume:
-        manifest = read_manifest(resume, identity)
-        for w in workers:
-            load_stage(resume, w, device)
-        state = manifest["trainer"]
+        state, changes = resume_from(resume, identity, layout, workers, device)
     if writer:
         writer.write("resume" if resume else "start", stages=J, replicas=R, writer_rank=rank,
                      method=cfg.train.method, arch=cfg.model.arch, config=cfg.to_dict(),
                      microbatches_per_epoch=n,
-                     **({"from": resume, "epoch": state["epoch"], "position": state["position"]}
-                        if resume else {}))
+                     **({"from": resume, "epoch": state["epoch"], "position": state["position"],
+                         "layout_changes": changes} if resume else {}))
         if resume:
             print(f"resumed from {resume} (epoch {state['epoch'] + 1}, micro-batch "
                   f"{state['position']})", file=sys.stderr, flush=True)
+        if changes:
+            print("petra_mpi: resumed on another layout, which changes the learning dynamics: "
+                  + "; ".join(changes), file=sys.stderr, flush=True)
 
     def checkpoint(epoch, position):
         with tracer.span(trace.CHECKPOINT):
@@ -357,12 +430,12 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
             invalidate(path)
         if world:
             world.comm.Barrier()
-        files = [save_stage(path, w) for w in own] if replica == 0 else []
+        files = [save_blocks(path, w) for w in own] if replica == 0 else []
         if world:
             files = world.gather_to_writer(files)  # also: every stage file is in place
         state.update(epoch=epoch, position=position)
         if writes:
-            write_manifest(path, identity, {**state, "wall_time_s": prior_wall +
+            write_manifest(path, manifest_head, {**state, "wall_time_s": prior_wall +
                                             time.perf_counter() - start}, dict(files))
             prune(cfg.run.out_dir, cfg.run.keep_checkpoints)
             writer.write("checkpoint", path=path, epoch=epoch, position=position)

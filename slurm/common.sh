@@ -12,6 +12,9 @@
 #   SRUN_MPI    the srun --mpi plugin (default: none given, so srun uses the site's MpiDefault)
 #   DRY_RUN=1   only run the trainer's --dry-run in one process (no srun/mpirun) and exit
 #   MAX_REQUEUES  stop requeueing after this many restarts (default 100)
+#   ELASTIC=1   fit the layout to the ranks this job got (SLURM_NTASKS): `python -m
+#               petra_mpi.elastic` gives the ranks to launch and the stage count that fits them,
+#               and the trainer resumes its layout-free checkpoint on that layout
 #
 # Stop and requeue: SLURM sends SIGUSR1 to this batch shell 5 minutes before the time limit
 # (#SBATCH --signal=B:USR1@300); `scancel --signal=USR1 --batch JOB` does the same by hand. The trap
@@ -123,6 +126,22 @@ petra_requeue() {
     exit "$EXIT_REQUEUE"
 }
 
+# RANKS and FIT_ARGS: the ranks to launch on this allocation and the trainer overrides that fit
+# them (none when the config fits as it is; see petra_mpi/elastic.py).
+petra_fit() {
+    RANKS=${SLURM_NTASKS:-1} FIT_ARGS=()
+    [[ ${ELASTIC:-0} == 1 && -n ${SLURM_NTASKS:-} ]] || return 0
+    local fit
+    fit=$("$PYTHON" -m petra_mpi.elastic "$CONFIG" "$SLURM_NTASKS" "${EXTRA[@]}") ||
+        petra_die "no layout of $CONFIG fits this job's $SLURM_NTASKS ranks"
+    read -r -a fit <<<"$fit"
+    RANKS=${fit[0]} FIT_ARGS=("${fit[@]:1}")
+    if ((${#FIT_ARGS[@]})); then
+        petra_say "elastic: $SLURM_NTASKS ranks on ${SLURM_JOB_NUM_NODES:-1} node(s): launching" \
+                  "$RANKS with ${FIT_ARGS[*]}"
+    fi
+}
+
 petra_train() {
     petra_resolve
     if [[ ${DRY_RUN:-0} == 1 ]]; then
@@ -141,6 +160,8 @@ petra_train() {
     PETRA_LOG="$OUT_DIR/logs/train.log"
     local trainer=("$PYTHON" -m petra_mpi.train "$CONFIG" --set "run.out_dir=$OUT_DIR"
                    --set run.resume=auto "${EXTRA[@]}")
+    petra_fit
+    trainer+=("${FIT_ARGS[@]}")
     local launch
     case $LAUNCHER in
         srun)
@@ -148,14 +169,15 @@ petra_train() {
             # each rank to one CPU. --gpu-bind=none: every rank sees all GPUs of its node (CUDA
             # IPC between the stages of a node needs that); petra_mpi picks one by SLURM_LOCALID.
             launch=(srun "--cpus-per-task=${SLURM_CPUS_PER_TASK:-1}" --gpu-bind=none)
-            if [[ -n $SRUN_MPI ]]; then launch+=("--mpi=$SRUN_MPI"); fi ;;
+            if [[ -n $SRUN_MPI ]]; then launch+=("--mpi=$SRUN_MPI"); fi
+            if [[ $RANKS != "${SLURM_NTASKS:-1}" ]]; then launch+=("--ntasks=$RANKS"); fi ;;
         mpirun)
             # mpirun knows nothing of SLURM's GPUs on other nodes (nor, with some MPIs, of the
             # nodes at all): remote ranks could share one GPU, or all run on this node.
             ((${SLURM_JOB_NUM_NODES:-1} == 1)) ||
                 petra_die "LAUNCHER=mpirun runs on one node only; this job has" \
                           "$SLURM_JOB_NUM_NODES nodes: use LAUNCHER=srun (see docs/clusters.md)"
-            launch=(mpirun -n "${SLURM_NTASKS:-1}") ;;
+            launch=(mpirun -n "$RANKS") ;;
         *) petra_die "LAUNCHER must be srun or mpirun, not '$LAUNCHER'" ;;
     esac
     petra_say "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0})" \

@@ -4,11 +4,24 @@
 # evenly, one GPU per rank. Anything after the script goes to sbatch (it beats the layout too).
 #   slurm/submit.sh slurm/revnet50_imagenet.sh               # 18 ranks: 5 nodes x 4, or 3 x 6 on 8
 #   GPUS_PER_NODE=8 slurm/submit.sh slurm/revnet18_imagenet.sh --array=3
+#   ELASTIC_NODES=2-3 slurm/submit.sh slurm/revnet18_cifar10.sh  # GPUS_PER_NODE ranks per node
+# ELASTIC_NODES=MIN-MAX submits with that node range and no fixed rank count (the script's
+# --ntasks and layout lines are left out): a job started on fewer nodes gets fewer ranks, and with
+# ELASTIC=1 the run goes on in the layout that fits them (slurm/common.sh). SLURM keeps a
+# requeued job at the node count it first ran with: after losing a node, resubmit instead.
 # Plain `sbatch SCRIPT` uses the script's #SBATCH layout, written for 4 GPUs per node.
 set -euo pipefail
 script=${1:?usage: slurm/submit.sh SCRIPT [sbatch options...]}
 shift
 source "${PETRA_ROOT:-.}/slurm/common.sh"   # the site block (and the check that we are at the root)
+if [[ -n ${ELASTIC_NODES:-} ]]; then
+    per_node=(--ntasks-per-node="$GPUS_PER_NODE" --gpus-per-node="$GPUS_PER_NODE")
+    petra_say "sbatch --nodes=$ELASTIC_NODES ${per_node[*]} $* $script (elastic)"
+    export ELASTIC=1  # sbatch passes the environment on to the job
+    sed '/^#SBATCH --\(ntasks\|nodes\|ntasks-per-node\|gpus-per-node\)=/d' "$script" |
+        sbatch --nodes="$ELASTIC_NODES" "${per_node[@]}" "$@"
+    exit "${PIPESTATUS[1]}"
+fi
 ntasks=$(sed -n 's/^#SBATCH --ntasks=\([0-9]*\)$/\1/p' "$script")
 [[ -n $ntasks ]] || petra_die "$script has no '#SBATCH --ntasks=N' line"
 read -r -a layout <<<"$(petra_layout "$ntasks")"

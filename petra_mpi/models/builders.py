@@ -63,6 +63,28 @@ def build_blocks(arch: str, width: int = 64, num_classes: int = 10, imagenet_ste
     return blocks
 
 
+class Network(nn.Module):
+    """The whole net as one ordinary module: its blocks applied in order. Its state_dict names,
+    blocks.{g}.{rest} with g the block's index in the network, are those of a checkpoint (which
+    stores every stage's blocks under them), so a trained pipeline loads into it as it is."""
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def build_network(arch: str, width: int = 64, num_classes: int = 10, imagenet_stem: bool = False,
+                  *, image_size: int = 32, **vit_kw) -> Network:
+    """The plain model of `arch`, in one process (build_blocks' arguments)."""
+    return Network(build_blocks(arch, width, num_classes, imagenet_stem, image_size=image_size,
+                                **vit_kw))
+
+
 def _init(module: nn.Module):
     for m in module.modules():
         if isinstance(m, nn.Conv2d):

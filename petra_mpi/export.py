@@ -1,0 +1,116 @@
+"""`python -m petra_mpi.export RUN_DIR [--checkpoint PATH] --out model.pt [--format torch.export]`
+
+The trained model out of the pipeline, in one process and without MPI: the newest complete
+checkpoint of RUN_DIR (or PATH) becomes one ordinary PyTorch state_dict of the plain module
+petra_mpi.models.build_network builds, saved with that function's arguments:
+
+    saved = torch.load("model.pt")
+    model = petra_mpi.models.build_network(**saved["network"])
+    model.load_state_dict(saved["state_dict"])
+
+--format torch.export writes a torch.export program instead (the model in eval mode, any batch
+size), which loads with torch alone: torch.export.load("model.pt2").module().
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from .checkpoint import LAYOUT_FREE, MANIFEST, complete_checkpoints, is_complete, read_blocks
+from .models import build_network
+
+MODEL_FORMAT = "petra_mpi.model/1"
+
+
+class ExportError(RuntimeError):
+    pass
+
+
+def find_checkpoint(run_dir: str, checkpoint: str | None = None) -> str:
+    """`checkpoint` if given (it must be complete), else RUN_DIR's newest complete one."""
+    if checkpoint:
+        if not is_complete(checkpoint):
+            raise ExportError(f"{checkpoint}: not a complete checkpoint (no valid {MANIFEST})")
+        return checkpoint
+    found = complete_checkpoints(run_dir)
+    if not found:
+        raise ExportError(f"{run_dir}: no complete checkpoint in {run_dir}/checkpoints")
+    return found[-1]
+
+
+def exported_model(checkpoint: str) -> dict:
+    """What `export` saves for a checkpoint: the network's arguments, its state_dict (on the
+    CPU) and what evaluating it the way the run did needs (its data settings and dtype)."""
+    with open(os.path.join(checkpoint, MANIFEST)) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != LAYOUT_FREE:
+        raise ExportError(f"{checkpoint} has the first checkpoint format (stage-local names, no "
+                          f"model arguments): resume the run once, on its own layout, for a "
+                          f"checkpoint that exports")
+    network = manifest["network"]
+    with open(os.path.join(checkpoint, "trainer.json")) as f:
+        trainer = json.load(f)
+    state = read_blocks(checkpoint, manifest, 0, sum(manifest["partition"]))["stage"]
+    config = manifest["config"]
+    data = {key: config["data"][key] for key in ("path", "batch_size", "synthetic_train",
+                                                 "synthetic_val", "synthetic_seed", "crop")}
+    return {"format": MODEL_FORMAT, "network": network, "state_dict": state,
+            "dtype": config["run"]["dtype"], "data": data, "seed": config["run"]["seed"],
+            "epoch": trainer["epoch"], "position": trainer["position"],
+            "checkpoint": os.path.abspath(checkpoint)}
+
+
+def load_model(saved: dict) -> torch.nn.Module:
+    """The plain module of an exported model (build_network, then its state_dict), in eval mode."""
+    model = build_network(**saved["network"])
+    model.load_state_dict(saved["state_dict"])
+    return model.eval()
+
+
+def write_torch_export(saved: dict, out: str):
+    """A torch.export program of the model in eval mode, with a dynamic batch dimension."""
+    model = load_model(saved)
+    side = saved["network"].get("image_size", 32)
+    example = torch.zeros(2, 3, side, side)
+    batch = torch.export.Dim("batch", min=1)
+    program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
+    torch.export.save(program, out)
+
+
+def export(run_dir: str, out: str, checkpoint: str | None = None, fmt: str = "state_dict") -> dict:
+    saved = exported_model(find_checkpoint(run_dir, checkpoint))
+    root, ext = os.path.splitext(out)
+    tmp = f"{root}.tmp-{os.getpid()}{ext}"  # torch.export's writer wants the extension kept
+    if fmt == "torch.export":
+        write_torch_export(saved, tmp)
+    else:
+        torch.save(saved, tmp)
+    os.replace(tmp, out)
+    return saved
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m petra_mpi.export",
+                                description=__doc__.split("\n")[0].strip("`"))
+    p.add_argument("run_dir", help="the run's run.out_dir")
+    p.add_argument("--checkpoint", help="a checkpoint directory (default: the run's newest)")
+    p.add_argument("--out", required=True, help="the file to write, e.g. model.pt")
+    p.add_argument("--format", choices=("state_dict", "torch.export"), default="state_dict",
+                   help="state_dict (default): the state_dict and build_network's arguments; "
+                        "torch.export: a program that loads with torch alone")
+    args = p.parse_args(argv)
+    try:
+        saved = export(args.run_dir, args.out, args.checkpoint, args.format)
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"exported {saved['network']['arch']} from {saved['checkpoint']} (epoch "
+          f"{saved['epoch']}, micro-batch {saved['position']}) to {args.out} ({args.format})",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
