@@ -6,9 +6,8 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).parent.parent
+from conftest import ROOT
 
 
 def accuracies_side_by_side(tmp_path, config) -> dict:

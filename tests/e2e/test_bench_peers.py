@@ -2,7 +2,7 @@
 assertions: the figures depend on the machine)."""
 import json
 
-from test_mpi import mpirun
+from conftest import mpirun
 
 
 def test_bench_peers_runs_every_contender():

@@ -8,9 +8,9 @@ import sys
 import pytest
 from PIL import Image
 
+from conftest import ROOT, check_png, run_plot
 from petra_mpi import plot
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASIC = ["loss.png", "accuracy.png", "lr.png", "throughput.png"]
 DIAG = ["grad_cosine.png", "grad_norm_ratio.png", "grad_by_stage.png", "rebuild_error.png"]
 
@@ -25,23 +25,6 @@ def train(out_dir, *extra):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return str(out_dir)
-
-
-def run_plot(*args):
-    return subprocess.run([sys.executable, "-m", "petra_mpi.plot", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-
-
-def check_png(path):
-    """A real picture: PNG signature, more than a blank canvas's bytes, decodes, not one colour."""
-    assert os.path.isfile(path), f"{path} not written"
-    with open(path, "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n", path
-    assert os.path.getsize(path) > 5000, path
-    with Image.open(path) as img:
-        img.load()
-        extrema = img.convert("RGB").getextrema()
-    assert any(lo != hi for lo, hi in extrema), f"{path} is a single colour"
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,6 @@
 """The MPI engine under real mpirun: invariant 3 (same parameters as the single-process engine,
 bitwise on CPU), faults that must end every rank, and bad world sizes."""
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,18 +9,8 @@ from petra_mpi.engine.build import build_stages, build_workers
 from petra_mpi.engine.local import LocalEngine
 from petra_mpi.optim import LRSchedule
 
-HERE = Path(__file__).parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE / "mpi"))
-from equivalence import batches, eval_batches  # noqa: E402
-
-
-def mpirun(n, args, timeout=180, env=None):
-    """Launch for real; a hang fails the test through the timeout instead of freezing CI."""
-    cmd = ["mpirun", "-n", str(n), sys.executable] + [str(a) for a in args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=full_env)
+from conftest import PROGRAMS, QUICK, check_run_outputs, mpirun
+from equivalence import batches, eval_batches
 
 
 def local_reference(J, method, k, n, short_eval=False, **flags):
@@ -52,7 +38,7 @@ def local_reference(J, method, k, n, short_eval=False, **flags):
 ])
 def test_invariant3_mpi_equals_local_bitwise(tmp_path, J, method, k, flags):
     n = 6
-    proc = mpirun(J, [HERE / "mpi" / "equivalence.py", tmp_path, method, k, n, *flags])
+    proc = mpirun(J, [PROGRAMS / "equivalence.py", tmp_path, method, k, n, *flags])
     assert proc.returncode == 0, proc.stderr[-3000:]
     stages, ref_eval = local_reference(J, method, k, n, short_eval="short_eval" in flags,
                                        buffer_inputs="buffer" in flags,
@@ -74,14 +60,8 @@ def test_invariant3_mpi_equals_local_bitwise(tmp_path, J, method, k, flags):
     assert last["val_count"] == (14 if "short_eval" in flags else 12)
 
 
-# The quickstart shortened; model.stages=0: one stage per rank (or per block in one process).
-QUICK = ["--set", "train.limit_batches=12", "--set", "train.epochs=1", "--set",
-         "data.synthetic_train=1024", "--set", "data.synthetic_val=128", "--set", "model.width=4",
-         "--set", "run.progress=false", "--set", "model.stages=0"]
-
-
 def test_rank_failure_ends_every_rank(tmp_path):
-    proc = mpirun(4, [HERE / "mpi" / "faulty_train.py", 1, 5, "configs/quickstart.yaml",
+    proc = mpirun(4, [PROGRAMS / "faulty_train.py", 1, 5, "configs/quickstart.yaml",
                       "--set", f"run.out_dir={tmp_path}", *QUICK], timeout=60)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
@@ -121,23 +101,3 @@ def test_quickstart_under_mpirun_4(tmp_path):
                       f"run.out_dir={tmp_path}", *QUICK, "--set", "train.epochs=2"], timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_run_outputs(tmp_path, epochs=2, stages=4)
-
-
-def check_run_outputs(out_dir, epochs, stages):
-    import json
-    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if r["event"] == "train"]
-    evals = [r for r in records if r["event"] == "eval"]
-    assert train and len(evals) == epochs
-    for r in train:
-        assert {"step", "epoch", "loss", "lr", "images_per_s"} <= r.keys()
-        assert r["loss"] > 0 and r["images_per_s"] > 0
-    for r in evals:
-        assert {"epoch", "step", "val_loss", "val_acc"} <= r.keys() and 0 <= r["val_acc"] <= 1
-    summary = json.loads((out_dir / "summary.json").read_text())
-    assert summary["epochs"] == epochs and summary["stages"] == stages
-    assert summary["val_acc"] == evals[-1]["val_acc"]
-    assert summary["best_val_acc"] == max(r["val_acc"] for r in evals)
-    assert len(summary["memory"]) == stages
-    assert all(m["param_bytes"] > 0 for m in summary["memory"])
-    return summary

@@ -16,13 +16,12 @@ from petra_mpi.engine.build import build_workers
 from petra_mpi.engine.local import LocalEngine
 from petra_mpi.optim import StageOptimizer
 from helpers import end_to_end_gradients, max_relative_error
-from test_mpi import HERE, QUICK, mpirun
+from conftest import PROGRAMS, QUICK, ROOT, mpirun
 
-sys.path.insert(0, str(HERE / "mpi"))
-from equivalence import eval_batches  # noqa: E402
-from replica_run import build, global_batches, schedule, share  # noqa: E402
+from equivalence import eval_batches
+from replica_run import build, global_batches, schedule, share
 
-SCRIPT = HERE / "mpi" / "replica_run.py"
+SCRIPT = PROGRAMS / "replica_run.py"
 
 
 # ---------------------------------------------------------------- layout, config, sampler
@@ -37,7 +36,7 @@ SCRIPT = HERE / "mpi" / "replica_run.py"
     (1, ["model.stages=3", "train.replicas=2"], (3, 2)),  # one process: R simulated replicas
 ])
 def test_layout(size, sets, layout):
-    cfg = load_config(HERE.parent / "configs/quickstart.yaml", ["model.stages=0", *sets])
+    cfg = load_config(ROOT / "configs/quickstart.yaml", ["model.stages=0", *sets])
     validate(cfg, size)
     assert (num_stages(cfg, size), num_replicas(cfg, size)) == layout
 
@@ -53,7 +52,7 @@ def test_layout(size, sets, layout):
 ])
 def test_layout_errors(size, sets, message):
     with pytest.raises(ConfigError, match=message):
-        validate(load_config(HERE.parent / "configs/quickstart.yaml", sets), size)
+        validate(load_config(ROOT / "configs/quickstart.yaml", sets), size)
 
 
 def test_sampler_shares_are_disjoint_and_cover_the_epoch():
@@ -296,8 +295,8 @@ def test_replicas_config_is_table2_with_twice_the_batch():
     """configs/replicas: 2 x 18 ranks, Table 2's k (the staleness in optimizer steps), and the lr
     rule on the effective batch R · k · 64."""
     from petra_mpi.train import lr_schedule
-    ours = load_config(HERE.parent / "configs/replicas/revnet50_imagenet_2x18.yaml")
-    table2 = load_config(HERE.parent / "configs/table2/imagenet/revnet50_petra.yaml")
+    ours = load_config(ROOT / "configs/replicas/revnet50_imagenet_2x18.yaml")
+    table2 = load_config(ROOT / "configs/table2/imagenet/revnet50_petra.yaml")
     validate(ours, 36)
     assert (num_stages(ours, 36), num_replicas(ours, 36)) == (18, 2)
     assert ours.train.accumulation == table2.train.accumulation == 32

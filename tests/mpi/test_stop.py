@@ -10,8 +10,8 @@ from petra_mpi.engine.local import LocalEngine
 from petra_mpi.optim import LRSchedule
 from petra_mpi.schedule import num_ticks
 from petra_mpi.stopping import STOP_CHECK_TICKS
-from test_mpi import HERE, mpirun  # also puts tests/mpi on sys.path
-from equivalence import batches  # noqa: E402  (the data the MPI script trains on)
+from conftest import PROGRAMS, mpirun
+from equivalence import batches  # the data the MPI script trains on
 
 J, N = 3, 40
 
@@ -32,7 +32,7 @@ def local_run(n):
 
 
 def mpi_run(tmp_path, stop_rank, stop_tick):
-    proc = mpirun(J, [HERE / "mpi" / "stop_vote.py", tmp_path, stop_rank, stop_tick, N],
+    proc = mpirun(J, [PROGRAMS / "stop_vote.py", tmp_path, stop_rank, stop_tick, N],
                   timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(J)]

@@ -5,8 +5,7 @@ import subprocess
 import sys
 from collections import Counter
 
-from test_mpi import QUICK, ROOT, mpirun
-from test_plot import check_png, run_plot
+from conftest import QUICK, ROOT, check_png, mpirun, run_plot
 
 from petra_mpi import trace
 

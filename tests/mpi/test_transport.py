@@ -12,7 +12,7 @@ from petra_mpi.comm import (CHANNELS_LAST, CONTIGUOUS, TAG_ACTIVATION, HostPool,
                             Transport, device_collectives, empty_in_layout, in_layout, layout_of,
                             storage_order)
 from petra_mpi.engine.replicas import MPIMean, average_path
-from test_mpi import ROOT, mpirun
+from conftest import PROGRAMS, mpirun
 
 # ---------------------------------------------------------------- receive-buffer pool
 
@@ -272,6 +272,6 @@ def test_layout_helpers_round_trip():
 def test_channels_last_through_mpi():
     """Real MPI, 2 ranks: channels-last and NCHW messages, a short one into a full-size buffer;
     the sender hands MPI the producer's memory and the receiver gets channels-last strides."""
-    proc = mpirun(2, [ROOT / "tests" / "mpi" / "layout.py", "cpu"], timeout=120)
+    proc = mpirun(2, [PROGRAMS / "layout.py", "cpu"], timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "layout ok" in proc.stdout

@@ -1,13 +1,12 @@
 """JPEG decode: the batched crop/resize and the decode pools."""
 import io
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-ROOT = Path(__file__).parent.parent
+from conftest import ROOT
 
 
 # ---- JPEG decode -------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from petra_mpi.comm import HostPool
 from petra_mpi.models import build_blocks
 from petra_mpi.partition import balanced_partition, resolve_partition
 from petra_mpi.stages import Stage
-from test_mpi import ROOT, mpirun
+from conftest import PROGRAMS, ROOT, mpirun
 
 
 def test_balanced_split_on_measured_costs_is_deterministic():
@@ -238,7 +238,7 @@ def test_bench_on_cuda_without_a_gpu_says_so(bench):
 
 
 def test_polling_keeps_the_message_size():
-    proc = mpirun(2, [ROOT / "tests" / "mpi" / "transport.py"], timeout=120)
+    proc = mpirun(2, [PROGRAMS / "transport.py"], timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 

@@ -4,13 +4,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-HERE = Path(__file__).parent
-ROOT = HERE.parent
+from conftest import PROGRAMS, ROOT
 
 
 # ---- bf16 --------------------------------------------------------------------------------------
@@ -98,7 +96,6 @@ def test_diagnostics_rebuild_error_in_bf16():
 
 
 def _local_reference(J, method, k, n, precision):
-    sys.path.insert(0, str(HERE / "mpi"))
     from equivalence import batches
     from petra_mpi.engine.build import build_stages, build_workers
     from petra_mpi.engine.local import LocalEngine
@@ -120,7 +117,7 @@ def _local_reference(J, method, k, n, precision):
 
 def test_invariant3_mpi_equals_local_bitwise_in_bf16(tmp_path):
     J, method, k, n = 3, "petra", 2, 6
-    cmd = ["mpirun", "-n", str(J), sys.executable, str(HERE / "mpi" / "equivalence_precision.py"),
+    cmd = ["mpirun", "-n", str(J), sys.executable, str(PROGRAMS / "equivalence_precision.py"),
            "bf16", str(tmp_path), method, str(k), str(n)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import PROGRAMS, ROOT
 from helpers import (applied_gradients, end_to_end_gradients, flat_params, make_batches,
                      max_relative_error)
 from petra_mpi.config import ConfigError, load_config, num_stages
@@ -20,8 +21,6 @@ from petra_mpi.optim import LRSchedule, StageOptimizer
 from petra_mpi.partition import block_costs
 from petra_mpi.stages import Stage
 
-HERE = Path(__file__).parent
-ROOT = HERE.parent
 # A tiny revvit on 8x8 images: 4 tokens of 2x2 patches, width 8 per stream, 2 heads, 4 blocks
 # (6 blocks with the patch embedding and the head).
 TINY = dict(image_size=8, model_kw=dict(depth=4, heads=2, patch=4))
@@ -169,10 +168,9 @@ def mpirun(n, args, timeout=180):
 
 @pytest.mark.parametrize("J,method,k", [(3, "petra", 2)])
 def test_invariant3_mpi_equals_local_bitwise(tmp_path, J, method, k):
-    sys.path.insert(0, str(HERE / "mpi"))
     from equivalence import REVVIT, batches
     n = 6
-    proc = mpirun(J, [HERE / "mpi" / "equivalence.py", tmp_path, method, k, n, "revvit"])
+    proc = mpirun(J, [PROGRAMS / "equivalence.py", tmp_path, method, k, n, "revvit"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
