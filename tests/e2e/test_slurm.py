@@ -12,10 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+import conftest
 import slurm_cluster
 from petra_mpi.config import load_config, num_replicas, num_stages, validate
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(conftest.ROOT)
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "slurm", "*.sh")))
 EXPERIMENTS = [s for s in SCRIPTS if os.path.basename(s) not in ("common.sh", "pack_imagenet.sh")]
 SMOKE = ("--set run.device=cpu --set model.stages=0 --set train.epochs=1 --set train.limit_batches=8 "

@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFilter
 
+from conftest import ROOT
 from data_prep.common import PrepError
 from data_prep.imagenet import encode, read_val_labels
 from data_prep.verify import verify
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(ROOT)
 
 
 def run(module, *args, timeout=120):

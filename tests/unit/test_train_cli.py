@@ -10,9 +10,7 @@ import pytest
 
 from petra_mpi.checkpoint import complete_checkpoints, find_resume, is_complete
 from petra_mpi.config import ConfigError, load_config
-from test_mpi import QUICK, check_run_outputs
-
-ROOT = Path(__file__).parent.parent
+from conftest import QUICK, ROOT, check_run_outputs
 
 
 def train(*args, timeout=300):
