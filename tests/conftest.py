@@ -75,6 +75,7 @@ def check_png(path):
 KINDS = ("unit", "mpi", "e2e")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: `slow` must already imply `extended`
 def pytest_collection_modifyitems(items):
     for item in items:
         kind = Path(item.fspath).parent.name

@@ -1,5 +1,5 @@
 """The MPI engine under real mpirun: invariant 3 (same parameters as the single-process engine,
-bitwise on CPU), faults that must end every rank, and bad world sizes."""
+bitwise on CPU; RevNet18 with each method, the reversible ViT, and bf16), faults that must end every rank, and bad world sizes."""
 import json
 
 import pytest
@@ -10,7 +10,7 @@ from petra_mpi.engine.local import LocalEngine
 from petra_mpi.optim import LRSchedule
 
 from conftest import PROGRAMS, QUICK, check_run_outputs, mpirun
-from equivalence import batches, eval_batches
+from equivalence import REVVIT, batches, eval_batches
 
 
 def local_reference(J, method, k, n, short_eval=False, **flags):
@@ -29,24 +29,51 @@ def local_reference(J, method, k, n, short_eval=False, **flags):
     return stages, totals.result()
 
 
-@pytest.mark.parametrize("J,method,k,flags", [
-    (2, "petra", 1, ()), (3, "petra", 2, ()), (4, "petra", 1, ()), (4, "petra", 2, ()),
-    (2, "backprop", 1, ()), (3, "backprop", 2, ()), (4, "backprop", 1, ()),
-    (3, "delayed", 1, ("buffer", "stash")), (4, "delayed", 2, ("stash",)),
-    (2, "delayed", 2, ("buffer",)),
-    (3, "petra", 1, ("short_eval",)),  # evaluation's last batch has 2 samples, not 4
-])
-def test_invariant3_mpi_equals_local_bitwise(tmp_path, J, method, k, flags):
-    n = 6
-    proc = mpirun(J, [PROGRAMS / "equivalence.py", tmp_path, method, k, n, *flags])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    stages, ref_eval = local_reference(J, method, k, n, short_eval="short_eval" in flags,
+N = 6  # micro-batches per segment in every run of equivalence.py
+EXTENDED = pytest.mark.extended
+# The runs of equivalence.py, by world size: one launch per size trains them all in turn.
+RUNS = {
+    2: ["petra:1", "backprop:1", "delayed:2:buffer"],
+    3: ["petra:2", "backprop:2", "delayed:1:buffer:stash",
+        "petra:1:short_eval",  # evaluation's last batch has 2 samples, not 4
+        "petra:2:revvit", "petra:2:bf16"],
+    4: ["petra:1", "petra:2", "backprop:1", "delayed:2:stash"],
+}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """launched(J, run): the folder of that run's rank{r}.pt, from one mpirun -n J of all
+    RUNS[J] (launched the first time a test asks for J)."""
+    outs = {}
+
+    def folder(J, run):
+        if J not in outs:
+            out = tmp_path_factory.mktemp(f"equivalence{J}")
+            proc = mpirun(J, [PROGRAMS / "equivalence.py", out, N, *RUNS[J]], timeout=300)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            outs[J] = out
+        return outs[J] / run
+    return folder
+
+
+def revnet_runs(J, marks=()):
+    return [pytest.param(J, run, marks=marks, id=f"{J}-{run}") for run in RUNS[J]
+            if "revvit" not in run and "bf16" not in run]
+
+
+@pytest.mark.parametrize("J,run", revnet_runs(2) + revnet_runs(3) + revnet_runs(4, EXTENDED))
+def test_invariant3_mpi_equals_local_bitwise(launched, J, run):
+    method, k, *flags = run.split(":")
+    k = int(k)
+    out = launched(J, run)
+    stages, ref_eval = local_reference(J, method, k, N, short_eval="short_eval" in flags,
                                        buffer_inputs="buffer" in flags,
                                        stash_weights="stash" in flags)
     initial = build_stages("revnet18", 4, 10, J, seed=0)
     moved = 0.0
     for r in range(J):
-        got = torch.load(tmp_path / f"rank{r}.pt")
+        got = torch.load(out / f"rank{r}.pt")
         want_p = [p.detach() for p in stages[r].parameters()]
         want_b = list(stages[r].buffers())
         assert len(got["params"]) == len(want_p) and len(got["buffers"]) == len(want_b)
@@ -55,9 +82,65 @@ def test_invariant3_mpi_equals_local_bitwise(tmp_path, J, method, k, flags):
         moved = max(moved, max((p - q).abs().max().item() for p, q in
                                zip(want_p, initial[r].parameters())))
     assert moved > 1e-3  # it trained
-    last = torch.load(tmp_path / f"rank{J - 1}.pt")["eval"]
+    last = torch.load(out / f"rank{J - 1}.pt")["eval"]
     assert last == ref_eval
     assert last["val_count"] == (14 if "short_eval" in flags else 12)
+
+
+def test_invariant3_revvit_mpi_equals_local_bitwise(launched):
+    J, method, k = 3, "petra", 2
+    out = launched(J, "petra:2:revvit")
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    try:
+        stages = build_stages("revvit", REVVIT["width"], 10, J, seed=0,
+                              image_size=REVVIT["image_size"], model_kw=REVVIT["model_kw"])
+        workers = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), k,
+                                weight_decay=5e-4)
+        engine = LocalEngine(workers, method)
+        engine.train_segment(batches(N), N)
+        engine.train_segment(batches(N, seed=2), N)
+        ref_eval = engine.evaluate(batches(3, seed=3), 3).result()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for r in range(J):
+        got = torch.load(out / f"rank{r}.pt")
+        want = [p.detach() for p in stages[r].parameters()]
+        assert len(got["params"]) == len(want)
+        for g, w in zip(got["params"], want):
+            assert torch.equal(g, w), f"rank {r} differs from the local engine"
+    assert torch.load(out / f"rank{J - 1}.pt")["eval"] == ref_eval
+
+
+def bf16_reference(J, method, k, n, precision):
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    try:
+        stages = build_stages("revnet18", 4, 10, J, seed=0, precision=precision)
+        workers = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), k,
+                                weight_decay=5e-4)
+        engine = LocalEngine(workers, method)
+        engine.train_segment(batches(n), n)
+        engine.train_segment(batches(n, seed=2), n)
+        totals = engine.evaluate(batches(3, seed=3), 3)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    return stages, totals.result()
+
+
+def test_invariant3_mpi_equals_local_bitwise_in_bf16(launched):
+    J, method, k = 3, "petra", 2
+    out = launched(J, "petra:2:bf16")
+    stages, ref_eval = bf16_reference(J, method, k, N, "bf16")
+    fp32, _ = bf16_reference(J, method, k, N, "fp32")
+    for r in range(J):
+        got = torch.load(out / f"rank{r}.pt")
+        want = [p.detach() for p in stages[r].parameters()] + list(stages[r].buffers())
+        for g, w in zip(got["params"] + got["buffers"], want):
+            assert torch.equal(g, w), f"rank {r} differs from the local engine in bf16"
+    assert torch.load(out / f"rank{J - 1}.pt")["eval"] == ref_eval
+    # and bf16 is a different computation from fp32 (the test has teeth)
+    assert any(not torch.equal(a, b) for a, b in zip(stages[0].parameters(), fp32[0].parameters()))
 
 
 def test_rank_failure_ends_every_rank(tmp_path):

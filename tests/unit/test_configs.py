@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ROOT
 from petra_mpi.config import load_config, num_stages
 from petra_mpi.models import num_blocks
 from petra_mpi.optim import peak_lr
 from petra_mpi.train import main
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = ROOT / "configs"
 BASES = sorted((CONFIGS / "base").glob("*.yaml"))
 LEAVES = sorted(p for p in CONFIGS.rglob("*.yaml") if "base" not in p.relative_to(CONFIGS).parts)
 
