@@ -8,7 +8,8 @@ import torch
 
 from conftest import PROGRAMS, QUICK, ROOT, check_run_outputs, mpirun
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.extended]
 
 
 def test_stage_backward_on_gpu_matches_cpu():

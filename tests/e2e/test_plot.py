@@ -38,6 +38,7 @@ def backprop_run(tmp_path_factory):
                  "--set=train.epochs=1", "--set=train.limit_batches=4")
 
 
+@pytest.mark.extended
 def test_basic_figures_from_real_run(petra_run, tmp_path):
     proc = run_plot(petra_run, "--out", tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -52,6 +53,7 @@ def test_basic_figures_from_real_run(petra_run, tmp_path):
     check_png(os.path.join(petra_run, "loss.png"))
 
 
+@pytest.mark.extended
 def test_diag_figures_from_real_run(petra_run, tmp_path):
     """Needs the trainer's "diag" events (train.diag_every): Fig. 5/6 style figures."""
     run = plot.load_run(petra_run)
@@ -69,6 +71,7 @@ def test_diag_figures_from_real_run(petra_run, tmp_path):
         check_png(os.path.join(tmp_path, name))
 
 
+@pytest.mark.extended
 def test_overlay_has_one_series_per_run(petra_run, backprop_run, tmp_path):
     runs = plot.load_runs([petra_run, backprop_run])
     labels = [r.label for r in runs]
@@ -89,6 +92,7 @@ def test_overlay_has_one_series_per_run(petra_run, backprop_run, tmp_path):
         check_png(os.path.join(tmp_path, name))
 
 
+@pytest.mark.extended
 def test_same_label_gets_dir_name(petra_run):
     runs = plot.load_runs([petra_run, petra_run])
     assert runs[0].label != "petra/revnet18" and runs[0].label.startswith("petra/revnet18 (")

@@ -153,6 +153,7 @@ def test_rank_failure_ends_every_rank(tmp_path):
     assert "Traceback" in out
 
 
+@pytest.mark.extended
 def test_nonfinite_loss_stops_with_the_step(tmp_path):
     proc = mpirun(3, ["-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",
                       f"run.out_dir={tmp_path}", "--set", "optim.lr=1e12",
@@ -167,7 +168,7 @@ def test_nonfinite_loss_stops_with_the_step(tmp_path):
 
 
 @pytest.mark.parametrize("n,sets,expect", [
-    (11, [], "run 1 to 10 ranks"),
+    pytest.param(11, [], "run 1 to 10 ranks", marks=pytest.mark.extended),  # 11 ranks on 2 cores
     (3, ["--set", "model.stages=4"], "run mpirun -n 4"),
     (2, ["--set", "train.diag_every=2"], "run them without mpirun"),
 ])
@@ -179,8 +180,24 @@ def test_wrong_world_size_is_an_error_before_training(tmp_path, n, sets, expect)
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.extended  # the trainer under mpirun: test_resume.py runs it in the default selection
 def test_quickstart_under_mpirun_4(tmp_path):
     proc = mpirun(4, ["-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",
                       f"run.out_dir={tmp_path}", *QUICK, "--set", "train.epochs=2"], timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_run_outputs(tmp_path, epochs=2, stages=4)
+
+
+# ---------------------------------------------------------------- transport
+def test_polling_keeps_the_message_size():
+    proc = mpirun(2, [PROGRAMS / "transport.py"], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.extended  # the layouts are tested in one process in unit/test_transport.py
+def test_channels_last_through_mpi():
+    """Real MPI, 2 ranks: channels-last and NCHW messages, a short one into a full-size buffer;
+    the sender hands MPI the producer's memory and the receiver gets channels-last strides."""
+    proc = mpirun(2, [PROGRAMS / "layout.py", "cpu"], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "layout ok" in proc.stdout

@@ -114,7 +114,10 @@ def params(state):
 
 
 @pytest.mark.parametrize("R,J,method,k", [
-    (2, 2, "petra", 1), (2, 2, "petra", 2), (2, 1, "petra", 1), (2, 2, "backprop", 2),
+    (2, 2, "petra", 2),
+    pytest.param(2, 2, "petra", 1, marks=pytest.mark.extended),
+    pytest.param(2, 1, "petra", 1, marks=pytest.mark.extended),
+    pytest.param(2, 2, "backprop", 2, marks=pytest.mark.extended),
 ])
 def test_replicas_equal_the_local_reference_bitwise(tmp_path, R, J, method, k):
     """R = 2: MPI's sum of two gradients is a + b in either order, as the reference's is."""
@@ -137,6 +140,7 @@ def test_replicas_equal_the_local_reference_bitwise(tmp_path, R, J, method, k):
     assert got[J - 1]["eval"] == ref_eval and got[2 * J - 1]["eval"] is None  # replica 0 evaluates
 
 
+@pytest.mark.extended
 def test_without_the_average_replicas_drift_apart(tmp_path):
     """Negative control: the same run with the averaging switched off on every rank."""
     got = launch(tmp_path, 2, 2, "petra", 1, 5, "noreduce")
@@ -145,6 +149,7 @@ def test_without_the_average_replicas_drift_apart(tmp_path):
     assert not all(torch.equal(x, y) for x, y in zip(params(got[0]), params(got[2])))
 
 
+@pytest.mark.extended
 def test_four_replicas_agree_with_the_reference_to_rounding(tmp_path):
     """R = 4: MPI associates the sum its own way, so the reference agrees to rounding only; the
     replicas still hold bitwise identical weights (every rank gets the same all-reduce result)."""
@@ -157,6 +162,7 @@ def test_four_replicas_agree_with_the_reference_to_rounding(tmp_path):
         assert all(torch.equal(x, y) for x, y in zip(params(state), params(got[0])))
 
 
+@pytest.mark.extended
 def test_lr0_gradient_is_the_end_to_end_gradient_over_all_replicas(tmp_path):
     """Invariant 1 with replicas: every step's gradient, summed over the run, equals the exact
     end-to-end gradient of the groups of R · k micro-batches the replicas shared."""
@@ -194,6 +200,7 @@ def sgd_on_concatenated_batches(arch_flags, R, k, n):
     return list(net.parameters())
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("arch", ["revvit", "revnet18"])
 def test_two_replicas_without_batch_norm_are_sgd_on_the_concatenated_batch(tmp_path, arch):
     """The reversible ViT has no batch norm, so averaging two replicas' gradients is SGD on their
@@ -211,6 +218,7 @@ def test_two_replicas_without_batch_norm_are_sgd_on_the_concatenated_batch(tmp_p
 
 # ---------------------------------------------------------------- the trainer
 
+@pytest.mark.extended
 def test_trainer_stop_resume_with_two_replicas_equals_running_on(tmp_path):
     """mpirun -n 4 as 2 replicas x 2 stages: SIGUSR1 mid-epoch, resume, and the final checkpoint
     equals an uninterrupted run's; resuming with another number of replicas is refused."""
@@ -238,6 +246,7 @@ def test_trainer_stop_resume_with_two_replicas_equals_running_on(tmp_path):
     assert start["event"] == "start" and start["replicas"] == 2
 
 
+@pytest.mark.extended
 def test_one_rank_writes_every_output_with_replicas(tmp_path):
     """2 replicas x 2 stages: metrics.jsonl, summary.json and trace.json (every rank's events)
     all come from one rank, replica 0's last stage, so node-local output directories keep them
@@ -255,6 +264,7 @@ def test_one_rank_writes_every_output_with_replicas(tmp_path):
     assert processes == {f"rank {r}" for r in range(4)}
 
 
+@pytest.mark.extended
 def test_world_that_fits_no_layout_fails_on_every_rank_before_work(tmp_path):
     proc = mpirun(3, ["-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",
                       f"run.out_dir={tmp_path}", *QUICK, "--set", "model.stages=2"], timeout=60)
@@ -278,6 +288,7 @@ def test_one_process_replicas_and_learning_rate_rule(tmp_path):
     assert train[0]["lr"] == pytest.approx(0.1 * 64 * 2 * 2 / 256)  # base · batch · k · R / 256
 
 
+@pytest.mark.extended
 def test_bench_replicas_last_line(tmp_path):
     proc = mpirun(2, ["-m", "petra_mpi.bench", "replicas", "--width", "4", "--batch", "8",
                       "--microbatches", "4", "--rounds", "1"], timeout=180)

@@ -39,6 +39,7 @@ def test_crop_resize_batch_matches_per_image_interpolate():
         assert torch.equal(out[k], patch.to(torch.uint8)), k
 
 
+@pytest.mark.extended  # starts process pools
 @pytest.mark.parametrize("train", [True, False])
 def test_decode_pools_agree(train):
     from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
