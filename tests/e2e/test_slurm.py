@@ -83,6 +83,7 @@ def test_configs_exist_and_match_ranks(script):
         assert R == cfg.train.replicas or (R == 1 and not cfg.train.replicas), config
 
 
+@pytest.mark.extended
 def test_dry_run_every_script():
     """DRY_RUN=1 runs the script's trainer command with --dry-run (narrow, to stay quick): the
     stages build and the shapes check out. Array scripts: their first task."""
@@ -148,6 +149,7 @@ def submit(cluster, tmp_path, script, *options, **env):
                           f"--output={tmp_path}/slurm-%j.out", *options, env=env, cwd=ROOT)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("script", [s for s in SCRIPTS if not s.endswith("common.sh")],
                          ids=os.path.basename)
 def test_sbatch_accepts_full_request(cluster, script):
@@ -175,6 +177,7 @@ def test_smoke_job(cluster, tmp_path):
     assert "run.resume=auto" in log and "srun --mpi=pmi2" in log
 
 
+@pytest.mark.extended
 def test_failing_job_reports_failure(cluster, tmp_path):
     """A trainer error (here an unknown config key) fails the job with the trainer's status."""
     jobid = submit(cluster, tmp_path, "revnet18_cifar10.sh", CONFIG="configs/quickstart.yaml",
@@ -202,6 +205,7 @@ def start_training(cluster, tmp_path):
     return jobid, out
 
 
+@pytest.mark.extended
 def test_preemption_checkpoints_requeues_and_resumes(cluster, tmp_path):
     """USR1 to the batch shell (as --signal=B:USR1@300 sends it before the time limit): the ranks
     checkpoint and exit 3, the job requeues itself and the requeued job resumes and finishes."""
@@ -225,6 +229,7 @@ def test_preemption_checkpoints_requeues_and_resumes(cluster, tmp_path):
     assert (out / "summary.json").exists()
 
 
+@pytest.mark.extended
 def test_scancel_checkpoints_and_stays_cancelled(cluster, tmp_path):
     """A plain scancel (SIGTERM): the ranks still checkpoint, but the job does not requeue."""
     jobid, out = start_training(cluster, tmp_path)
@@ -242,6 +247,7 @@ def test_scancel_checkpoints_and_stays_cancelled(cluster, tmp_path):
     assert glob.glob(str(out / "checkpoints" / "*" / "manifest.json")), log
 
 
+@pytest.mark.extended
 def test_replicas_job(cluster, tmp_path):
     """The replicas script, small: 2 tasks under srun as 2 replicas of a 1-stage net."""
     out = tmp_path / "run"
@@ -257,6 +263,7 @@ def test_replicas_job(cluster, tmp_path):
     assert "2 replicas x 1 stages" in log
 
 
+@pytest.mark.extended
 def test_job_array(cluster, tmp_path):
     """Two tasks of the Table 4 array, both pointed at the small config, under mpirun."""
     out = tmp_path / "arr"
@@ -272,6 +279,7 @@ def test_job_array(cluster, tmp_path):
         assert "mpirun -n 2" in (out / f"task{task}" / "logs" / "train.log").read_text()
 
 
+@pytest.mark.extended
 def test_pack_imagenet_array_and_merge(cluster, tmp_path):
     """pack_imagenet.sh: two shard tasks, then the merge job that the first task queued."""
     from test_data_prep import make_imagenet
