@@ -479,16 +479,21 @@ def children_of(pid):
     return kids
 
 
-def start_and_interrupt(cmd, out, sig, settle, group=False):
-    """Start a packer, wait for its temporary file, let it work `settle` s, send `sig` to it
-    (or, with group=True, to its whole process group, as Ctrl-C in a terminal does)."""
+def start_and_interrupt(cmd, out, sig, workers=0, group=False):
+    """Start a packer, wait until it is at work (its temporary file exists and, with `workers`,
+    that many worker processes run), then send `sig` to it (or, with group=True, to its whole
+    process group, as Ctrl-C in a terminal does)."""
     proc = subprocess.Popen([sys.executable, "-m", *map(str, cmd)], cwd=REPO, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    folder, deadline = os.path.dirname(out), time.monotonic() + 30
-    while not [n for n in os.listdir(folder) if ".tmp-" in n]:
+    folder, deadline = os.path.dirname(out), time.monotonic() + 60
+
+    def at_work():
+        return ([n for n in os.listdir(folder) if ".tmp-" in n]
+                and len(children_of(proc.pid)) >= workers)
+
+    while not at_work():  # polls what the packer does, so a loaded machine only makes it slower
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.01)
-    time.sleep(settle)
     kids = children_of(proc.pid)
     assert proc.poll() is None, "the packer finished before it could be interrupted"
     if group:
@@ -503,7 +508,7 @@ def test_interrupted_synthetic_leaves_nothing(tmp_path):
     """Ctrl-C to a single-process packer while it computes (the pool case is below)."""
     out = str(tmp_path / "s.h5")
     rc, err, _ = start_and_interrupt(["data_prep.synthetic", "--out", out, "--train", 100000],
-                                     out, signal.SIGINT, settle=0.2)
+                                     out, signal.SIGINT)
     assert rc == 130 and "data_prep.synthetic: interrupted" in err and "Traceback" not in err
     assert os.listdir(tmp_path) == []
 
@@ -526,12 +531,14 @@ def test_interrupted_imagenet_pool_leaves_nothing(tmp_path, sig, group):
     out = str(outdir / "in.h5")
     rc, err, kids = start_and_interrupt(
         ["data_prep.imagenet", "--source", src, "--out", out, "--size", 700, "--workers", 2],
-        out, sig, settle=0.8, group=group)
+        out, sig, workers=2, group=group)
     assert rc == 130 and "Traceback" not in err, err
     assert os.listdir(outdir) == []
     assert len(kids) == 2  # the pool was running ...
-    time.sleep(0.5)
-    assert not [k for k in kids if os.path.exists(f"/proc/{k}")]  # ... and is gone
+    deadline = time.monotonic() + 30  # ... and is gone: exited workers are reaped as orphans
+    while [k for k in kids if os.path.exists(f"/proc/{k}")] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not [k for k in kids if os.path.exists(f"/proc/{k}")]
 
 
 # ---------------------------------------------------------------- synthetic, verify, --help
