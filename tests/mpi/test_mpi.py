@@ -143,6 +143,7 @@ def test_invariant3_mpi_equals_local_bitwise_in_bf16(launched):
     assert any(not torch.equal(a, b) for a, b in zip(stages[0].parameters(), fp32[0].parameters()))
 
 
+@pytest.mark.extended  # 4 ranks
 def test_rank_failure_ends_every_rank(tmp_path):
     proc = mpirun(4, [PROGRAMS / "faulty_train.py", 1, 5, "configs/quickstart.yaml",
                       "--set", f"run.out_dir={tmp_path}", *QUICK], timeout=60)

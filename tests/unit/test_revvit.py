@@ -209,6 +209,7 @@ def test_adamw_cosine_checkpoint_resume_equals_running_on(tmp_path):
     assert other.returncode == 1 and "optimizer" in other.stderr
 
 
+@pytest.mark.extended  # two trainer subprocesses
 def test_transformers_are_built_for_the_image_side_the_data_has(tmp_path):
     """The ViT's patch grid follows the images training feeds it, not the stem's usual size: the
     ImageNet stem on the 32-pixel synthetic set, and 64-pixel array data in a dry run (timed by
