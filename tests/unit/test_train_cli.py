@@ -112,6 +112,7 @@ def test_diagnostics_give_cosine_one_when_lr_is_zero(tmp_path):
             assert d["rebuild_error"] < 1e-5
 
 
+@pytest.mark.extended  # a trainer subprocess, as the next three
 def test_diagnostics_see_the_delay_when_lr_is_positive(tmp_path):
     proc = train("--set", f"run.out_dir={tmp_path}", *QUICK, "--set", "train.diag_every=2",
                  "--set", "optim.lr=2", "--set", "optim.warmup_epochs=0")
@@ -137,6 +138,7 @@ def test_incomplete_checkpoint_is_never_picked(tmp_path):
     assert find_resume(str(tmp_path), "auto") is None
 
 
+@pytest.mark.extended
 def test_rerun_resumes_by_default_and_none_refuses_to_mix(tmp_path):
     proc = train("--set", f"run.out_dir={tmp_path}", *QUICK)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -156,6 +158,7 @@ def test_checkpoint_cadence_must_keep_accumulation_groups(tmp_path, override, me
     assert proc.returncode == 2 and message in proc.stderr
 
 
+@pytest.mark.extended
 def test_resume_from_another_model_is_an_error(tmp_path):
     proc = train("--set", f"run.out_dir={tmp_path}", *QUICK)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -165,6 +168,7 @@ def test_resume_from_another_model_is_an_error(tmp_path):
     assert "cannot resume" in proc.stderr and "width" in proc.stderr
 
 
+@pytest.mark.extended
 def test_dry_run_profile_prints_measured_costs_and_uses_the_measured_split():
     proc = train("--dry-run", "--profile", "--set", "model.width=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
