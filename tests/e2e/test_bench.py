@@ -10,7 +10,8 @@ import torch
 
 from conftest import ROOT, mpirun
 
-pytestmark = pytest.mark.extended  # each bench costs a launch; the engine they time is tested in unit/ and mpi/
+# Each bench costs a launch or two; the engine they time is tested in unit/ and mpi/.
+pytestmark = pytest.mark.extended
 
 
 def last_json(proc):

@@ -33,7 +33,8 @@ def eval_batches(short=False):
         yield x[:2], y[:2]
 
 
-# The tiny revvit of the invariant-3 test in tests/mpi/test_mpi.py (flag "revvit"): 16x16 images, 4x4 patches.
+# The tiny revvit of the invariant-3 test in tests/mpi/test_mpi.py (flag "revvit"): 16x16 images,
+# 4x4 patches.
 REVVIT = dict(width=8, image_size=16, model_kw=dict(depth=4, heads=2, patch=4))
 
 

@@ -1,5 +1,6 @@
 """The performance pieces: the balanced split on given costs, the performance model's arithmetic,
-the receive-buffer pool and the measured split in a run (the benchmarks: tests/e2e/test_bench.py)."""
+the receive-buffer pool and the measured split in a run (the benchmarks are in
+tests/e2e/test_bench.py)."""
 import copy
 import json
 import subprocess

@@ -1,7 +1,8 @@
 """The transport's logic on the CPU (comm.py, replicas.py): when a pooled receive buffer may be
 reused, how the host waits for GPU data (by polling MPI, never by blocking), which path the
 replicas' average takes, and messages in channels-last layout. GPU events and MPI requests are
-played by fakes here (tests/mpi/test_mpi.py sends real messages); tests/e2e/test_gpu.py runs the real thing where a GPU exists."""
+played by fakes here; tests/mpi/test_mpi.py sends real messages, and tests/e2e/test_gpu.py
+runs the real thing where a GPU exists."""
 import sys
 
 import numpy as np
