@@ -211,7 +211,7 @@ def has_gpu_decode(device):
     return True
 
 
-# Set (tests/test_gpu.py) to synchronise the whole device before every GPU decode: the reference
+# Set (tests/e2e/test_gpu.py) to synchronise the whole device before every GPU decode: the reference
 # against which the stream-safe path must give bitwise the same training.
 SYNC_BEFORE_DECODE = False
 _decode_streams = {}  # device index -> the side stream that runs nvJPEG and the crops

@@ -8,9 +8,9 @@ import sys
 import pytest
 from PIL import Image
 
+from conftest import ROOT, check_png, run_plot
 from petra_mpi import plot
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASIC = ["loss.png", "accuracy.png", "lr.png", "throughput.png"]
 DIAG = ["grad_cosine.png", "grad_norm_ratio.png", "grad_by_stage.png", "rebuild_error.png"]
 
@@ -27,23 +27,6 @@ def train(out_dir, *extra):
     return str(out_dir)
 
 
-def run_plot(*args):
-    return subprocess.run([sys.executable, "-m", "petra_mpi.plot", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-
-
-def check_png(path):
-    """A real picture: PNG signature, more than a blank canvas's bytes, decodes, not one colour."""
-    assert os.path.isfile(path), f"{path} not written"
-    with open(path, "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n", path
-    assert os.path.getsize(path) > 5000, path
-    with Image.open(path) as img:
-        img.load()
-        extrema = img.convert("RGB").getextrema()
-    assert any(lo != hi for lo, hi in extrema), f"{path} is a single colour"
-
-
 @pytest.fixture(scope="module")
 def petra_run(tmp_path_factory):
     return train(tmp_path_factory.mktemp("petra"), "--set=train.diag_every=2")
@@ -55,6 +38,7 @@ def backprop_run(tmp_path_factory):
                  "--set=train.epochs=1", "--set=train.limit_batches=4")
 
 
+@pytest.mark.extended
 def test_basic_figures_from_real_run(petra_run, tmp_path):
     proc = run_plot(petra_run, "--out", tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -69,6 +53,7 @@ def test_basic_figures_from_real_run(petra_run, tmp_path):
     check_png(os.path.join(petra_run, "loss.png"))
 
 
+@pytest.mark.extended
 def test_diag_figures_from_real_run(petra_run, tmp_path):
     """Needs the trainer's "diag" events (train.diag_every): Fig. 5/6 style figures."""
     run = plot.load_run(petra_run)
@@ -86,6 +71,7 @@ def test_diag_figures_from_real_run(petra_run, tmp_path):
         check_png(os.path.join(tmp_path, name))
 
 
+@pytest.mark.extended
 def test_overlay_has_one_series_per_run(petra_run, backprop_run, tmp_path):
     runs = plot.load_runs([petra_run, backprop_run])
     labels = [r.label for r in runs]
@@ -106,6 +92,7 @@ def test_overlay_has_one_series_per_run(petra_run, backprop_run, tmp_path):
         check_png(os.path.join(tmp_path, name))
 
 
+@pytest.mark.extended
 def test_same_label_gets_dir_name(petra_run):
     runs = plot.load_runs([petra_run, petra_run])
     assert runs[0].label != "petra/revnet18" and runs[0].label.startswith("petra/revnet18 (")

@@ -1,8 +1,10 @@
 """Tests of the offline packers (data_prep/): real fixture files in the upstream formats, packed
-through the command lines, read back with h5py."""
+through the command lines (in this process, but for the interruption tests), read back with h5py."""
+import contextlib
 import functools
 import hashlib
 import http.server
+import importlib
 import io
 import multiprocessing
 import os
@@ -21,16 +23,29 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFilter
 
-from data_prep.common import PrepError
+from conftest import ROOT
+from data_prep.common import PrepError, run_cli
 from data_prep.imagenet import encode, ordered_map, read_val_labels
 from data_prep.verify import verify
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(ROOT)
 
 
-def run(module, *args, timeout=120):
-    return subprocess.run([sys.executable, "-m", f"data_prep.{module}", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+def run(module, *args):
+    """`python -m data_prep.MODULE ARGS` run in this process (no interpreter start-up per call):
+    its exit status and what it printed, as subprocess.run would give them."""
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    sigterm = signal.getsignal(signal.SIGTERM)  # run_cli installs its own; keep pytest's
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            run_cli(importlib.import_module(f"data_prep.{module}").main, argv)
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    return subprocess.CompletedProcess([sys.executable, "-m", f"data_prep.{module}", *argv],
+                                       status, out.getvalue(), err.getvalue())
 
 
 def assert_ok(proc):

@@ -1,7 +1,7 @@
 """Run under mpirun: one segment in which ONE rank is asked to stop at a fixed tick of its own
 engine, to exercise the MPI engine's stop vote deterministically (no signal, no timing).
 
-Usage: mpirun -n J python tests/mpi/stop_vote.py OUT_DIR STOP_RANK STOP_TICK N
+Usage: mpirun -n J python tests/programs/stop_vote.py OUT_DIR STOP_RANK STOP_TICK N
 Writes OUT_DIR/rank{r}.pt with the segment length train_segment returned, whether the drain-point
 check saw the stop, and the stage's parameters and buffers.
 """

@@ -2,7 +2,7 @@
 and evaluate; each rank saves its stage's parameters, buffers, evaluation totals and (lr0) the
 gradients every step applied.
 
-Usage: mpirun -n R*J python tests/mpi/replica_run.py OUT_DIR METHOD K N R [flags]
+Usage: mpirun -n R*J python tests/programs/replica_run.py OUT_DIR METHOD K N R [flags]
 flags: float64; lr0 (lr = 0, no momentum: record the applied gradients); revvit (the tiny
 BN-free reversible ViT); noreduce (negative control: the replicas never average).
 The data: the global sequence global_batches(R * n, seed), replica r reading micro-batches

@@ -5,8 +5,9 @@ import subprocess
 import sys
 from collections import Counter
 
-from test_mpi import QUICK, ROOT, mpirun
-from test_plot import check_png, run_plot
+import pytest
+
+from conftest import QUICK, ROOT, check_png, mpirun, run_plot
 
 from petra_mpi import trace
 
@@ -40,6 +41,7 @@ def check_spans(spans, pids):
             assert 0 <= e["args"]["microbatch"] < MICROBATCHES and e["args"]["tick"] >= 0, e
 
 
+@pytest.mark.extended
 def test_traced_mpi_run_has_every_rank_and_kind_and_plots(tmp_path):
     proc = mpirun(3, train_args(tmp_path, "--set", "run.trace=true"), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -58,6 +60,7 @@ def test_traced_mpi_run_has_every_rank_and_kind_and_plots(tmp_path):
     check_png(tmp_path / "timeline.png")
 
 
+@pytest.mark.extended
 def test_traced_one_process_run_gives_each_stage_a_pid(tmp_path):
     cmd = [sys.executable, *train_args(tmp_path, "--set", "run.trace=true", "--set",
                                        "model.stages=3")]
@@ -72,6 +75,7 @@ def test_traced_one_process_run_gives_each_stage_a_pid(tmp_path):
     assert all(a[1] <= b[0] + 1e-3 for a, b in zip(work, work[1:]))
 
 
+@pytest.mark.extended
 def test_no_trace_when_off(tmp_path):
     proc = mpirun(2, train_args(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -6,9 +6,10 @@ import os
 import pytest
 import torch
 
-from test_mpi import HERE, QUICK, check_run_outputs, mpirun
+from conftest import PROGRAMS, QUICK, ROOT, check_run_outputs, mpirun
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.extended]
 
 
 def test_stage_backward_on_gpu_matches_cpu():
@@ -80,7 +81,7 @@ def test_mpi_equivalence_cpu_vs_gpu_staging(tmp_path):
     local = subprocess.run([sys.executable, "-m", "petra_mpi.train", "configs/quickstart.yaml",
                             "--set", f"run.out_dir={tmp_path / 'local'}", *QUICK, "--set",
                             "run.device=cuda", "--set", PINNED_SPLIT], capture_output=True,
-                           text=True, timeout=300, cwd=HERE.parent,
+                           text=True, timeout=300, cwd=ROOT,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert local.returncode == 0, local.stderr[-3000:]
     # Same device and kernels, so only non-deterministic reductions (atomics in cuDNN's weight
@@ -96,10 +97,10 @@ def test_gpu_jpeg_decode_is_stream_safe(tmp_path):
     pytest.importorskip("torchvision.io")
     import subprocess
     import sys
-    script = HERE / "gpu" / "decode_training.py"
+    script = PROGRAMS / "decode_training.py"
     for sync in ("0", "1"):
         proc = subprocess.run([sys.executable, str(script), str(tmp_path / f"sync{sync}.pt"), sync],
-                              capture_output=True, text=True, timeout=300, cwd=HERE.parent,
+                              capture_output=True, text=True, timeout=300, cwd=ROOT,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stderr[-3000:]
     free, synced = (torch.load(tmp_path / f"sync{s}.pt") for s in ("0", "1"))
@@ -131,7 +132,7 @@ def test_bench_data_decodes_jpeg_on_the_gpu():
     proc = subprocess.run([sys.executable, "-m", "petra_mpi.bench", "data", "synthetic",
                            "--device", "cuda", "--seconds", "0.5", "--synthetic-n", "512",
                            "--jpeg-demo", "--decode-pool", "thread"], capture_output=True,
-                          text=True, timeout=300, cwd=HERE.parent)
+                          text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["device"].startswith("cuda") and out["jpeg_gpu_decode"] is True
@@ -147,7 +148,7 @@ def test_channels_last_messages_keep_their_layout_on_gpu(aware):
     from petra_mpi.comm import cuda_aware_mpi
     if aware == "1" and not cuda_aware_mpi()[0]:
         pytest.skip("the MPI library is not CUDA-aware")
-    proc = mpirun(2, [HERE / "mpi" / "layout.py", "cuda"], timeout=300,
+    proc = mpirun(2, [PROGRAMS / "layout.py", "cuda"], timeout=300,
                   env={"PETRA_MPI_CUDA_AWARE": aware})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "layout ok" in proc.stdout
@@ -242,7 +243,7 @@ def test_replica_average_on_gpu(tmp_path, aware, collectives, path):
     assert f"replica average {path}" in proc.stderr
     check_run_outputs(tmp_path / "mpi", epochs=1, stages=2)
     local = subprocess.run([sys.executable, *args, "--set", f"run.out_dir={tmp_path / 'local'}"],
-                           capture_output=True, text=True, timeout=300, cwd=HERE.parent,
+                           capture_output=True, text=True, timeout=300, cwd=ROOT,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert local.returncode == 0, local.stderr[-3000:]
     # as in test_mpi_equivalence_cpu_vs_gpu_staging: only cuDNN's atomics may differ

@@ -1,7 +1,8 @@
 """The transport's logic on the CPU (comm.py, replicas.py): when a pooled receive buffer may be
 reused, how the host waits for GPU data (by polling MPI, never by blocking), which path the
 replicas' average takes, and messages in channels-last layout. GPU events and MPI requests are
-played by fakes here; tests/test_gpu.py runs the real thing where a GPU exists."""
+played by fakes here; tests/mpi/test_mpi.py sends real messages, and tests/e2e/test_gpu.py
+runs the real thing where a GPU exists."""
 import sys
 
 import numpy as np
@@ -12,7 +13,6 @@ from petra_mpi.comm import (CHANNELS_LAST, CONTIGUOUS, TAG_ACTIVATION, HostPool,
                             Transport, device_collectives, empty_in_layout, in_layout, layout_of,
                             storage_order)
 from petra_mpi.engine.replicas import MPIMean, average_path
-from test_mpi import ROOT, mpirun
 
 # ---------------------------------------------------------------- receive-buffer pool
 
@@ -267,11 +267,3 @@ def test_layout_helpers_round_trip():
     y = empty_in_layout((4, 3, 2, 5), CHANNELS_LAST, lambda s: torch.empty(s))
     assert y.shape == (4, 3, 2, 5) and y.is_contiguous(memory_format=torch.channels_last)
     assert empty_in_layout((4, 10), CONTIGUOUS, lambda s: torch.empty(s)).shape == (4, 10)
-
-
-def test_channels_last_through_mpi():
-    """Real MPI, 2 ranks: channels-last and NCHW messages, a short one into a full-size buffer;
-    the sender hands MPI the producer's memory and the receiver gets channels-last strides."""
-    proc = mpirun(2, [ROOT / "tests" / "mpi" / "layout.py", "cpu"], timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "layout ok" in proc.stdout

@@ -1,6 +1,7 @@
 """Run the real trainer with one rank made to fail mid-run (for the fault tests).
 
-Usage: mpirun -n J python tests/mpi/faulty_train.py FAIL_RANK FAIL_MICROBATCH CONFIG [--set ...]
+Usage: mpirun -n J python tests/programs/faulty_train.py FAIL_RANK FAIL_MICROBATCH CONFIG
+       [--set ...]
 """
 import sys
 

@@ -8,11 +8,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from petra_mpi.checkpoint import complete_checkpoints
 from petra_mpi.stopping import EXIT_REQUEUE
-from test_mpi import QUICK, ROOT
+from conftest import QUICK, ROOT
 
 # The estimated split: the interrupted and the uninterrupted runs are separate starts, and a
 # measured split could differ between them (a resumed run keeps its checkpoint's split).
@@ -99,6 +100,7 @@ def test_signal_checkpoint_resume_equals_running_on(tmp_path):
     assert summary["epochs"] == 2 and len(summary["history"]) == 2
 
 
+@pytest.mark.extended  # invariant 6 is the test above; this one the SIGTERM path on 4 ranks
 def test_sigterm_mid_segment_stops_drains_and_resumes(tmp_path):
     proc = launch(4, tmp_path)
     signal_once_training(proc, tmp_path, signal.SIGTERM)

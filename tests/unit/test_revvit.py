@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import ROOT
 from helpers import (applied_gradients, end_to_end_gradients, flat_params, make_batches,
                      max_relative_error)
 from petra_mpi.config import ConfigError, load_config, num_stages
@@ -20,8 +21,6 @@ from petra_mpi.optim import LRSchedule, StageOptimizer
 from petra_mpi.partition import block_costs
 from petra_mpi.stages import Stage
 
-HERE = Path(__file__).parent
-ROOT = HERE.parent
 # A tiny revvit on 8x8 images: 4 tokens of 2x2 patches, width 8 per stream, 2 heads, 4 blocks
 # (6 blocks with the patch embedding and the head).
 TINY = dict(image_size=8, model_kw=dict(depth=4, heads=2, patch=4))
@@ -160,42 +159,6 @@ def test_configs_and_validation(tmp_path):
             load_config(q, [override])
 
 
-def mpirun(n, args, timeout=180):
-    import os
-    return subprocess.run(["mpirun", "-n", str(n), sys.executable, *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-@pytest.mark.parametrize("J,method,k", [(3, "petra", 2)])
-def test_invariant3_mpi_equals_local_bitwise(tmp_path, J, method, k):
-    sys.path.insert(0, str(HERE / "mpi"))
-    from equivalence import REVVIT, batches
-    n = 6
-    proc = mpirun(J, [HERE / "mpi" / "equivalence.py", tmp_path, method, k, n, "revvit"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    try:
-        stages = build_stages("revvit", REVVIT["width"], 10, J, seed=0,
-                              image_size=REVVIT["image_size"], model_kw=REVVIT["model_kw"])
-        workers = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), k,
-                                weight_decay=5e-4)
-        engine = LocalEngine(workers, method)
-        engine.train_segment(batches(n), n)
-        engine.train_segment(batches(n, seed=2), n)
-        ref_eval = engine.evaluate(batches(3, seed=3), 3).result()
-    finally:
-        torch.use_deterministic_algorithms(False)
-    for r in range(J):
-        got = torch.load(tmp_path / f"rank{r}.pt")
-        want = [p.detach() for p in stages[r].parameters()]
-        assert len(got["params"]) == len(want)
-        for g, w in zip(got["params"], want):
-            assert torch.equal(g, w), f"rank {r} differs from the local engine"
-    assert torch.load(tmp_path / f"rank{J - 1}.pt")["eval"] == ref_eval
-
-
 def train_cli(*args, timeout=300):
     import os
     return subprocess.run([sys.executable, "-m", "petra_mpi.train", "configs/quickstart_revvit.yaml",
@@ -246,6 +209,7 @@ def test_adamw_cosine_checkpoint_resume_equals_running_on(tmp_path):
     assert other.returncode == 1 and "optimizer" in other.stderr
 
 
+@pytest.mark.extended  # two trainer subprocesses
 def test_transformers_are_built_for_the_image_side_the_data_has(tmp_path):
     """The ViT's patch grid follows the images training feeds it, not the stem's usual size: the
     ImageNet stem on the 32-pixel synthetic set, and 64-pixel array data in a dry run (timed by

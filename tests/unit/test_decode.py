@@ -1,13 +1,12 @@
 """JPEG decode: the batched crop/resize and the decode pools."""
 import io
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-ROOT = Path(__file__).parent.parent
+from conftest import ROOT
 
 
 # ---- JPEG decode -------------------------------------------------------------------------------
@@ -40,6 +39,7 @@ def test_crop_resize_batch_matches_per_image_interpolate():
         assert torch.equal(out[k], patch.to(torch.uint8)), k
 
 
+@pytest.mark.extended  # starts process pools
 @pytest.mark.parametrize("train", [True, False])
 def test_decode_pools_agree(train):
     from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ROOT
 from petra_mpi.config import load_config, num_stages
 from petra_mpi.models import num_blocks
 from petra_mpi.optim import peak_lr
 from petra_mpi.train import main
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = ROOT / "configs"
 BASES = sorted((CONFIGS / "base").glob("*.yaml"))
 LEAVES = sorted(p for p in CONFIGS.rglob("*.yaml") if "base" not in p.relative_to(CONFIGS).parts)
 
@@ -33,7 +34,13 @@ def test_discovery():
     assert counts == {"table2": 27, "fig4": 7, "table3": 4, "table4": 15, "table5": 6, "fig5": 1}
 
 
-@pytest.mark.parametrize("path", LEAVES, ids=rel)
+# The default selection dry-runs two configs; the others build full-size models for minutes.
+DRY_RUN_BY_DEFAULT = {"quickstart.yaml", "cifar10.yaml"}
+
+
+@pytest.mark.parametrize("path", [
+    pytest.param(p, marks=() if rel(p) in DRY_RUN_BY_DEFAULT else pytest.mark.extended, id=rel(p))
+    for p in LEAVES])
 def test_dry_run(path, capsys):
     cfg = load_config(path)
     J = num_stages(cfg)
@@ -162,6 +169,7 @@ def test_mission_configs_are_table2_runs(name, table2):
     assert num_stages(cfg) == {"cifar10.yaml": 10, "imagenet.yaml": 18}[name] == num_stages(ref)
 
 
+@pytest.mark.extended
 def test_mission_command_cifar10_under_mpirun_10(tmp_path):
     """`mpirun -n 10 python -m petra_mpi.train configs/cifar10.yaml` for real, on a CIFAR-10 file
     packed by data_prep.cifar from a small tarball in the upstream format, shrunk only by --set."""

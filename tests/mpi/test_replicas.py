@@ -17,13 +17,12 @@ from petra_mpi.engine.build import build_workers
 from petra_mpi.engine.local import LocalEngine
 from petra_mpi.optim import StageOptimizer
 from helpers import end_to_end_gradients, max_relative_error
-from test_mpi import HERE, QUICK, mpirun
+from conftest import PROGRAMS, QUICK, ROOT, mpirun
 
-sys.path.insert(0, str(HERE / "mpi"))
-from equivalence import eval_batches  # noqa: E402
-from replica_run import build, global_batches, schedule, share  # noqa: E402
+from equivalence import eval_batches
+from replica_run import build, global_batches, schedule, share
 
-SCRIPT = HERE / "mpi" / "replica_run.py"
+SCRIPT = PROGRAMS / "replica_run.py"
 
 
 # ---------------------------------------------------------------- layout, config, sampler
@@ -38,7 +37,7 @@ SCRIPT = HERE / "mpi" / "replica_run.py"
     (1, ["model.stages=3", "train.replicas=2"], (3, 2)),  # one process: R simulated replicas
 ])
 def test_layout(size, sets, layout):
-    cfg = load_config(HERE.parent / "configs/quickstart.yaml", ["model.stages=0", *sets])
+    cfg = load_config(ROOT / "configs/quickstart.yaml", ["model.stages=0", *sets])
     validate(cfg, size)
     assert (num_stages(cfg, size), num_replicas(cfg, size)) == layout
 
@@ -54,7 +53,7 @@ def test_layout(size, sets, layout):
 ])
 def test_layout_errors(size, sets, message):
     with pytest.raises(ConfigError, match=message):
-        validate(load_config(HERE.parent / "configs/quickstart.yaml", sets), size)
+        validate(load_config(ROOT / "configs/quickstart.yaml", sets), size)
 
 
 def test_sampler_shares_are_disjoint_and_cover_the_epoch():
@@ -116,7 +115,10 @@ def params(state):
 
 
 @pytest.mark.parametrize("R,J,method,k", [
-    (2, 2, "petra", 1), (2, 2, "petra", 2), (2, 1, "petra", 1), (2, 2, "backprop", 2),
+    (2, 2, "petra", 2),
+    pytest.param(2, 2, "petra", 1, marks=pytest.mark.extended),
+    pytest.param(2, 1, "petra", 1, marks=pytest.mark.extended),
+    pytest.param(2, 2, "backprop", 2, marks=pytest.mark.extended),
 ])
 def test_replicas_equal_the_local_reference_bitwise(tmp_path, R, J, method, k):
     """R = 2: MPI's sum of two gradients is a + b in either order, as the reference's is."""
@@ -139,6 +141,7 @@ def test_replicas_equal_the_local_reference_bitwise(tmp_path, R, J, method, k):
     assert got[J - 1]["eval"] == ref_eval and got[2 * J - 1]["eval"] is None  # replica 0 evaluates
 
 
+@pytest.mark.extended
 def test_without_the_average_replicas_drift_apart(tmp_path):
     """Negative control: the same run with the averaging switched off on every rank."""
     got = launch(tmp_path, 2, 2, "petra", 1, 5, "noreduce")
@@ -147,6 +150,7 @@ def test_without_the_average_replicas_drift_apart(tmp_path):
     assert not all(torch.equal(x, y) for x, y in zip(params(got[0]), params(got[2])))
 
 
+@pytest.mark.extended
 def test_four_replicas_agree_with_the_reference_to_rounding(tmp_path):
     """R = 4: MPI associates the sum its own way, so the reference agrees to rounding only; the
     replicas still hold bitwise identical weights (every rank gets the same all-reduce result)."""
@@ -159,6 +163,7 @@ def test_four_replicas_agree_with_the_reference_to_rounding(tmp_path):
         assert all(torch.equal(x, y) for x, y in zip(params(state), params(got[0])))
 
 
+@pytest.mark.extended
 def test_lr0_gradient_is_the_end_to_end_gradient_over_all_replicas(tmp_path):
     """Invariant 1 with replicas: every step's gradient, summed over the run, equals the exact
     end-to-end gradient of the groups of R · k micro-batches the replicas shared."""
@@ -196,6 +201,7 @@ def sgd_on_concatenated_batches(arch_flags, R, k, n):
     return list(net.parameters())
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("arch", ["revvit", "revnet18"])
 def test_two_replicas_without_batch_norm_are_sgd_on_the_concatenated_batch(tmp_path, arch):
     """The reversible ViT has no batch norm, so averaging two replicas' gradients is SGD on their
@@ -213,6 +219,7 @@ def test_two_replicas_without_batch_norm_are_sgd_on_the_concatenated_batch(tmp_p
 
 # ---------------------------------------------------------------- the trainer
 
+@pytest.mark.extended
 def test_trainer_stop_resume_with_two_replicas_equals_running_on(tmp_path):
     """mpirun -n 4 as 2 replicas x 2 stages: SIGUSR1 mid-epoch, resume, and the final checkpoint
     equals an uninterrupted run's; resumed on one replica instead, the run reports the change
@@ -243,6 +250,7 @@ def test_trainer_stop_resume_with_two_replicas_equals_running_on(tmp_path):
     assert start["event"] == "start" and start["replicas"] == 2
 
 
+@pytest.mark.extended
 def test_one_rank_writes_every_output_with_replicas(tmp_path):
     """2 replicas x 2 stages: metrics.jsonl, summary.json and trace.json (every rank's events)
     all come from one rank, replica 0's last stage, so node-local output directories keep them
@@ -260,6 +268,7 @@ def test_one_rank_writes_every_output_with_replicas(tmp_path):
     assert processes == {f"rank {r}" for r in range(4)}
 
 
+@pytest.mark.extended
 def test_world_that_fits_no_layout_fails_on_every_rank_before_work(tmp_path):
     proc = mpirun(3, ["-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",
                       f"run.out_dir={tmp_path}", *QUICK, "--set", "model.stages=2"], timeout=60)
@@ -283,6 +292,7 @@ def test_one_process_replicas_and_learning_rate_rule(tmp_path):
     assert train[0]["lr"] == pytest.approx(0.1 * 64 * 2 * 2 / 256)  # base · batch · k · R / 256
 
 
+@pytest.mark.extended
 def test_bench_replicas_last_line(tmp_path):
     proc = mpirun(2, ["-m", "petra_mpi.bench", "replicas", "--width", "4", "--batch", "8",
                       "--microbatches", "4", "--rounds", "1"], timeout=180)
@@ -300,8 +310,8 @@ def test_replicas_config_is_table2_with_twice_the_batch():
     """configs/replicas: 2 x 18 ranks, Table 2's k (the staleness in optimizer steps), and the lr
     rule on the effective batch R · k · 64."""
     from petra_mpi.train import lr_schedule
-    ours = load_config(HERE.parent / "configs/replicas/revnet50_imagenet_2x18.yaml")
-    table2 = load_config(HERE.parent / "configs/table2/imagenet/revnet50_petra.yaml")
+    ours = load_config(ROOT / "configs/replicas/revnet50_imagenet_2x18.yaml")
+    table2 = load_config(ROOT / "configs/table2/imagenet/revnet50_petra.yaml")
     validate(ours, 36)
     assert (num_stages(ours, 36), num_replicas(ours, 36)) == (18, 2)
     assert ours.train.accumulation == table2.train.accumulation == 32

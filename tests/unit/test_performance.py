@@ -1,5 +1,6 @@
 """The performance pieces: the balanced split on given costs, the performance model's arithmetic,
-the receive-buffer pool, the measured split in a run, and the benchmarks under real mpirun."""
+the receive-buffer pool and the measured split in a run (the benchmarks are in
+tests/e2e/test_bench.py)."""
 import copy
 import json
 import subprocess
@@ -14,7 +15,7 @@ from petra_mpi.comm import HostPool
 from petra_mpi.models import build_blocks
 from petra_mpi.partition import balanced_partition, resolve_partition
 from petra_mpi.stages import Stage
-from test_mpi import ROOT, mpirun
+from conftest import ROOT
 
 
 def test_balanced_split_on_measured_costs_is_deterministic():
@@ -178,6 +179,7 @@ def test_host_pool_reuses_a_buffer_only_once_released():
     assert pool.tensor((2, 3), torch.float32).data_ptr() not in (c.data_ptr(), view.data_ptr())
 
 
+@pytest.mark.extended  # a trainer subprocess; the measured split's arithmetic is tested above
 def test_training_prints_the_measured_split(tmp_path):
     cmd = [sys.executable, "-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",
            f"run.out_dir={tmp_path}", "--set", "train.epochs=1", "--set", "train.limit_batches=4",
@@ -188,76 +190,6 @@ def test_training_prints_the_measured_split(tmp_path):
     assert "stages balanced by measured cost" in proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["stages"] == 3
-
-
-def last_json(proc):
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def test_bench_scaling_under_mpirun_2():
-    proc = mpirun(2, ["-m", "petra_mpi.bench", "scaling", "--width", "4", "--batch", "4",
-                      "--microbatches", "4", "--rounds", "1", "--png", ""], timeout=600)
-    out = last_json(proc)
-    assert out["bench"] == "scaling" and out["ranks"] == 2
-    assert [p["ranks"] for p in out["predictions"]] == list(range(1, 11))
-    assert {(v["ranks"], v["method"]) for v in out["validation"]} == {
-        (1, "petra"), (1, "backprop"), (2, "petra"), (2, "backprop")}
-    assert all(v["measured"] > 0 and v["predicted"] > 0 for v in out["validation"])
-
-
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_bench_pipeline_reports_compute_time_per_rank(precision):
-    proc = mpirun(2, ["-m", "petra_mpi.bench", "pipeline", "--width", "4", "--batch", "4",
-                      "--microbatches", "6", "--rounds", "1", "--precision", precision],
-                  timeout=600)
-    out = last_json(proc)
-    assert (out["device"], out["transport"], out["precision"]) == ("cpu", "cpu", precision)
-    for method in ("petra", "backprop"):
-        compute = out[f"{method}_compute_ms_per_tick"]
-        assert len(compute) == 2 and all(0 < c <= out[f"{method}_wall_ms_per_tick"] for c in compute)
-
-
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_bench_overhead_times_a_tick_and_a_plain_step(precision):
-    proc = subprocess.run([sys.executable, "-m", "petra_mpi.bench", "overhead", "--width", "4",
-                           "--batch", "4", "--repeats", "1", "--threads", "1", "--precision",
-                           precision], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    out = last_json(proc)
-    assert out["bench"] == "overhead" and out["precision"] == precision and out["stages"] == 10
-    assert out["petra_tick_s"] > 0 and out["plain_step_s"] > 0
-    assert out["ratio"] == pytest.approx(out["petra_tick_s"] / out["plain_step_s"])
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
-@pytest.mark.parametrize("bench", [["overhead"], ["pipeline"], ["data", "synthetic"]])
-def test_bench_on_cuda_without_a_gpu_says_so(bench):
-    proc = subprocess.run([sys.executable, "-m", "petra_mpi.bench", *bench, "--device", "cuda"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode != 0 and "no CUDA device" in proc.stderr
-
-
-def test_polling_keeps_the_message_size():
-    proc = mpirun(2, [ROOT / "tests" / "mpi" / "transport.py"], timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-
-
-def test_bench_data_times_every_loader_and_the_jpeg_path():
-    proc = subprocess.run([sys.executable, "-m", "petra_mpi.bench", "data", "synthetic",
-                           "--seconds", "0.2", "--synthetic-n", "512", "--batch", "16",
-                           "--jpeg-demo", "--crop", "64", "--decode-pool", "thread",
-                           "--pipeline", "revnet18", "--pipeline-width", "4"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    out = last_json(proc)
-    assert out["bench"] == "data" and out["device"] == "cpu" and out["jpeg_gpu_decode"] is False
-    for key in ("images_per_s", "memory_images_per_s", "eval_images_per_s",
-                "jpeg_decode_images_per_s", "jpeg_images_per_s", "jpeg_eval_images_per_s",
-                "pipeline_images_per_s"):
-        assert out[key] > 0, key
-    # what the pipeline consumes next to what the JPEG loader delivers: one stage per block
-    assert out["pipeline_split"] == [1] * 10
-    assert out["loader_over_pipeline"] == pytest.approx(
-        out["jpeg_images_per_s"] / out["pipeline_images_per_s"])
 
 
 def test_bench_data_cpu_seconds_count_worker_processes():

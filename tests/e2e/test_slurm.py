@@ -12,10 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+import conftest
 import slurm_cluster
 from petra_mpi.config import load_config, num_replicas, num_stages, validate
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(conftest.ROOT)
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "slurm", "*.sh")))
 HELPERS = ("common.sh", "submit.sh")  # sourced or run by hand, not submitted
 EXPERIMENTS = [s for s in SCRIPTS if os.path.basename(s) not in HELPERS + ("pack_imagenet.sh",)]
@@ -94,6 +95,7 @@ def test_configs_exist_and_match_ranks(script):
         assert R == cfg.train.replicas or (R == 1 and not cfg.train.replicas), config
 
 
+@pytest.mark.extended
 def test_dry_run_every_script():
     """DRY_RUN=1 runs the script's trainer command with --dry-run (narrow, to stay quick): the
     stages build and the shapes check out. Array scripts: their first task."""
@@ -255,6 +257,7 @@ def submit(cluster, tmp_path, script, *options, **env):
                           f"--output={tmp_path}/slurm-%j.out", *options, env=env, cwd=ROOT)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("script", [s for s in SCRIPTS if os.path.basename(s) not in HELPERS],
                          ids=os.path.basename)
 def test_sbatch_accepts_full_request(cluster, script):
@@ -283,6 +286,7 @@ def test_smoke_job(cluster, tmp_path):
     assert "run.resume=auto" in log and "srun --cpus-per-task=1 --gpu-bind=none --mpi=pmi2" in log
 
 
+@pytest.mark.extended
 def test_failing_job_reports_failure(cluster, tmp_path):
     """A trainer error (here an unknown config key) fails the job with the trainer's status."""
     jobid = submit(cluster, tmp_path, "revnet18_cifar10.sh", CONFIG="configs/quickstart.yaml",
@@ -310,6 +314,7 @@ def start_training(cluster, tmp_path):
     return jobid, out
 
 
+@pytest.mark.extended
 def test_preemption_checkpoints_requeues_and_resumes(cluster, tmp_path):
     """USR1 to the batch shell (as --signal=B:USR1@300 sends it before the time limit): the ranks
     checkpoint and exit 3, the job requeues itself and the requeued job resumes and finishes."""
@@ -333,6 +338,7 @@ def test_preemption_checkpoints_requeues_and_resumes(cluster, tmp_path):
     assert (out / "summary.json").exists()
 
 
+@pytest.mark.extended
 def test_scancel_checkpoints_and_stays_cancelled(cluster, tmp_path):
     """A plain scancel (SIGTERM): the ranks still checkpoint, but the job does not requeue."""
     jobid, out = start_training(cluster, tmp_path)
@@ -350,6 +356,7 @@ def test_scancel_checkpoints_and_stays_cancelled(cluster, tmp_path):
     assert glob.glob(str(out / "checkpoints" / "*" / "manifest.json")), log
 
 
+@pytest.mark.extended
 def test_term_to_batch_shell_checkpoints_without_requeue(cluster, tmp_path):
     """SIGTERM to the batch shell alone (admin tooling, `scancel -s TERM -b`) while the job runs:
     the shell sends srun SIGUSR1, not the TERM (srun would kill every rank at once), so the ranks
@@ -365,6 +372,7 @@ def test_term_to_batch_shell_checkpoints_without_requeue(cluster, tmp_path):
     assert glob.glob(str(out / "checkpoints" / "*" / "manifest.json")), log
 
 
+@pytest.mark.extended
 def test_launcher_ending_while_the_trap_runs(cluster, tmp_path):
     """The launcher exits (status 3, "checkpointed") while the batch shell's USR1 trap runs,
     i.e. between the interrupted `wait` and the check that it still runs: the script must still
@@ -412,6 +420,7 @@ def affinity_cluster(tmp_path_factory):
     c.stop()
 
 
+@pytest.mark.extended
 def test_ranks_get_their_cpus_per_task(affinity_cluster, tmp_path):
     """With CPU binding on (task/affinity), a rank sees the job's --cpus-per-task CPUs: srun
     22.05-23.02 ignores SLURM_CPUS_PER_TASK and would bind it to one."""
@@ -429,6 +438,7 @@ def test_ranks_get_their_cpus_per_task(affinity_cluster, tmp_path):
     assert (tmp_path / "cpus.0").read_text().strip() == "2"
 
 
+@pytest.mark.extended
 def test_replicas_job(cluster, tmp_path):
     """The replicas script, small: 2 tasks under srun as 2 replicas of a 1-stage net."""
     out = tmp_path / "run"
@@ -444,6 +454,7 @@ def test_replicas_job(cluster, tmp_path):
     assert "2 replicas x 1 stages" in log
 
 
+@pytest.mark.extended
 def test_job_array(cluster, tmp_path):
     """Two tasks of the Table 4 array, both pointed at the small config, under mpirun."""
     out = tmp_path / "arr"
@@ -459,6 +470,7 @@ def test_job_array(cluster, tmp_path):
         assert "mpirun -n 2" in (out / f"task{task}" / "logs" / "train.log").read_text()
 
 
+@pytest.mark.extended
 def test_pack_imagenet_array_and_merge(cluster, tmp_path):
     """pack_imagenet.sh: two shard tasks, then the merge job that the first task queued."""
     from test_data_prep import make_imagenet

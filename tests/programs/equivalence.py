@@ -1,8 +1,12 @@
-"""Run under mpirun: train a few micro-batches with the MPI engine and save each rank's stage.
+"""Run under mpirun: train a few micro-batches with the MPI engine and save each rank's stage,
+for several runs in one launch (each launch pays the imports on every rank once).
 
-Usage: mpirun -n J python tests/mpi/equivalence.py OUT_DIR METHOD K N [buffer] [stash] [short_eval]
-(buffer, stash: the delayed method's switches; short_eval: evaluation ends with a batch of 2)
+Usage: mpirun -n J python tests/programs/equivalence.py OUT_DIR N RUN [RUN ...]
+RUN is METHOD:K[:FLAG...], FLAG one of buffer, stash (the delayed method's switches), short_eval
+(evaluation ends with a batch of 2), revvit (the tiny reversible ViT below instead of RevNet18),
+bf16 (the blocks compute in bf16). Run RUN writes OUT_DIR/RUN/rank{r}.pt.
 """
+import os
 import sys
 
 import torch
@@ -29,34 +33,43 @@ def eval_batches(short=False):
         yield x[:2], y[:2]
 
 
-# The tiny revvit of tests/test_revvit.py's invariant 3 (flag "revvit"): 16x16 images, 4x4 patches.
+# The tiny revvit of the invariant-3 test in tests/mpi/test_mpi.py (flag "revvit"): 16x16 images,
+# 4x4 patches.
 REVVIT = dict(width=8, image_size=16, model_kw=dict(depth=4, heads=2, patch=4))
 
 
-def main():
-    out, method, k, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    flags = dict(buffer_inputs="buffer" in sys.argv[5:], stash_weights="stash" in sys.argv[5:])
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    world = World.from_environment()
-    if "revvit" in sys.argv[5:]:
+def train_and_save(world, out, method, k, n, flags):
+    switches = dict(buffer_inputs="buffer" in flags, stash_weights="stash" in flags,
+                    precision="bf16" if "bf16" in flags else "fp32")
+    if "revvit" in flags:
         stages = build_stages("revvit", REVVIT["width"], 10, world.size, seed=0, only=world.rank,
                               image_size=REVVIT["image_size"], model_kw=REVVIT["model_kw"],
-                              **flags)
+                              **switches)
     else:
-        stages = build_stages("revnet18", 4, 10, world.size, seed=0, only=world.rank, **flags)
+        stages = build_stages("revnet18", 4, 10, world.size, seed=0, only=world.rank, **switches)
     (worker,) = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), k,
                               weight_decay=5e-4)
     engine = MPIEngine(worker, method, world, torch.float32, (3, 16, 16), 4)
     data = batches(n) if world.rank == 0 else None
     engine.train_segment(data, n)
     engine.train_segment(batches(n, seed=2) if world.rank == 0 else None, n)  # a second segment
-    short = "short_eval" in sys.argv[5:]
+    short = "short_eval" in flags
     totals = engine.evaluate(eval_batches(short) if world.rank == 0 else None, 3 + short)
     state = {"params": [p.detach() for p in worker.stage.parameters()],
              "buffers": [b.detach() for b in worker.stage.buffers()],
              "eval": totals.result() if totals else None}
-    torch.save(state, f"{out}/rank{world.rank}.pt")
+    os.makedirs(out, exist_ok=True)
+    torch.save(state, os.path.join(out, f"rank{world.rank}.pt"))
+
+
+def main():
+    out, n, runs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    world = World.from_environment()
+    for run in runs:
+        method, k, *flags = run.split(":")
+        train_and_save(world, os.path.join(out, run), method, int(k), n, flags)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ from petra_mpi.engine.local import LocalEngine
 from petra_mpi.optim import LRSchedule
 from petra_mpi.schedule import num_ticks
 from petra_mpi.stopping import STOP_CHECK_TICKS
-from test_mpi import HERE, mpirun  # also puts tests/mpi on sys.path
-from equivalence import batches  # noqa: E402  (the data the MPI script trains on)
+from conftest import PROGRAMS, mpirun
+from equivalence import batches  # the data the MPI script trains on
 
 J, N = 3, 40
 
@@ -32,7 +32,7 @@ def local_run(n):
 
 
 def mpi_run(tmp_path, stop_rank, stop_tick):
-    proc = mpirun(J, [HERE / "mpi" / "stop_vote.py", tmp_path, stop_rank, stop_tick, N],
+    proc = mpirun(J, [PROGRAMS / "stop_vote.py", tmp_path, stop_rank, stop_tick, N],
                   timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(J)]
@@ -52,7 +52,11 @@ assert num_ticks("petra", J, N) == 44 and STOP_CHECK_TICKS == 8
 # (first multiple of 8 above T) carries it, its result is read one check later at tick t, and the
 # segment becomes what entered by t plus the receives already posted (RECEIVE_DEPTH + 1):
 # T=10 -> vote 16, read 24 -> 27; T=5 -> 8, 16 -> 19; T=20 -> 24, 32 -> 35.
-@pytest.mark.parametrize("stop_rank,stop_tick,expected", [(0, 10, 27), (1, 5, 19), (2, 20, 35)])
+@pytest.mark.parametrize("stop_rank,stop_tick,expected", [
+    (0, 10, 27),
+    pytest.param(1, 5, 19, marks=pytest.mark.extended),
+    pytest.param(2, 20, 35, marks=pytest.mark.extended),
+])
 def test_stop_on_one_rank_mid_segment_shortens_it_everywhere(tmp_path, stop_rank, stop_tick,
                                                              expected):
     states = mpi_run(tmp_path, stop_rank, stop_tick)
@@ -68,6 +72,7 @@ def test_stop_on_one_rank_mid_segment_shortens_it_everywhere(tmp_path, stop_rank
         assert not same(states, local_run(m - 1))
 
 
+@pytest.mark.extended
 def test_stop_after_the_last_vote_trains_the_whole_segment(tmp_path):
     """A request after the last vote (tick 24 here) does not shorten the segment; the drain-point
     check still sees it on every rank."""

@@ -10,15 +10,23 @@ import pytest
 
 from petra_mpi.checkpoint import complete_checkpoints, find_resume, is_complete
 from petra_mpi.config import ConfigError, load_config
-from test_mpi import QUICK, check_run_outputs
-
-ROOT = Path(__file__).parent.parent
+from conftest import QUICK, ROOT, check_run_outputs
 
 
 def train(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "petra_mpi.train", "configs/quickstart.yaml",
                            *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+
+
+def train_here(capsys, monkeypatch, *args):
+    """The trainer's command line in this process (for errors a subprocess shows nothing more
+    about): its exit status and what it printed on stderr."""
+    from petra_mpi.train import main
+    monkeypatch.chdir(ROOT)
+    capsys.readouterr()
+    status = main(["configs/quickstart.yaml", *args])
+    return status, capsys.readouterr().err
 
 
 def test_quickstart_shortened_end_to_end(tmp_path):
@@ -38,10 +46,12 @@ def test_quickstart_shortened_end_to_end(tmp_path):
     ("train.bogus=1", "unknown key train.bogus"),
     ("model.arch=vgg", "model.arch"),
 ])
-def test_bad_config_is_an_error_naming_key_and_file(tmp_path, override, message):
-    proc = train("--set", f"run.out_dir={tmp_path}", "--set", override, timeout=60)
-    assert proc.returncode == 2
-    assert message in proc.stderr and "configs/quickstart.yaml" in proc.stderr
+def test_bad_config_is_an_error_naming_key_and_file(tmp_path, capsys, monkeypatch, override,
+                                                   message):
+    status, err = train_here(capsys, monkeypatch, "--set", f"run.out_dir={tmp_path}", "--set",
+                             override)
+    assert status == 2
+    assert message in err and "configs/quickstart.yaml" in err
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
@@ -59,17 +69,18 @@ def test_config_file_errors(tmp_path):
         load_config(tmp_path / "missing.yaml")
 
 
-def test_missing_data_file_fails_before_training(tmp_path):
-    proc = train("--set", f"run.out_dir={tmp_path}", "--set", "data.path=/nonexistent.h5",
-                 timeout=60)
-    assert proc.returncode == 1
-    assert "/nonexistent.h5" in proc.stderr and "Traceback" not in proc.stderr
+def test_missing_data_file_fails_before_training(tmp_path, capsys, monkeypatch):
+    status, err = train_here(capsys, monkeypatch, "--set", f"run.out_dir={tmp_path}", "--set",
+                             "data.path=/nonexistent.h5")
+    assert status == 1  # an exception other than the trainer's own errors would fail the test
+    assert "/nonexistent.h5" in err and "Traceback" not in err
 
 
-def test_data_with_other_class_count_fails_before_training(tmp_path):
-    proc = train("--set", f"run.out_dir={tmp_path}", "--set", "model.num_classes=5", timeout=60)
-    assert proc.returncode == 1
-    assert "has 10 classes but model.num_classes is 5" in proc.stderr
+def test_data_with_other_class_count_fails_before_training(tmp_path, capsys, monkeypatch):
+    status, err = train_here(capsys, monkeypatch, "--set", f"run.out_dir={tmp_path}", "--set",
+                             "model.num_classes=5")
+    assert status == 1
+    assert "has 10 classes but model.num_classes is 5" in err
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
@@ -101,6 +112,7 @@ def test_diagnostics_give_cosine_one_when_lr_is_zero(tmp_path):
             assert d["rebuild_error"] < 1e-5
 
 
+@pytest.mark.extended  # a trainer subprocess, as the next three
 def test_diagnostics_see_the_delay_when_lr_is_positive(tmp_path):
     proc = train("--set", f"run.out_dir={tmp_path}", *QUICK, "--set", "train.diag_every=2",
                  "--set", "optim.lr=2", "--set", "optim.warmup_epochs=0")
@@ -126,6 +138,7 @@ def test_incomplete_checkpoint_is_never_picked(tmp_path):
     assert find_resume(str(tmp_path), "auto") is None
 
 
+@pytest.mark.extended
 def test_rerun_resumes_by_default_and_none_refuses_to_mix(tmp_path):
     proc = train("--set", f"run.out_dir={tmp_path}", *QUICK)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -145,6 +158,7 @@ def test_checkpoint_cadence_must_keep_accumulation_groups(tmp_path, override, me
     assert proc.returncode == 2 and message in proc.stderr
 
 
+@pytest.mark.extended
 def test_resume_from_another_model_is_an_error(tmp_path):
     proc = train("--set", f"run.out_dir={tmp_path}", *QUICK)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -154,6 +168,7 @@ def test_resume_from_another_model_is_an_error(tmp_path):
     assert "cannot resume" in proc.stderr and "width" in proc.stderr
 
 
+@pytest.mark.extended
 def test_dry_run_profile_prints_measured_costs_and_uses_the_measured_split():
     proc = train("--dry-run", "--profile", "--set", "model.width=4")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -4,6 +4,7 @@ from a temporary directory with a generated slurm.conf. The node claims 320 CPUs
 and the slurm-wlm and munge packages (apt-get install slurm-wlm munge)."""
 import os
 import pwd
+import random
 import re
 import shutil
 import socket
@@ -141,6 +142,9 @@ MpiDefault=none
 JobRequeue=1
 # finished jobs stay visible to `scontrol show job` for the whole test session
 MinJobAge=600
+# Job ids from a random start: MPI libraries name a job step's shared-memory segments after its
+# job id, so two test clusters on one machine that both ran job 1 would mix their ranks.
+FirstJobId={random.randrange(1000, 60000000)}
 ReturnToService=2
 KillWait=10
 SchedulerParameters=sched_interval=2

@@ -1,6 +1,7 @@
-"""Train stage 0 of a small net on GPU-decoded JPEGs and save its parameters (tests/test_gpu.py).
+"""Train stage 0 of a small net on GPU-decoded JPEGs and save its parameters
+(tests/e2e/test_gpu.py).
 
-Usage: python tests/gpu/decode_training.py OUT.pt SYNC   (SYNC 1: torch.cuda.synchronize()
+Usage: python tests/programs/decode_training.py OUT.pt SYNC   (SYNC 1: torch.cuda.synchronize()
 before every decode, the reference the stream-safe decode must match bitwise)
 """
 import os

@@ -1,0 +1,106 @@
+"""The benchmarks (petra_mpi.bench) with tiny settings, under real mpirun where they need ranks:
+each runs and reports its figures in its last line (no timed assertion), and says so clearly when
+asked for a GPU that is not there."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, mpirun
+
+# Each bench costs a launch or two; the engine they time is tested in unit/ and mpi/.
+pytestmark = pytest.mark.extended
+
+
+def last_json(proc):
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_bench_scaling_under_mpirun_2():
+    proc = mpirun(2, ["-m", "petra_mpi.bench", "scaling", "--width", "4", "--batch", "4",
+                      "--microbatches", "4", "--rounds", "1", "--png", ""], timeout=600)
+    out = last_json(proc)
+    assert out["bench"] == "scaling" and out["ranks"] == 2
+    assert [p["ranks"] for p in out["predictions"]] == list(range(1, 11))
+    assert {(v["ranks"], v["method"]) for v in out["validation"]} == {
+        (1, "petra"), (1, "backprop"), (2, "petra"), (2, "backprop")}
+    assert all(v["measured"] > 0 and v["predicted"] > 0 for v in out["validation"])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_bench_pipeline_reports_compute_time_per_rank(precision):
+    proc = mpirun(2, ["-m", "petra_mpi.bench", "pipeline", "--width", "4", "--batch", "4",
+                      "--microbatches", "6", "--rounds", "1", "--precision", precision],
+                  timeout=600)
+    out = last_json(proc)
+    assert (out["device"], out["transport"], out["precision"]) == ("cpu", "cpu", precision)
+    for method in ("petra", "backprop"):
+        compute = out[f"{method}_compute_ms_per_tick"]
+        assert len(compute) == 2 and all(0 < c <= out[f"{method}_wall_ms_per_tick"] for c in compute)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_bench_overhead_times_a_tick_and_a_plain_step(precision):
+    proc = subprocess.run([sys.executable, "-m", "petra_mpi.bench", "overhead", "--width", "4",
+                           "--batch", "4", "--repeats", "1", "--threads", "1", "--precision",
+                           precision], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = last_json(proc)
+    assert out["bench"] == "overhead" and out["precision"] == precision and out["stages"] == 10
+    assert out["petra_tick_s"] > 0 and out["plain_step_s"] > 0
+    assert out["ratio"] == pytest.approx(out["petra_tick_s"] / out["plain_step_s"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+@pytest.mark.parametrize("bench", [["overhead"], ["pipeline"], ["data", "synthetic"]])
+def test_bench_on_cuda_without_a_gpu_says_so(bench):
+    proc = subprocess.run([sys.executable, "-m", "petra_mpi.bench", *bench, "--device", "cuda"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode != 0 and "no CUDA device" in proc.stderr
+
+
+def test_bench_data_times_every_loader_and_the_jpeg_path():
+    proc = subprocess.run([sys.executable, "-m", "petra_mpi.bench", "data", "synthetic",
+                           "--seconds", "0.2", "--synthetic-n", "512", "--batch", "16",
+                           "--jpeg-demo", "--crop", "64", "--decode-pool", "thread",
+                           "--pipeline", "revnet18", "--pipeline-width", "4"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = last_json(proc)
+    assert out["bench"] == "data" and out["device"] == "cpu" and out["jpeg_gpu_decode"] is False
+    for key in ("images_per_s", "memory_images_per_s", "eval_images_per_s",
+                "jpeg_decode_images_per_s", "jpeg_images_per_s", "jpeg_eval_images_per_s",
+                "pipeline_images_per_s"):
+        assert out[key] > 0, key
+    # what the pipeline consumes next to what the JPEG loader delivers: one stage per block
+    assert out["pipeline_split"] == [1] * 10
+    assert out["loader_over_pipeline"] == pytest.approx(
+        out["jpeg_images_per_s"] / out["pipeline_images_per_s"])
+
+
+def test_bench_peers_runs_every_contender():
+    proc = mpirun(2, ["-m", "petra_mpi.bench", "peers", "--width", "4", "--batch", "8",
+                      "--microbatches", "6", "--accumulation", "2", "--rounds", "1",
+                      "--threads", "1"], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert record["bench"] == "peers" and record["ranks"] == 2
+    # one update per K micro-batches for every contender: a pipelining step runs max(K, J)
+    assert record["accumulation"] == 2 and record["pt_microbatches"] == 2
+    for split in (record["partition"], record["pt_partition"]):  # each net's own balance
+        assert len(split) == 2 and sum(split) == 10 and min(split) >= 1
+    names = {"petra", "backprop", "gpipe", "1f1b", "1f1b_checkpointed"}
+    ran = set(record["images_per_s"])
+    assert names <= ran
+    assert ran - names <= {"zero_bubble"}
+    assert ("zero_bubble" in ran) != ("zero_bubble" in record.get("skipped", {}))
+    for name in ran:
+        assert record["images_per_s"][name] > 0, name
+        peaks = record["peak_activation_bytes"][name]
+        assert len(peaks) == 2 and min(peaks) >= 0, name
+    assert record["peak_activation_bytes"]["petra"][0] > 0
+    # every contender holds something for backward on every rank but the checkpointed one
+    # still keeps its block inputs
+    assert min(record["peak_activation_bytes"]["1f1b_checkpointed"]) > 0
+    assert record["petra_vs_1f1b"] > 0 and record["petra_vs_1f1b_checkpointed"] > 0

@@ -1,0 +1,205 @@
+"""The MPI engine under real mpirun: invariant 3 (same parameters as the single-process engine,
+bitwise on CPU: RevNet18 with each method, the reversible ViT, bf16), faults that must end every
+rank, bad world sizes, and the transport's real messages."""
+import json
+
+import pytest
+import torch
+
+from petra_mpi.engine.build import build_stages, build_workers
+from petra_mpi.engine.local import LocalEngine
+from petra_mpi.optim import LRSchedule
+
+from conftest import PROGRAMS, QUICK, check_run_outputs, mpirun
+from equivalence import REVVIT, batches, eval_batches
+
+
+def local_reference(J, method, k, n, short_eval=False, **flags):
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    try:
+        stages = build_stages("revnet18", 4, 10, J, seed=0, **flags)
+        workers = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), k,
+                                weight_decay=5e-4)
+        engine = LocalEngine(workers, method)
+        engine.train_segment(batches(n), n)
+        engine.train_segment(batches(n, seed=2), n)
+        totals = engine.evaluate(eval_batches(short_eval), 3 + short_eval)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    return stages, totals.result()
+
+
+N = 6  # micro-batches per segment in every run of equivalence.py
+EXTENDED = pytest.mark.extended
+# The runs of equivalence.py, by world size: one launch per size trains them all in turn.
+RUNS = {
+    2: ["petra:1", "backprop:1", "delayed:2:buffer"],
+    3: ["petra:2", "backprop:2", "delayed:1:buffer:stash",
+        "petra:1:short_eval",  # evaluation's last batch has 2 samples, not 4
+        "petra:2:revvit", "petra:2:bf16"],
+    4: ["petra:1", "petra:2", "backprop:1", "delayed:2:stash"],
+}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """launched(J, run): the folder of that run's rank{r}.pt, from one mpirun -n J of all
+    RUNS[J] (launched the first time a test asks for J)."""
+    outs = {}
+
+    def folder(J, run):
+        if J not in outs:  # a failed launch is kept too: every test of that size reports it
+            out = tmp_path_factory.mktemp(f"equivalence{J}")
+            outs[J] = out, mpirun(J, [PROGRAMS / "equivalence.py", out, N, *RUNS[J]], timeout=300)
+        out, proc = outs[J]
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return out / run
+    return folder
+
+
+def revnet_runs(J, marks=()):
+    return [pytest.param(J, run, marks=marks, id=f"{J}-{run}") for run in RUNS[J]
+            if "revvit" not in run and "bf16" not in run]
+
+
+@pytest.mark.parametrize("J,run", revnet_runs(2) + revnet_runs(3) + revnet_runs(4, EXTENDED))
+def test_invariant3_mpi_equals_local_bitwise(launched, J, run):
+    method, k, *flags = run.split(":")
+    k = int(k)
+    out = launched(J, run)
+    stages, ref_eval = local_reference(J, method, k, N, short_eval="short_eval" in flags,
+                                       buffer_inputs="buffer" in flags,
+                                       stash_weights="stash" in flags)
+    initial = build_stages("revnet18", 4, 10, J, seed=0)
+    moved = 0.0
+    for r in range(J):
+        got = torch.load(out / f"rank{r}.pt")
+        want_p = [p.detach() for p in stages[r].parameters()]
+        want_b = list(stages[r].buffers())
+        assert len(got["params"]) == len(want_p) and len(got["buffers"]) == len(want_b)
+        for g, w in zip(got["params"] + got["buffers"], want_p + want_b):
+            assert torch.equal(g, w), f"rank {r} differs from the local engine"
+        moved = max(moved, max((p - q).abs().max().item() for p, q in
+                               zip(want_p, initial[r].parameters())))
+    assert moved > 1e-3  # it trained
+    last = torch.load(out / f"rank{J - 1}.pt")["eval"]
+    assert last == ref_eval
+    assert last["val_count"] == (14 if "short_eval" in flags else 12)
+
+
+def test_invariant3_revvit_mpi_equals_local_bitwise(launched):
+    J, method, k = 3, "petra", 2
+    out = launched(J, "petra:2:revvit")
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    try:
+        stages = build_stages("revvit", REVVIT["width"], 10, J, seed=0,
+                              image_size=REVVIT["image_size"], model_kw=REVVIT["model_kw"])
+        workers = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), k,
+                                weight_decay=5e-4)
+        engine = LocalEngine(workers, method)
+        engine.train_segment(batches(N), N)
+        engine.train_segment(batches(N, seed=2), N)
+        ref_eval = engine.evaluate(batches(3, seed=3), 3).result()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for r in range(J):
+        got = torch.load(out / f"rank{r}.pt")
+        want = [p.detach() for p in stages[r].parameters()]
+        assert len(got["params"]) == len(want)
+        for g, w in zip(got["params"], want):
+            assert torch.equal(g, w), f"rank {r} differs from the local engine"
+    assert torch.load(out / f"rank{J - 1}.pt")["eval"] == ref_eval
+
+
+def bf16_reference(J, method, k, n, precision):
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    try:
+        stages = build_stages("revnet18", 4, 10, J, seed=0, precision=precision)
+        workers = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), k,
+                                weight_decay=5e-4)
+        engine = LocalEngine(workers, method)
+        engine.train_segment(batches(n), n)
+        engine.train_segment(batches(n, seed=2), n)
+        totals = engine.evaluate(batches(3, seed=3), 3)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    return stages, totals.result()
+
+
+def test_invariant3_mpi_equals_local_bitwise_in_bf16(launched):
+    J, method, k = 3, "petra", 2
+    out = launched(J, "petra:2:bf16")
+    stages, ref_eval = bf16_reference(J, method, k, N, "bf16")
+    fp32, _ = bf16_reference(J, method, k, N, "fp32")
+    for r in range(J):
+        got = torch.load(out / f"rank{r}.pt")
+        want = [p.detach() for p in stages[r].parameters()] + list(stages[r].buffers())
+        for g, w in zip(got["params"] + got["buffers"], want):
+            assert torch.equal(g, w), f"rank {r} differs from the local engine in bf16"
+    assert torch.load(out / f"rank{J - 1}.pt")["eval"] == ref_eval
+    # and bf16 is a different computation from fp32 (the test has teeth)
+    assert any(not torch.equal(a, b) for a, b in zip(stages[0].parameters(), fp32[0].parameters()))
+
+
+@pytest.mark.extended  # 4 ranks
+def test_rank_failure_ends_every_rank(tmp_path):
+    proc = mpirun(4, [PROGRAMS / "faulty_train.py", 1, 5, "configs/quickstart.yaml",
+                      "--set", f"run.out_dir={tmp_path}", *QUICK], timeout=60)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert out.count("injected failure at micro-batch 5") >= 1
+    assert out.count("rank 1 failed") == 1  # the failing rank's traceback, once
+    assert "Traceback" in out
+
+
+@pytest.mark.extended
+def test_nonfinite_loss_stops_with_the_step(tmp_path):
+    proc = mpirun(3, ["-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",
+                      f"run.out_dir={tmp_path}", "--set", "optim.lr=1e12",
+                      "--set", "optim.warmup_epochs=0", *QUICK], timeout=60)
+    assert proc.returncode != 0
+    shown = proc.stdout[-1000:] + proc.stderr[-2000:]
+    assert "non-finite loss" in proc.stderr and "at step" in proc.stderr, shown
+    assert "Traceback" not in proc.stderr
+    events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert events[0]["event"] == "start"  # what was written is kept, and why it stopped
+    assert events[-1]["event"] == "error" and "non-finite loss" in events[-1]["message"]
+
+
+@pytest.mark.parametrize("n,sets,expect", [
+    pytest.param(11, [], "run 1 to 10 ranks", marks=pytest.mark.extended),  # 11 ranks on 2 cores
+    (3, ["--set", "model.stages=4"], "run mpirun -n 4"),
+    (2, ["--set", "train.diag_every=2"], "run them without mpirun"),
+])
+def test_wrong_world_size_is_an_error_before_training(tmp_path, n, sets, expect):
+    proc = mpirun(n, ["-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",
+                      f"run.out_dir={tmp_path}", *QUICK, *sets], timeout=60)
+    assert proc.returncode != 0
+    assert expect in proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.extended  # the trainer under mpirun: test_resume.py runs it in the default selection
+def test_quickstart_under_mpirun_4(tmp_path):
+    proc = mpirun(4, ["-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",
+                      f"run.out_dir={tmp_path}", *QUICK, "--set", "train.epochs=2"], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_run_outputs(tmp_path, epochs=2, stages=4)
+
+
+# ---------------------------------------------------------------- transport
+def test_polling_keeps_the_message_size():
+    proc = mpirun(2, [PROGRAMS / "transport.py"], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.extended  # the layouts are tested in one process in unit/test_transport.py
+def test_channels_last_through_mpi():
+    """Real MPI, 2 ranks: channels-last and NCHW messages, a short one into a full-size buffer;
+    the sender hands MPI the producer's memory and the receiver gets channels-last strides."""
+    proc = mpirun(2, [PROGRAMS / "layout.py", "cpu"], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "layout ok" in proc.stdout
