@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-from PIL import Image
 
 from conftest import ROOT, check_png, run_plot
 from petra_mpi import plot

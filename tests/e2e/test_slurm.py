@@ -473,7 +473,7 @@ def test_job_array(cluster, tmp_path):
 @pytest.mark.extended
 def test_pack_imagenet_array_and_merge(cluster, tmp_path):
     """pack_imagenet.sh: two shard tasks, then the merge job that the first task queued."""
-    from test_data_prep import make_imagenet
+    from upstream_formats import make_imagenet
     make_imagenet(tmp_path / "src", val_folders=True)
     merged = tmp_path / "imagenet.h5"
     env = {"SOURCE": str(tmp_path / "src"), "OUT": str(merged), "PARTS": str(tmp_path / "parts"),

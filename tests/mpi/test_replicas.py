@@ -6,7 +6,6 @@ SGD on the concatenated batch; stop, checkpoint and resume equal running on. Als
 fields, resuming with another R, and `bench replicas`."""
 import json
 import shutil
-import sys
 
 import pytest
 import torch

@@ -178,7 +178,7 @@ def test_mission_command_cifar10_under_mpirun_10(tmp_path):
     import subprocess
     import sys
 
-    from test_data_prep import make_cifar10
+    from upstream_formats import make_cifar10
 
     root = CONFIGS.parent
     make_cifar10(tmp_path / "src", n=80, n_test=64)  # 400 train, 64 val images of 10 classes

@@ -3,8 +3,6 @@ interrupts: the vote value, the one-process trainer with a stand-in clock, and u
 where rank 0's clock must make every rank drain and checkpoint at the same point."""
 import itertools
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ from petra_mpi.config import load_config, validate
 from petra_mpi.engine.local import LocalEngine
 from petra_mpi.engine.metrics import EvalTotals
 from petra_mpi.stopping import CHECKPOINT_DUE, EXIT_REQUEUE, STOP, Interrupts, StopRequest
-from test_mpi import QUICK, mpirun
+from conftest import QUICK, mpirun
 
 SMALL = QUICK + ["--set", "train.epochs=2", "--set", "train.limit_batches=16",
                  "--set", "train.limit_eval_batches=6", "--set", "data.batch_size=16",

@@ -1,7 +1,7 @@
 """Run the trainer until it has resumed from its checkpoint, save what every worker then holds,
 and stop before training: the state "right after resuming" on this run's layout.
 
-Usage: [mpirun -n N] python tests/mpi/resume_dump.py DUMP_DIR CONFIG.yaml [--set key=value ...]
+Usage: [mpirun -n N] python tests/programs/resume_dump.py DUMP_DIR CONFIG.yaml [--set key=value ...]
 Writes DUMP_DIR/replica{r}/stage{s}.pt (checkpoint.save_blocks: network names) for every worker
 and DUMP_DIR/resumed.json (the trainer state, the layout and its reported changes) from rank 0.
 """

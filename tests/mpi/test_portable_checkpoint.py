@@ -20,9 +20,9 @@ from petra_mpi.engine.local import LocalEngine
 from petra_mpi.models import build_network
 from petra_mpi.optim import LRSchedule
 from helpers import make_batches
-from test_mpi import HERE, ROOT, mpirun
+from conftest import PROGRAMS, ROOT, mpirun
 
-DUMP = HERE / "mpi" / "resume_dump.py"
+DUMP = PROGRAMS / "resume_dump.py"
 
 
 # ---------------------------------------------------------------- in one process
