@@ -13,7 +13,6 @@ JPEG variant (full-size ImageNet), in place of <split>/images:
 """
 import contextlib
 import importlib
-import math
 import os
 import pickle
 import signal
