@@ -125,6 +125,7 @@ def records(out):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.extended
 def test_resubmitted_on_one_node_fewer_the_run_resumes_on_the_layout_that_fits(three_nodes,
                                                                               tmp_path):
     """ELASTIC_NODES=2-3: the job starts on 3 nodes x 2 ranks (6 stages); a node is drained and

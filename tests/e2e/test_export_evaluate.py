@@ -87,6 +87,7 @@ torch.save(program(torch.load(sys.argv[2])), sys.argv[3])
 """
 
 
+@pytest.mark.extended
 def test_the_documented_three_lines_load_the_checkpoints_weights(quickstart, tmp_path):
     """The three lines of docs/running.md in a fresh process: a plain module, no MPI and no
     pipeline code, whose state is the final checkpoint's, bitwise; the torch.export program
@@ -113,6 +114,7 @@ def test_the_documented_three_lines_load_the_checkpoints_weights(quickstart, tmp
         assert torch.equal(saved["state_dict"][name], value), name
 
 
+@pytest.mark.extended
 def test_exported_model_on_a_packed_cifar_file_evaluates_to_the_runs_final_evaluation(tmp_path):
     from upstream_formats import make_cifar10
     make_cifar10(tmp_path / "src", n=40, n_test=70)  # 200 train, 70 val images of 10 classes
@@ -133,6 +135,7 @@ def test_exported_model_on_a_packed_cifar_file_evaluates_to_the_runs_final_evalu
     assert_same_evaluation(got, final_eval(out))
 
 
+@pytest.mark.extended
 def test_evaluate_refuses_a_data_set_with_other_classes(quickstart, tmp_path):
     from upstream_formats import make_cifar100
     make_cifar100(tmp_path / "src")

@@ -208,9 +208,10 @@ def two_by_two(tmp_path_factory):
 
 @pytest.mark.parametrize("ranks,sets,layout", [
     (1, ["model.stages=1"], (1, 1)),                    # J 2 -> 1, R 2 -> 1, one process
-    (3, ["model.stages=3"], (3, 1)),                    # J 2 -> 3, R 2 -> 1
-    (2, ["model.stages=1"], (1, 2)),                    # J 2 -> 1, R stays 2
-    (4, ["model.partition=[1, 2, 3, 4]"], (4, 1)),      # J 2 -> 4 on a given split, R 2 -> 1
+    pytest.param(3, ["model.stages=3"], (3, 1), marks=pytest.mark.extended),  # J 2 -> 3, R 2 -> 1
+    pytest.param(2, ["model.stages=1"], (1, 2), marks=pytest.mark.extended),  # J 2 -> 1, R stays 2
+    pytest.param(4, ["model.partition=[1, 2, 3, 4]"], (4, 1),  # J 2 -> 4 on a given split, R 2 -> 1
+                 marks=pytest.mark.extended),
 ])
 def test_resume_on_another_layout_holds_the_checkpoints_state_bitwise(two_by_two, tmp_path,
                                                                       ranks, sets, layout):
@@ -232,6 +233,7 @@ def test_resume_on_another_layout_holds_the_checkpoints_state_bitwise(two_by_two
     assert ("replicas 2 -> 1" in changes) == (R == 1)
 
 
+@pytest.mark.extended
 def test_a_run_resumed_on_fewer_stages_and_one_replica_finishes(two_by_two, tmp_path):
     """The whole trainer: resumed from the 2 x 2 run's mid-epoch checkpoint on 1 replica of 1
     stage, it reports the change in one line, trains the rest and writes a checkpoint."""
