@@ -45,17 +45,22 @@ def invalidate(path: str):
             pass
 
 
-def save_stage(path: str, worker) -> tuple[str, int]:
-    """Write one stage's state (weights, batch-norm statistics, optimizer, RNG) atomically;
-    returns (file name, size) for the manifest."""
+def _write_stage_file(path: str, index: int, state: dict) -> tuple[str, int]:
+    """torch.save under a temporary name, then rename: (file name, size) for the manifest."""
     os.makedirs(path, exist_ok=True)
-    state = {"stage": worker.stage.state_dict(), "optimizer": worker.optimizer.state_dict(),
-             "rng": torch.get_rng_state(), "cuda_rng": cuda_rng_state(stage_device(worker))}
-    final = os.path.join(path, f"stage{worker.index}.pt")
+    final = os.path.join(path, f"stage{index}.pt")
     tmp = f"{final}.tmp-{os.getpid()}"
     torch.save(state, tmp)
     os.replace(tmp, final)
     return os.path.basename(final), os.path.getsize(final)
+
+
+def save_stage(path: str, worker) -> tuple[str, int]:
+    """Write one stage's state in the first, per-stage format (weights, batch-norm statistics,
+    optimizer, RNG) atomically; returns (file name, size) for the manifest."""
+    state = {"stage": worker.stage.state_dict(), "optimizer": worker.optimizer.state_dict(),
+             "rng": torch.get_rng_state(), "cuda_rng": cuda_rng_state(stage_device(worker))}
+    return _write_stage_file(path, worker.index, state)
 
 
 def block_offset(stage) -> int:
@@ -89,7 +94,6 @@ def save_blocks(path: str, worker) -> tuple[str, int]:
     """Write one stage's blocks under their network names: weights and batch-norm statistics,
     the optimizer state of each parameter, the optimizer's counters and the random state,
     atomically; returns (file name, size) for the manifest."""
-    os.makedirs(path, exist_ok=True)
     stage, opt = worker.stage, worker.optimizer
     if opt.pending:  # a checkpoint is taken after a drain, whose last backward steps
         raise CheckpointError(f"stage {worker.index}: {opt.pending} gradients not yet applied")
@@ -103,11 +107,7 @@ def save_blocks(path: str, worker) -> tuple[str, int]:
              "optimizer": {opt.name: {"state": per_param}, "steps": opt.steps,
                            "pending": opt.pending},
              "rng": torch.get_rng_state(), "cuda_rng": cuda_rng_state(stage_device(worker))}
-    final = os.path.join(path, f"stage{worker.index}.pt")
-    tmp = f"{final}.tmp-{os.getpid()}"
-    torch.save(state, tmp)
-    os.replace(tmp, final)
-    return os.path.basename(final), os.path.getsize(final)
+    return _write_stage_file(path, worker.index, state)
 
 
 def block_files(partition) -> dict:
