@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from .engine.metrics import EvalTotals
+from .engine.evaluation import EvalTotals
 from .export import ExportError, MODEL_FORMAT, exported_model, find_checkpoint, load_model
 
 

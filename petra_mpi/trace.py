@@ -143,7 +143,7 @@ class Tracer:
                       nbytes))
 
     def wrap_boxes(self, engine):
-        """Replace the MPI engine's Inbox/Outbox attributes by timing proxies (comm.py stays
+        """Replace the MPI engine's Inbox/Outbox attributes by timing proxies (mpi/transport.py stays
         untouched: the proxies read the boxes' own `waited` counters)."""
         for attr, stream in STREAMS.items():
             box = getattr(engine, attr, None)

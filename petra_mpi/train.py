@@ -24,7 +24,7 @@ from .checkpoint import (LAYOUT_FREE, MANIFEST, CheckpointError, block_files, ch
                          save_blocks, write_manifest)
 from .config import ConfigError, load_config, model_kwargs, num_replicas, num_stages, validate
 from .engine.build import build_stages, build_workers
-from .engine.metrics import correct
+from .engine.evaluation import correct
 from .metrics import MetricsWriter, Progress, fmt_time, stage_memory, write_json_atomic
 from .models import num_blocks
 from .optim import LRSchedule, peak_lr
@@ -368,7 +368,7 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
         w.tracer = tracer
     tracer = tracers[0]  # this process's eval and checkpoint spans
     if world:
-        from .engine.mpi import MPIEngine
+        from .mpi.engine import MPIEngine
         engine = MPIEngine(workers[0], cfg.train.method, world, dtype, lengths[2],
                            cfg.data.batch_size)
         tracer.wrap_boxes(engine)  # time the MPI waits of each stream
@@ -565,7 +565,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     stop = StopRequest().install()  # first: a signal during start-up still means "stop cleanly"
     _bind_gpu_before_mpi(args)
-    from .engine.world import LaunchError, World
+    from .mpi.world import LaunchError, World
     try:
         world = World.from_environment()
     except LaunchError as e:

@@ -28,8 +28,8 @@ import torch.utils.checkpoint as cp
 from torch import nn
 
 from ..engine.build import build_stages, build_workers
-from ..engine.mpi import MPIEngine
-from ..engine.world import World
+from ..mpi.engine import MPIEngine
+from ..mpi.world import World
 from ..models import build_blocks
 from ..optim import LRSchedule
 from ..partition import resolve_partition, split_blocks

@@ -13,8 +13,8 @@ import torch
 
 from ..devices import bind_early, bound_cuda_device, rank_map, synchronize
 from ..engine.build import build_stages, build_workers
-from ..engine.mpi import MPIEngine
-from ..engine.world import World
+from ..mpi.engine import MPIEngine
+from ..mpi.world import World
 from ..models import PRECISIONS, num_blocks
 from ..optim import LRSchedule
 from ..schedule import num_ticks

@@ -13,8 +13,8 @@ import time
 import torch
 
 from ..engine.build import build_stages, build_workers
-from ..engine.mpi import MPIEngine
-from ..engine.world import World
+from ..mpi.engine import MPIEngine
+from ..mpi.world import World
 from ..optim import LRSchedule
 from .common import emit
 

@@ -17,7 +17,7 @@ from .. import perfmodel
 from ..blockcost import measure_autograd_costs, measure_block_costs
 from ..engine.build import build_stages, build_workers
 from ..engine.local import LocalEngine
-from ..engine.world import World
+from ..mpi.world import World
 from ..models import build_blocks
 from ..optim import LRSchedule
 from ..partition import resolve_partition
@@ -64,7 +64,7 @@ def measured_images_per_s(a, world, J, sizes, method, data):
     else:
         if rank >= J:
             return None
-        from ..engine.mpi import MPIEngine
+        from ..mpi.engine import MPIEngine
         sub = World(sub_comm)
         stages = build_stages(a.arch, a.width, 10, J, seed=0, only=rank, partition=sizes)
         (worker,) = build_workers(stages, LRSchedule(0.01, 10**6))

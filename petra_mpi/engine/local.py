@@ -6,7 +6,7 @@ import torch
 
 from ..schedule import num_ticks, stop_count, tick_ops
 from ..stopping import STOP_CHECK_TICKS
-from .metrics import EvalTotals
+from .evaluation import EvalTotals
 
 
 class LocalEngine:
@@ -17,7 +17,7 @@ class LocalEngine:
         self.workers, self.method, self.replicas = workers, method, replicas
         self.J = len(workers) // replicas
         if replicas > 1:
-            from .replicas import link_local
+            from ..mpi.replicas import link_local
             link_local(workers, replicas)
 
     def train_segment(self, batches, n: int, on_loss=None, stop=None) -> int:

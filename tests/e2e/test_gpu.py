@@ -56,7 +56,7 @@ def final_stage_states(out_dir, stages):
 
 @pytest.mark.parametrize("aware", ["0", "1"])
 def test_mpi_training_on_gpu(tmp_path, aware):
-    from petra_mpi.comm import cuda_aware_mpi
+    from petra_mpi.mpi.transport import cuda_aware_mpi
     if aware == "1" and not cuda_aware_mpi()[0]:
         pytest.skip("the MPI library is not CUDA-aware")
     proc = mpirun(2, ["-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",
@@ -139,13 +139,13 @@ def test_bench_data_decodes_jpeg_on_the_gpu():
     assert out["jpeg_images_per_s"] > 0
 
 
-# ---------------------------------------------------------------- transport (comm.py)
+# ---------------------------------------------------------------- transport (mpi/transport.py)
 
 @pytest.mark.parametrize("aware", ["0", "1"])
 def test_channels_last_messages_keep_their_layout_on_gpu(aware):
     """Sent from the producer's memory (or its pinned copy in the same layout), received with
     channels-last strides, a short batch into the full-size buffer."""
-    from petra_mpi.comm import cuda_aware_mpi
+    from petra_mpi.mpi.transport import cuda_aware_mpi
     if aware == "1" and not cuda_aware_mpi()[0]:
         pytest.skip("the MPI library is not CUDA-aware")
     proc = mpirun(2, [PROGRAMS / "layout.py", "cuda"], timeout=300,
@@ -157,7 +157,7 @@ def test_channels_last_messages_keep_their_layout_on_gpu(aware):
 def test_stages_on_cuda_produce_channels_last_messages():
     """What the engine agrees at start-up: a CUDA stage's output is channels-last, so its links
     carry channels-last messages (on the CPU they stay NCHW)."""
-    from petra_mpi.comm import CHANNELS_LAST, CONTIGUOUS, layout_of
+    from petra_mpi.mpi.transport import CHANNELS_LAST, CONTIGUOUS, layout_of
     from petra_mpi.engine.build import build_stages
     for device, want in (("cuda", CHANNELS_LAST), ("cpu", CONTIGUOUS)):
         stages = build_stages("revnet18", 4, 10, 3, seed=0, device=device)
@@ -180,7 +180,7 @@ class CountingBox:
 def test_waiting_for_gpu_data_polls_mpi():
     """Transport.wait_for on a real event behind a long kernel: the host polls the transport
     until the GPU passes the event, and returns only then."""
-    from petra_mpi.comm import Transport
+    from petra_mpi.mpi.transport import Transport
     transport = Transport(torch.device("cuda"), cuda_aware=False)
     box = CountingBox()
     transport.boxes.append(box)
@@ -200,7 +200,7 @@ def test_received_gpu_buffer_stays_reserved_while_the_compute_stream_reads_it():
     """CUDA-aware receive buffers come from the transport's receive stream and are handed over
     with record_stream: freed while a queued kernel still reads them, their memory must not go to
     the next receive (which MPI would write at once) until the compute stream has passed."""
-    from petra_mpi.comm import Transport
+    from petra_mpi.mpi.transport import Transport
     transport = Transport(torch.device("cuda"), cuda_aware=True)
     shape = (64, 1024)
     cycles = 10**8
@@ -230,7 +230,7 @@ def test_received_gpu_buffer_stays_reserved_while_the_compute_stream_reads_it():
 def test_replica_average_on_gpu(tmp_path, aware, collectives, path):
     """2 replicas x 2 stages on the GPU: the average takes the path the library is trusted with,
     and training ends where one GPU process simulating both replicas ends (the same average)."""
-    from petra_mpi.comm import cuda_aware_mpi
+    from petra_mpi.mpi.transport import cuda_aware_mpi
     if aware == "1" and not cuda_aware_mpi()[0]:
         pytest.skip("the MPI library is not CUDA-aware")
     import subprocess

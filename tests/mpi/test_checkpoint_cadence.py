@@ -11,7 +11,7 @@ import torch
 from petra_mpi import stopping, train
 from petra_mpi.config import load_config, validate
 from petra_mpi.engine.local import LocalEngine
-from petra_mpi.engine.metrics import EvalTotals
+from petra_mpi.engine.evaluation import EvalTotals
 from petra_mpi.stopping import CHECKPOINT_DUE, EXIT_REQUEUE, STOP, Interrupts, StopRequest
 from conftest import QUICK, mpirun
 

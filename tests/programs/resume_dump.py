@@ -12,7 +12,7 @@ import sys
 from petra_mpi import train
 from petra_mpi.checkpoint import save_blocks
 from petra_mpi.config import load_config, validate
-from petra_mpi.engine.world import World
+from petra_mpi.mpi.world import World
 
 
 class Resumed(Exception):

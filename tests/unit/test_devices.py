@@ -62,5 +62,5 @@ def test_pick_device_cpu_and_bind_early_cpu():
     ({0, 1, 2, 3}, [{0, 1, 2, 3}, {0, 1, 2, 3}, {4, 5, 6, 7}], 2),  # two share one set
 ])
 def test_cpu_share(mine, node, want):
-    from petra_mpi.engine.world import cpu_share
+    from petra_mpi.mpi.world import cpu_share
     assert cpu_share(mine, node) == want

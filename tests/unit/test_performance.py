@@ -11,7 +11,7 @@ import torch
 
 from petra_mpi import perfmodel
 from petra_mpi.blockcost import BlockCosts, measure_block_costs
-from petra_mpi.comm import HostPool
+from petra_mpi.mpi.transport import HostPool
 from petra_mpi.models import build_blocks
 from petra_mpi.partition import balanced_partition, resolve_partition
 from petra_mpi.stages import Stage

@@ -191,7 +191,7 @@ def test_dry_run_profile_prints_measured_costs_and_uses_the_measured_split():
 def test_decode_workers_default_to_the_ranks_cpu_share():
     """data.decode_workers: 0 sizes each loader's JPEG decode pool from the rank's CPU share, the
     one its torch threads get, not from the whole affinity set that ranks may share."""
-    from petra_mpi.engine.world import cpu_share
+    from petra_mpi.mpi.world import cpu_share
     from petra_mpi.train import cpu_threads, decode_threads, open_data
 
     class Rank:  # a rank of a node whose ranks' CPU sets are `node`

@@ -1,4 +1,4 @@
-"""One rank per stage: the loop of the paper's Algorithm 1 over comm.py.
+"""One rank per stage: the loop of the paper's Algorithm 1 over mpi/transport.py.
 
 Rank r runs stage r of J = world size. Its operations come from the schedule in order (forward
 then backward of each tick); waiting on a neighbour's message is the only synchronisation. Rank 0
@@ -14,11 +14,11 @@ import time
 import numpy as np
 import torch
 
-from ..comm import (CONTIGUOUS, RECEIVE_DEPTH, TAG_ACTIVATION, TAG_GRADIENT, TAG_LABELS,
+from .transport import (CONTIGUOUS, RECEIVE_DEPTH, TAG_ACTIVATION, TAG_GRADIENT, TAG_LABELS,
                     TAG_REBUILT, Inbox, Outbox, Transport, cuda_aware_mpi, in_layout, layout_of)
 from ..schedule import num_ticks, stop_count, tick_ops
 from ..stopping import STOP_CHECK_TICKS
-from .metrics import EvalTotals
+from ..engine.evaluation import EvalTotals
 
 
 class MPIEngine:
@@ -30,7 +30,7 @@ class MPIEngine:
         self.transport = t = Transport(device, aware)
         line = f"transport {t.mode}" + (f" ({why})" if why else "")
         if world.replicas > 1:
-            from ..comm import device_collectives
+            from .transport import device_collectives
             from .replicas import MPIMean, average_path
             allowed, why_avg = device_collectives() if t.mode == "cuda-aware" else (False, "")
             path = average_path(device.type, t.direct, allowed)

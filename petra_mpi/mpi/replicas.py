@@ -46,7 +46,7 @@ def average_path(device_type: str, cuda_aware: bool, device_collectives: bool) -
     buffer to Iallreduce) or "pinned-host-staging". A CUDA-aware library reads device memory in
     point-to-point transfers, but its non-blocking collectives may not (Open MPI's libnbc reduces
     on the CPU over the raw pointers), so the device path needs both, device_collectives being
-    an explicit opt-in (comm.device_collectives)."""
+    an explicit opt-in (transport.device_collectives)."""
     if device_type != "cuda":
         return "cpu"
     return "cuda-aware" if cuda_aware and device_collectives else "pinned-host-staging"
