@@ -57,6 +57,11 @@ class RunConfig:
     that much training; rank 0's clock decides, through the stop vote."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept; older ones are deleted."""
+    watchdog_s: typing.Optional[float] = None
+    """Under MPI: a rank that makes no progress (no scheduled action starts) for this many seconds
+    prints its last action and pending messages and ends the job with exit status 5 (a lost node
+    or a hang; docs/running.md). None: 20 times the slowest gap between two actions so far, at
+    least 120 s; 0: off."""
     trace: bool = False
     """Write a per-rank timeline of this job (forward, backward, step, loss, MPI waits, planned
     ticks) to out_dir/trace.json in Chrome-trace format, for Perfetto; see docs/timeline.md."""
@@ -296,6 +301,7 @@ def validate(cfg: Config, world_size: int | None = None):
     need(cfg.run.checkpoint_every_minutes >= 0, "run.checkpoint_every_minutes", "must be >= 0")
     need(cfg.run.checkpoint_every_microbatches >= 0, "run.checkpoint_every_microbatches",
          "must be >= 0")
+    need(cfg.run.watchdog_s is None or cfg.run.watchdog_s >= 0, "run.watchdog_s", "must be >= 0")
     need(cfg.run.keep_checkpoints >= 1, "run.keep_checkpoints", "must be >= 1")
     need(cfg.train.diag_every >= 0, "train.diag_every", "must be >= 0")
     need(cfg.train.replicas >= 0, "train.replicas", "must be >= 0 (0: automatic)")

@@ -85,7 +85,9 @@ def bound_cuda_device(local_rank):
 
 def rank_map(world, device) -> str | None:
     """Gather (host, local rank, device, CUDA_VISIBLE_DEVICES, affinity) of every rank; rank 0
-    returns one line per rank (None elsewhere)."""
+    returns one line per rank, with the stage and replica it runs (None elsewhere). Every rank
+    keeps the placement, rank -> (host, stage, replica), as world.placement: the run's metrics
+    record it, and the hang watchdog names a silent neighbour's host from it."""
     import torch
     name = str(device)
     if device.type == "cuda":
@@ -100,13 +102,17 @@ def rank_map(world, device) -> str | None:
     found = launcher_local_rank()
     mine = (socket.gethostname(), world.local_rank, name,
             os.environ.get("CUDA_VISIBLE_DEVICES", "-"), cpus, found[1] if found else "MPI")
-    rows = world.comm.gather(mine, root=0)
+    rows = world.comm.allgather(mine)
+    world.placement = [{"rank": r, "host": row[0], "stage": r % world.stages,
+                        "replica": r // world.stages} for r, row in enumerate(rows)]
     if world.rank != 0:
         return None
     lines = [f"petra_mpi: rank map ({len(rows)} ranks)"]
     for r, (host, local, dev, visible, ncpu, source) in enumerate(rows):
-        lines.append(f"  rank {r:>3d}  host {host}  local {local} (from {source})  device {dev}"
-                     f"  CUDA_VISIBLE_DEVICES={visible}  cpus {ncpu}")
+        where = world.placement[r]
+        replica = f" replica {where['replica']}" if world.replicas > 1 else ""
+        lines.append(f"  rank {r:>3d}  host {host}  stage {where['stage']}{replica}  local {local} "
+                     f"(from {source})  device {dev}  CUDA_VISIBLE_DEVICES={visible}  cpus {ncpu}")
     return "\n".join(lines)
 
 

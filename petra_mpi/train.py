@@ -372,6 +372,8 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
         engine = MPIEngine(workers[0], cfg.train.method, world, dtype, lengths[2],
                            cfg.data.batch_size)
         tracer.wrap_boxes(engine)  # time the MPI waits of each stream
+        from .watchdog import start_watchdog
+        engine.watchdog = start_watchdog(cfg, world, engine)  # ends a rank that hangs
     else:
         from .engine.local import LocalEngine
         engine = LocalEngine(workers, cfg.train.method, R)
@@ -409,7 +411,7 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
     if writer:
         writer.write("resume" if resume else "start", stages=J, replicas=R, writer_rank=rank,
                      method=cfg.train.method, arch=cfg.model.arch, config=cfg.to_dict(),
-                     microbatches_per_epoch=n,
+                     microbatches_per_epoch=n, placement=world.placement if world else None,
                      **({"from": resume, "epoch": state["epoch"], "position": state["position"],
                          "layout_changes": changes} if resume else {}))
         if resume:

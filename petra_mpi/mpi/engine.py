@@ -19,6 +19,10 @@ from .transport import (CONTIGUOUS, RECEIVE_DEPTH, TAG_ACTIVATION, TAG_GRADIENT,
 from ..schedule import num_ticks, stop_count, tick_ops
 from ..stopping import STOP_CHECK_TICKS
 from ..engine.evaluation import EvalTotals
+from ..watchdog import NoWatchdog
+
+STREAM_NAMES = {TAG_ACTIVATION: "activation", TAG_REBUILT: "rebuilt input",
+                TAG_GRADIENT: "gradient", TAG_LABELS: "labels"}
 
 
 class MPIEngine:
@@ -67,6 +71,7 @@ class MPIEngine:
         self.labels_in = (Inbox(comm, t, 0, TAG_LABELS, (batch_size,), torch.int64)
                           if r == J - 1 and J > 1 else None)
         self.compute_seconds = 0.0  # in the stage's own work (forward, backward, optimizer step)
+        self.watchdog = NoWatchdog()  # train.py starts the real one (watchdog.start_watchdog)
 
     @torch.no_grad()
     def _output_spec(self, in_shape, in_fmt, device, dtype):
@@ -84,6 +89,27 @@ class MPIEngine:
     def _boxes(self):
         return [b for b in (self.inputs, self.rebuilt_in, self.grads_in, self.labels_in,
                             self.outputs, self.rebuilt_out, self.grads_out, self.labels_out) if b]
+
+    def pending_messages(self):
+        """(blocked, direction, stream, peer, count) of each stream with messages in flight, for
+        the watchdog's report; blocked: the rank is waiting on that stream now. Reads no MPI."""
+        blocked, rows = self.transport.blocked, []
+        for box in self.transport.boxes:  # the boxes themselves (the tracer may wrap ours)
+            if not isinstance(box, (Inbox, Outbox)):
+                continue  # the replicas' average
+            receive = isinstance(box, Inbox)
+            count = len(box.pending) + (1 if receive and box is blocked else 0)
+            if count:
+                peer = box.source if receive else box.dest
+                rows.append((box is blocked, "receive" if receive else "send",
+                             STREAM_NAMES[box.tag], self._name(peer), count))
+        return rows
+
+    def _name(self, stage):
+        """'rank R (host)' of `stage` of this replica's pipeline."""
+        rank = self.world.replica * self.world.stages + stage
+        where = self.world.placement
+        return f"rank {rank}" + (f" ({where[rank]['host']})" if where else "")
 
     def wait_seconds(self) -> float:
         """Time this rank spent blocked on MPI so far."""
@@ -118,6 +144,7 @@ class MPIEngine:
                 n = self._vote(t, n, stop)
             # w.tracer.plan passes the ops through (it records the tick when tracing is on)
             for op, b in w.tracer.plan(t, tick_ops(self.method, J, w.index, t, n)):
+                self.watchdog.beat(t, op, b)
                 if op == "forward":
                     x, _ = self._input(batches)
                     start = time.perf_counter()
@@ -146,6 +173,7 @@ class MPIEngine:
         assert self.vote is None
         w.settle()  # the segment's last step, when it waited for the replicas' average
         self._flush()
+        self.watchdog.idle()
         return n
 
     def _vote(self, t, n, stop):
@@ -202,7 +230,8 @@ class MPIEngine:
         totals = EvalTotals() if self.w.is_last else None
         stage.eval()
         try:
-            for _ in range(m):
+            for i in range(m):
+                self.watchdog.beat(i, "evaluate", i)
                 x, labels = self._input(batches)
                 out = stage.evaluate(x)
                 if totals is None:
@@ -212,4 +241,5 @@ class MPIEngine:
         finally:
             stage.train()
         self._flush()
+        self.watchdog.idle()
         return totals

@@ -154,6 +154,7 @@ class Transport:
         # every Inbox and Outbox on this transport, and the replicas' average (replicas.py):
         # poll() drives them all; those with a post_ready method may hold work not yet posted
         self.boxes = []
+        self.blocked = None  # the box whose message the rank is waiting for now (watchdog.py)
 
     def poll(self):
         """Drive MPI's progress and post the sends whose GPU data are ready (between blocks)."""
@@ -266,7 +267,9 @@ class Inbox:
         req, tensor, status = self.pending.popleft()
         self.transport.post_all()
         start = time.perf_counter()
+        self.transport.blocked = self
         req.Wait(status)
+        self.transport.blocked = None
         self.waited += time.perf_counter() - start
         self._post()
         n = status.Get_count(_mpi_datatype(self.dtype)) // max(1, self.per_sample)
@@ -317,8 +320,11 @@ class Outbox:
         start = time.perf_counter()
         if len(self.unposted) + len(self.pending) > keep:
             self.post_ready(wait=True)
+        self.transport.blocked = self
         while len(self.pending) > keep:
-            self.pending.popleft()[0].Wait()
+            self.pending[0][0].Wait()
+            self.pending.popleft()
+        self.transport.blocked = None
         self.waited += time.perf_counter() - start
 
 

@@ -56,6 +56,7 @@ class World:
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         self.node_cpus = node.allgather(sorted(_affinity()))  # CPU sets of this node's ranks
         node.Free()
+        self.placement = None  # rank -> host, stage and replica, once devices.rank_map ran
         self.split(self.size)  # one pipeline over every rank until train.py says otherwise
 
     def split(self, stages: int):

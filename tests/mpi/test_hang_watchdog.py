@@ -1,0 +1,26 @@
+"""The hang watchdog in a real MPI run: one rank stalls, every rank reports and the job ends with
+the watchdog's exit status instead of hanging."""
+import re
+
+from conftest import PROGRAMS, QUICK, mpirun
+from petra_mpi.watchdog import EXIT_STALLED
+
+
+def test_a_stalled_rank_ends_the_job_and_every_rank_reports(tmp_path):
+    """Rank 1's forward of micro-batch 5 sleeps for an hour; with run.watchdog_s=3 each rank
+    prints its last action and pending messages: rank 1 that its own work stalled, ranks 0 and 2
+    that they wait on rank 1. The job ends with EXIT_STALLED (mpirun passes the status on)."""
+    proc = mpirun(3, [PROGRAMS / "stall_train.py", 1, 5, "configs/quickstart.yaml",
+                      "--set", f"run.out_dir={tmp_path}", "--set", "run.watchdog_s=3", *QUICK],
+                  timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == EXIT_STALLED, out[-3000:]
+    heads = dict(re.findall(r"petra_mpi: watchdog: rank (\d) \(\S+, stage \d\): (.*)", out))
+    assert sorted(heads) == ["0", "1", "2"], out[-3000:]
+    assert "forward of micro-batch 5; not waiting on MPI: this rank's own work stalled" in heads["1"]
+    for r in ("0", "2"):
+        assert re.search(r"waiting on the (receive|send) of \S+( input)? (from|to) rank 1 ", heads[r]), \
+            heads[r]
+        assert heads[r].endswith(f"exit status {EXIT_STALLED}")
+    assert "  waiting: receive activation from rank 1" in out  # rank 2's pending list
+

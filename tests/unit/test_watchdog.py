@@ -1,0 +1,59 @@
+"""The hang watchdog on its own (petra_mpi/watchdog.py), with a fake rank: no MPI."""
+import io
+import threading
+
+from petra_mpi.watchdog import AUTO_FLOOR_S, AUTO_TICKS, EXIT_STALLED, Watchdog, auto_limit
+
+
+class FakeRank:
+    def __init__(self):
+        self.exited = threading.Event()
+        self.status = None
+        self.out = io.StringIO()
+
+    def exit(self, status):
+        self.status = status
+        self.exited.set()
+
+    @staticmethod
+    def pending():
+        return [(True, "receive", "gradient", "rank 4 (n3)", 2),
+                (False, "send", "activation", "rank 4 (n3)", 1)]
+
+
+def test_a_silent_rank_reports_its_last_action_and_what_it_waits_for():
+    rank = FakeRank()
+    dog = Watchdog(0.3, "rank 3 (n2, stage 3)", rank.pending, out=rank.out, exit=rank.exit)
+    dog.beat(17, "backward", 9)
+    assert rank.exited.wait(30), "the watchdog never fired"
+    dog.close()
+    assert rank.status == EXIT_STALLED
+    head, *rest = rank.out.getvalue().splitlines()
+    assert head.startswith("petra_mpi: watchdog: rank 3 (n2, stage 3): no progress for 0.3 s")
+    assert "after tick 17, backward of micro-batch 9" in head
+    assert "waiting on the receive of gradient from rank 4 (n3)" in head
+    assert rest == ["  waiting: receive gradient from rank 4 (n3) (2 in flight)",
+                    "  pending: send activation to rank 4 (n3) (1 in flight)"]
+
+
+def test_an_idle_rank_is_not_a_stalled_one():
+    """Between the loops (a checkpoint, the end) no beats come, and none are expected."""
+    rank = FakeRank()
+    dog = Watchdog(0.2, "rank 0", rank.pending, out=rank.out, exit=rank.exit)
+    dog.beat(0, "forward", 0)
+    dog.idle()
+    assert not rank.exited.wait(1.0)  # five limits of silence, idle
+    dog.close()
+    assert rank.out.getvalue() == ""
+
+
+def test_auto_limit_follows_the_slowest_gap():
+    rank = FakeRank()
+    dog = Watchdog(None, "rank 0", rank.pending, out=rank.out, exit=rank.exit)
+    assert dog.limit() == AUTO_FLOOR_S  # nothing measured yet
+    dog.beat(0, "forward", 0)
+    dog.last = (dog.last[0] - 30.0, *dog.last[1:])  # as if the next action came 30 s later
+    dog.beat(1, "forward", 1)
+    assert dog.limit() >= AUTO_TICKS * 30.0 == auto_limit(30.0)
+    dog.idle()
+    dog.close()
