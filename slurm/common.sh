@@ -28,6 +28,7 @@
 # Exit statuses of a job: 0 finished, or checkpointed and requeued; 2 a problem of this script
 # (config not found, bad LAUNCHER...); 3 checkpointed but not requeued (MAX_REQUEUES reached, or
 # scontrol requeue refused): resubmit to resume; 4 checkpointed after SIGTERM, not requeued;
+# 5 a rank's watchdog ended the run (a lost node or a hang) and it was not requeued here;
 # anything else the trainer's failure (1 a training error, 2 a config error, >128 a signal).
 
 # ============================== site settings: edit for your cluster ==============================
@@ -46,6 +47,8 @@
 EXIT_REQUEUE=3            # the trainer's "checkpointed, please requeue" status; also ours when
                           # a checkpointed job is not requeued (resubmit to resume)
 EXIT_CHECKPOINTED_TERM=4  # checkpointed after SIGTERM (cancel, preemption): do not requeue
+EXIT_STALLED=5            # the trainer's watchdog ended a rank that made no progress (a lost
+                          # node or a hang): requeue, the run resumes from its last checkpoint
 
 petra_say() {
     local line="[petra $(date '+%F %T')] $*"
@@ -126,6 +129,24 @@ petra_requeue() {
     exit "$EXIT_REQUEUE"
 }
 
+# A rank's watchdog ended the run (its report in the log names the rank and host it waited on).
+# When SLURM itself is ending the job (a node failure: SIGTERM reached us) it requeues a --requeue
+# job on its own; otherwise (a hang, a node that came back in time) requeue it ourselves.
+petra_stalled() {
+    petra_say "a rank stopped making progress (exit $EXIT_STALLED, see 'watchdog' in $PETRA_LOG);" \
+              "the run resumes from its last complete checkpoint"
+    if [[ $PETRA_SIGNAL == *TERM* ]]; then
+        petra_say "SLURM is ending this job (node failure or cancel): not requeueing it here"
+        exit "$EXIT_STALLED"
+    fi
+    if ((${SLURM_RESTART_COUNT:-0} >= ${MAX_REQUEUES:-100})); then
+        petra_say "not requeueing: restarted ${SLURM_RESTART_COUNT} times (MAX_REQUEUES)"
+        exit "$EXIT_STALLED"
+    fi
+    scontrol requeue "$SLURM_JOB_ID" && exit 0
+    exit "$EXIT_STALLED"
+}
+
 # RANKS and FIT_ARGS: the ranks to launch on this allocation and the trainer overrides that fit
 # them (none when the config fits as it is; see petra_mpi/elastic.py).
 petra_fit() {
@@ -197,6 +218,7 @@ petra_train() {
     case $status in
         0) petra_say "finished: $OUT_DIR/summary.json"; exit 0 ;;
         "$EXIT_REQUEUE") petra_requeue ;;
+        "$EXIT_STALLED") petra_stalled ;;
         *) petra_say "failed with status $status (see $PETRA_LOG)"; exit "$status" ;;
     esac
 }
