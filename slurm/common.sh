@@ -163,27 +163,14 @@ petra_fit() {
     fi
 }
 
-petra_train() {
-    petra_resolve
-    if [[ ${DRY_RUN:-0} == 1 ]]; then
-        petra_say "dry run: $PYTHON -m petra_mpi.train $CONFIG --dry-run ${EXTRA[*]}"
-        "$PYTHON" -m petra_mpi.train "$CONFIG" --dry-run "${EXTRA[@]}"
-        exit
-    fi
-    [[ -n ${SLURM_JOB_ID:-} ]] ||
-        petra_die "submit with sbatch (or set DRY_RUN=1 to check the config)"
-
-    PETRA_SIGNAL="" PETRA_PID=""
-    trap 'petra_forward USR1' USR1
-    trap 'petra_forward TERM' TERM
-
-    mkdir -p "$OUT_DIR/logs" || petra_die "cannot create $OUT_DIR/logs"
-    PETRA_LOG="$OUT_DIR/logs/train.log"
-    local trainer=("$PYTHON" -m petra_mpi.train "$CONFIG" --set "run.out_dir=$OUT_DIR"
-                   --set run.resume=auto "${EXTRA[@]}")
+# Launch the trainer on this job's ranks (the layout that fits them under ELASTIC=1) and wait for
+# it; its exit status in `status`.
+petra_launch() {
+    trainer=("$PYTHON" -m petra_mpi.train "$CONFIG" --set "run.out_dir=$OUT_DIR"
+             --set run.resume=auto "${EXTRA[@]}")
     petra_fit
     trainer+=("${FIT_ARGS[@]}")
-    local launch
+    launch=()
     case $LAUNCHER in
         srun)
             # --cpus-per-task explicitly: srun 22.05-23.02 ignores SLURM_CPUS_PER_TASK and binds
@@ -191,7 +178,10 @@ petra_train() {
             # IPC between the stages of a node needs that); petra_mpi picks one by SLURM_LOCALID.
             launch=(srun "--cpus-per-task=${SLURM_CPUS_PER_TASK:-1}" --gpu-bind=none)
             if [[ -n $SRUN_MPI ]]; then launch+=("--mpi=$SRUN_MPI"); fi
-            if [[ $RANKS != "${SLURM_NTASKS:-1}" ]]; then launch+=("--ntasks=$RANKS"); fi ;;
+            if [[ $RANKS != "${SLURM_NTASKS:-1}" ]]; then launch+=("--ntasks=$RANKS"); fi
+            # after a lost node the old step lingers (its node cannot confirm the end) and
+            # holds the CPUs of the nodes left: the new step shares them
+            if [[ -n ${PETRA_SHRUNK:-} ]]; then launch+=(--overlap); fi ;;
         mpirun)
             # mpirun knows nothing of SLURM's GPUs on other nodes (nor, with some MPIs, of the
             # nodes at all): remote ranks could share one GPU, or all run on this node.
@@ -213,8 +203,55 @@ petra_train() {
     PETRA_PID=$!
     while kill -0 "$PETRA_PID" 2>/dev/null; do wait "$PETRA_PID"; done
     wait "$PETRA_PID"
-    local status=$?
+    status=$?
     PETRA_PID=""
+}
+
+# Whether SLURM took a lost node out of this job's allocation (a --no-kill job keeps running on
+# the others); if so, the SLURM_* variables of the job are brought up to date for the next launch.
+petra_shrunk() {
+    [[ ${ELASTIC:-0} == 1 && $LAUNCHER == srun ]] || return 1
+    local job nodes list per
+    job=$(scontrol -o show job "$SLURM_JOB_ID") || return 1
+    nodes=$(sed -n 's/.* NumNodes=\([0-9]*\).*/\1/p' <<<"$job")
+    list=$(sed -n 's/.* NodeList=\([^ ]*\).*/\1/p' <<<"$job")
+    [[ -n $nodes ]] && ((nodes < ${SLURM_JOB_NUM_NODES:-1})) || return 1
+    per=${SLURM_NTASKS_PER_NODE:-$GPUS_PER_NODE}
+    PETRA_SHRUNK=1
+    petra_say "lost $((SLURM_JOB_NUM_NODES - nodes)) node(s) of $SLURM_JOB_NODELIST: going on" \
+              "with $list"
+    export SLURM_JOB_NUM_NODES=$nodes SLURM_NNODES=$nodes SLURM_JOB_NODELIST=$list \
+           SLURM_NODELIST=$list SLURM_NTASKS=$((nodes * per)) SLURM_NPROCS=$((nodes * per)) \
+           SLURM_TASKS_PER_NODE="$per(x$nodes)"
+    if [[ $SLURM_JOB_CPUS_PER_NODE =~ ^([0-9]+)\(x[0-9]+\)$ ]]; then
+        export SLURM_JOB_CPUS_PER_NODE="${BASH_REMATCH[1]}(x$nodes)"
+    fi
+}
+
+petra_train() {
+    petra_resolve
+    if [[ ${DRY_RUN:-0} == 1 ]]; then
+        petra_say "dry run: $PYTHON -m petra_mpi.train $CONFIG --dry-run ${EXTRA[*]}"
+        "$PYTHON" -m petra_mpi.train "$CONFIG" --dry-run "${EXTRA[@]}"
+        exit
+    fi
+    [[ -n ${SLURM_JOB_ID:-} ]] ||
+        petra_die "submit with sbatch (or set DRY_RUN=1 to check the config)"
+
+    PETRA_SIGNAL="" PETRA_PID=""
+    trap 'petra_forward USR1' USR1
+    trap 'petra_forward TERM' TERM
+
+    mkdir -p "$OUT_DIR/logs" || petra_die "cannot create $OUT_DIR/logs"
+    PETRA_LOG="$OUT_DIR/logs/train.log"
+    local status trainer launch  # set by petra_launch
+    petra_launch
+    # ELASTIC=1 (slurm/submit.sh with ELASTIC_NODES, which submits with --no-kill): a lost node
+    # leaves the job running on the nodes left; launch again on the layout that fits them, and
+    # the run resumes from its last complete checkpoint.
+    while [[ $status != 0 && $status != "$EXIT_REQUEUE" && -z $PETRA_SIGNAL ]] && petra_shrunk; do
+        petra_launch
+    done
     case $status in
         0) petra_say "finished: $OUT_DIR/summary.json"; exit 0 ;;
         "$EXIT_REQUEUE") petra_requeue ;;

@@ -60,7 +60,7 @@ class NetnsCluster(slurm_cluster.Cluster):
         self.subnet = f"10.{random.randrange(200, 250)}.{random.randrange(256)}"
         self.controller_addr = f"{self.subnet}.1"
         self.addrs = {n: f"{self.subnet}.{11 + i}" for i, n in enumerate(self.nodes)}
-        self.node_procs = {}  # node -> its slurmd (Popen)
+        self.controller = None  # slurmctld (Popen)
         self.shm_before = set()
 
     # ---- the network ----
@@ -119,7 +119,7 @@ class NetnsCluster(slurm_cluster.Cluster):
     def start_node(self, node):
         """(Re)start `node`'s slurmd."""
         out = open(os.path.join(self.root, "log", f"slurmd-{node}.out"), "a")
-        self.node_procs[node] = p = subprocess.Popen(
+        p = subprocess.Popen(
             self.in_node(node, [slurm_cluster._sbin("slurmd"), "-D", "-N", node, "-f",
                                 self.conf]),
             stdout=out, stderr=subprocess.STDOUT, env=self.env)
@@ -162,9 +162,10 @@ class NetnsCluster(slurm_cluster.Cluster):
             self._start_munge()
             self._write_conf()
             out = open(os.path.join(self.root, "log", "slurmctld.out"), "w")
-            self.procs.append(subprocess.Popen([slurm_cluster._sbin("slurmctld"), "-D", "-c",
+            self.controller = subprocess.Popen([slurm_cluster._sbin("slurmctld"), "-D", "-c",
                                                 "-f", self.conf], stdout=out,
-                                               stderr=subprocess.STDOUT, env=self.env))
+                                               stderr=subprocess.STDOUT, env=self.env)
+            self.procs.append(self.controller)
             for n in self.nodes:
                 self.start_node(n)
             self.wait_nodes(["idle"] * len(self.nodes), timeout)
@@ -181,9 +182,8 @@ class NetnsCluster(slurm_cluster.Cluster):
     def wait_nodes(self, want, timeout=60):
         deadline = time.time() + timeout
         while (states := self.node_states()) != want:
-            for p in self.procs:
-                if p.poll() is not None and p not in self.node_procs.values():
-                    raise RuntimeError(f"slurmctld exited: {self._tail('log/slurmctld.log')}")
+            if self.controller.poll() is not None:
+                raise RuntimeError(f"slurmctld exited: {self._tail('log/slurmctld.log')}")
             if time.time() > deadline:
                 raise RuntimeError(f"nodes {states}, not {want}, after {timeout} s: "
                                    + self._tail("log/slurmctld.log"))

@@ -225,3 +225,39 @@ def test_a_lost_node_ends_with_one_clear_line_requeues_and_resumes(nodes, cifar,
     ref_name, ref_files = final_files(reference)
     assert name == ref_name == "ckpt-e00006-b00000000"
     assert_bitwise_equal(files, ref_files)
+
+
+def test_elastic_job_losing_a_node_goes_on_with_the_layout_that_fits(nodes, cifar, tmp_path):
+    """ELASTIC_NODES=2-3 slurm/submit.sh (2 ranks per node, --no-kill): the run starts on 3 nodes
+    (6 stages); n3 is killed mid-run; SLURM takes it out of the allocation and the job keeps
+    running on n1 and n2, where the script launches the run again on 4 stages: it resumes from
+    the last complete checkpoint ("stages 6 -> 4") and finishes, in the same job."""
+    out = tmp_path / "run"
+    args = shrink(cifar, "train.epochs=6", "run.watchdog_s=5")
+    env = {**netns_cluster.MPI_OVER_NETWORK, "OUT_DIR": str(out), "SRUN_MPI": "pmi2",
+           "EXTRA_ARGS": " ".join(args), "ELASTIC_NODES": "2-3", "GPUS_PER_NODE": "2"}
+    proc = nodes.run("bash", "slurm/submit.sh", SCRIPT, "--parsable", "--cpus-per-task=1",
+                     f"--output={tmp_path}/slurm-%j.out", env=env, cwd=ROOT)
+    jobid = proc.stdout.strip().splitlines()[-1].split(";")[0]
+
+    def two_checkpoints(jobs):
+        assert jobs[0]["JobState"] not in slurm_cluster.TERMINAL, explain(nodes, jobs[0], out)
+        return sum(r["event"] == "checkpoint" for r in records(out)) >= 2
+
+    (job,) = nodes.wait(jobid, two_checkpoints, timeout=240, what="to write two checkpoints")
+    assert job["NumNodes"] == "3" and records(out)[0]["stages"] == 6, job
+    nodes.kill_node("n3")
+    try:
+        (job,) = nodes.wait(jobid, timeout=300)
+    finally:
+        nodes.start_node("n3")
+    log = (out / "logs" / "train.log").read_text()
+    assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "0"), \
+        explain(nodes, job, out)
+    assert re.search(r"lost 1 node\(s\) of n\[1-3\]: going on with n\[1-2\]", log), log[-3000:]
+    assert "elastic: 4 ranks on 2 node(s): launching 4 with --set model.stages=4" in log
+    (resume,) = [r for r in records(out) if r["event"] == "resume"]
+    assert resume["stages"] == 4 and any("stages 6 -> 4" in c for c in resume["layout_changes"])
+    assert {p["host"] for p in resume["placement"]} == {"n1", "n2"}
+    assert json.loads((out / "summary.json").read_text())["stages"] == 4
+    nodes.wait_nodes(["idle"] * 3)  # n3 back for the next test
