@@ -21,6 +21,7 @@ from ..stopping import STOP_CHECK_TICKS
 from ..engine.evaluation import EvalTotals
 from ..watchdog import NoWatchdog
 
+STOP_VOTE = "stop vote"  # what Transport.blocked holds while a rank waits for the vote
 STREAM_NAMES = {TAG_ACTIVATION: "activation", TAG_REBUILT: "rebuilt input",
                 TAG_GRADIENT: "gradient", TAG_LABELS: "labels"}
 
@@ -94,6 +95,8 @@ class MPIEngine:
         """(blocked, direction, stream, peer, count) of each stream with messages in flight, for
         the watchdog's report; blocked: the rank is waiting on that stream now. Reads no MPI."""
         blocked, rows = self.transport.blocked, []
+        if blocked is STOP_VOTE:
+            rows.append((True, "receive", "stop vote", "every rank", 1))
         for box in self.transport.boxes:  # the boxes themselves (the tracer may wrap ours)
             if not isinstance(box, (Inbox, Outbox)):
                 continue  # the replicas' average
@@ -184,7 +187,9 @@ class MPIEngine:
         if self.vote is not None:
             request, flag = self.vote
             self.transport.post_all()
+            self.transport.blocked = STOP_VOTE
             request.Wait()
+            self.transport.blocked = None
             self.vote = None
             if flag[0]:
                 # what has entered, plus what a rank may already have posted receives for
