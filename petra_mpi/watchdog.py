@@ -31,15 +31,16 @@ class Watchdog:
     """`limit_s`: a fixed limit, or None for auto_limit of the measured gaps between actions.
     `pending()`: this rank's receives and sends in flight, as (blocked, direction, stream, peer,
     count) with blocked true for the one the rank is waiting on now (called from the watchdog
-    thread while the main thread waits; it calls no MPI). `where`: this rank's name in reports ("rank 3 (n2,
-    stage 3)"). `exit`: how the rank ends (os._exit: the main thread is stuck in MPI)."""
+    thread while the main thread waits; it calls no MPI). `where`: this rank's name in reports
+    ("rank 3 (n2, stage 3)"). `exit`: how the rank ends (os._exit: the main thread is stuck in
+    MPI, where no exception would reach it)."""
 
     def __init__(self, limit_s, where, pending, out=sys.stderr, exit=os._exit):
-        self.fixed, self.where, self.pending, self.out, self.exit = limit_s, where, pending, out, exit
+        self.fixed, self.where, self.pending = limit_s, where, pending
+        self.out, self.exit = out, exit
         self.slowest = 0.0
         self.last = None   # (monotonic time, tick, action, micro-batch) of the last beat
         self.armed = False
-        self.fired = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="petra-watchdog", daemon=True)
         self._thread.start()
@@ -70,7 +71,6 @@ class Watchdog:
             last = self.last
             if self.armed and last is not None and time.monotonic() - last[0] > limit:
                 self._report(limit, last)
-                self.fired.set()
                 # Let the other ranks' watchdogs, which stalled within the same second, print
                 # theirs before the launcher tears the job down on our exit.
                 time.sleep(min(2.0, limit / 2) + 1.0)

@@ -68,19 +68,15 @@ def records(out):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def explain(cluster, job, out):
-    log = Path(out) / "logs" / "train.log"
-    return (slurm_cluster_output(job) + "\n--- train.log:\n"
-            + (log.read_text()[-4000:] if log.exists() else "(none)"))
+def explain(job, out):
+    """The job's state, the end of its SLURM output and of the run's log, for assertion messages."""
+    output, log = Path(job.get("StdOut", "")), Path(out) / "logs" / "train.log"
+    return (f"{job['JobId']} {job['JobState']} {job['ExitCode']}:\n"
+            + (output.read_text(errors="replace")[-3000:] if output.is_file() else "(no output)")
+            + "\n--- train.log:\n" + (log.read_text()[-4000:] if log.exists() else "(none)"))
 
 
-def slurm_cluster_output(job):
-    path = Path(job.get("StdOut", ""))
-    return f"{job['JobId']} {job['JobState']} {job['ExitCode']}:\n" + (
-        path.read_text(errors="replace")[-3000:] if path.is_file() else "(no output file)")
-
-
-def boundary_floats(data_h5, J=6):
+def boundary_floats(J=6):
     """Floats per sample of the message each stage sends to the next (stage s -> s + 1), for the
     same net and split as the run."""
     from petra_mpi.engine.build import build_stages
@@ -139,7 +135,7 @@ def test_script_on_three_nodes_places_stages_crosses_the_network_and_matches_one
     jobid = submit(nodes, tmp_path, out, args)
     (job,) = nodes.wait(jobid, timeout=240)
     seconds = time.time() - start
-    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), explain(nodes, job, out)
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), explain(job, out)
     received = {n: nodes.eth0_bytes(n)[0] - before[n][0] for n in nodes.nodes}
     sent = {n: nodes.eth0_bytes(n)[1] - before[n][1] for n in nodes.nodes}
 
@@ -154,7 +150,7 @@ def test_script_on_three_nodes_places_stages_crosses_the_network_and_matches_one
 
     # traffic: the activations of the training micro-batches alone that crossed into each node
     n = start_record["microbatches_per_epoch"]
-    floats = boundary_floats(cifar)
+    floats = boundary_floats()
     must = {"n2": n * BATCH * floats[1] * 4,   # stage 1 (n1) -> stage 2 (n2)
             "n3": n * BATCH * floats[3] * 4,   # stage 3 (n2) -> stage 4 (n3)
             "n1": n * BATCH * floats[1] * 4}   # gradient stage 2 (n2) -> stage 1 (n1)
@@ -183,7 +179,7 @@ def test_a_lost_node_ends_with_one_clear_line_requeues_and_resumes(nodes, cifar,
     jobid = submit(nodes, tmp_path, out, args)
 
     def two_checkpoints(jobs):
-        assert jobs[0]["JobState"] not in slurm_cluster.TERMINAL, explain(nodes, jobs[0], out)
+        assert jobs[0]["JobState"] not in slurm_cluster.TERMINAL, explain(jobs[0], out)
         return sum(r["event"] == "checkpoint" for r in records(out)) >= 2
 
     nodes.wait(jobid, two_checkpoints, timeout=240, what="to write two checkpoints")
@@ -214,7 +210,7 @@ def test_a_lost_node_ends_with_one_clear_line_requeues_and_resumes(nodes, cifar,
     assert "Segmentation fault" not in log
 
     (job,) = nodes.wait(jobid, timeout=300)
-    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), explain(nodes, job, out)
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), explain(job, out)
     assert is_complete(last)
     (resume,) = [r for r in records(out) if r["event"] == "resume"]
     assert resume["from"] == last and resume["layout_changes"] == []
@@ -241,7 +237,7 @@ def test_elastic_job_losing_a_node_goes_on_with_the_layout_that_fits(nodes, cifa
     jobid = proc.stdout.strip().splitlines()[-1].split(";")[0]
 
     def two_checkpoints(jobs):
-        assert jobs[0]["JobState"] not in slurm_cluster.TERMINAL, explain(nodes, jobs[0], out)
+        assert jobs[0]["JobState"] not in slurm_cluster.TERMINAL, explain(jobs[0], out)
         return sum(r["event"] == "checkpoint" for r in records(out)) >= 2
 
     (job,) = nodes.wait(jobid, two_checkpoints, timeout=240, what="to write two checkpoints")
@@ -253,7 +249,7 @@ def test_elastic_job_losing_a_node_goes_on_with_the_layout_that_fits(nodes, cifa
         nodes.start_node("n3")
     log = (out / "logs" / "train.log").read_text()
     assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "0"), \
-        explain(nodes, job, out)
+        explain(job, out)
     assert re.search(r"lost 1 node\(s\) of n\[1-3\]: going on with n\[1-2\]", log), log[-3000:]
     assert "elastic: 4 ranks on 2 node(s): launching 4 with --set model.stages=4" in log
     (resume,) = [r for r in records(out) if r["event"] == "resume"]
