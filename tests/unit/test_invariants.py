@@ -13,7 +13,7 @@ from petra_mpi.optim import LRSchedule, StageOptimizer
 from petra_mpi.stages import Stage
 
 
-@pytest.mark.parametrize("arch", ["revnet18", "resnet18"])
+@pytest.mark.parametrize("arch", ["revnet18", "resnet18", "irevnet18"])
 @pytest.mark.parametrize("J", [1, 2, 4, 10])
 @pytest.mark.parametrize("k", [1, 3])
 def test_invariant1_lr0_gradient_equals_end_to_end_float64(arch, J, k):
@@ -36,6 +36,15 @@ def test_invariant1_float32_and_revnet50():
     # against 2e-4 of the largest gradient; every other tensor (all above 6e-4 of it) against its
     # own scale.
     assert max_relative_error(got, want, floor=2e-4) < 1e-3
+
+
+def test_invariant1_float32_invertible_revnet50():
+    """The fully invertible bottleneck net in float32: every stage but the stem's rebuilds."""
+    batches = make_batches(5, dtype=torch.float32)
+    got, stages = applied_gradients("irevnet50", 5, 2, batches, dtype=torch.float32)
+    assert not any(b for s in stages[1:-1] for b in s.buffered)
+    want = end_to_end_gradients("irevnet50", 2, batches, dtype=torch.float32)
+    assert max_relative_error(got, want) < 1e-3
 
 
 def test_invariant1_detects_a_wrong_gradient():
@@ -83,28 +92,31 @@ def plain_autograd_training(arch, k, batches, lr, dtype, width=4, weight_decay=5
     return list(model.parameters()) + list(model.buffers())
 
 
-@pytest.mark.parametrize("J,method", [(1, "petra"), (4, "backprop"), (10, "backprop")])
+@pytest.mark.parametrize("arch,J,method", [
+    ("revnet18", 1, "petra"), ("revnet18", 4, "backprop"), ("revnet18", 10, "backprop"),
+    ("irevnet18", 1, "petra"), ("irevnet18", 4, "backprop")])
 @pytest.mark.parametrize("k", [1, 2])
-def test_invariant2_follows_plain_autograd(J, method, k):
+def test_invariant2_follows_plain_autograd(arch, J, method, k):
     batches = make_batches(8, size=16)  # 16x16 keeps the last BN layers off 1x1 maps, whose
     # near-zero batch variance would amplify rounding differences between the two computations
-    stages = build_stages("revnet18", 4, 10, J, seed=0, dtype=torch.float64)
+    stages = build_stages(arch, 4, 10, J, seed=0, dtype=torch.float64)
     from petra_mpi.engine.build import build_workers
     from petra_mpi.engine.local import LocalEngine
     workers = build_workers(stages, LRSchedule(0.2, 3, warmup_epochs=1, milestones=(2,)), k,
                             weight_decay=5e-4)
     LocalEngine(workers, method).train_segment(iter(batches), len(batches))
     got = flat_params(stages) + [b for s in stages for b in s.buffers()]
-    want = plain_autograd_training("revnet18", k, batches, 0.2, torch.float64)
+    want = plain_autograd_training(arch, k, batches, 0.2, torch.float64)
     assert len(got) == len(want)
     moved = max((w - w0).abs().max().item() for w, w0 in
-                zip(want, flat_params(build_stages("revnet18", 4, 10, 1, seed=0, dtype=torch.float64))))
+                zip(want, flat_params(build_stages(arch, 4, 10, 1, seed=0, dtype=torch.float64))))
     assert moved > 1e-3  # training really happened
     for g, w in zip(got, want):
         torch.testing.assert_close(g.double(), w.double(), rtol=1e-9, atol=1e-11)
 
 
-@pytest.mark.parametrize("arch", ["revnet18", "revnet50"])
+# irevnet18's first three reversible blocks include its first (invertible) downsampling
+@pytest.mark.parametrize("arch", ["revnet18", "revnet50", "irevnet18"])
 def test_invariant4_reversible_rebuild(arch):
     torch.manual_seed(0)
     blocks = [b for b in build_blocks(arch, 8, 10) if b.reversible]
@@ -178,3 +190,4 @@ def test_frozen_bn_uses_batch_statistics():
 
 def test_block_counts():
     assert [num_blocks(a) for a in ("revnet18", "revnet34", "revnet50")] == [10, 18, 18]
+    assert [num_blocks(a) for a in ("irevnet18", "irevnet34", "irevnet50")] == [10, 18, 18]
