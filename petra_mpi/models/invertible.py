@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .blocks import Head, ReversibleBlock, Stem, conv_bn
+from .blocks import BatchNorm2d, Head, ReversibleBlock, Stem, conv_bn
 
 INVERTIBLE_ARCHS = {  # name: (bottleneck branches, blocks per layer), the RevNets' layouts
     "irevnet18": (False, (2, 2, 2, 2)),
@@ -68,6 +68,20 @@ class InvertibleDownsampleBlock(ReversibleBlock):
         return x, grad_x
 
 
+class NormalizedHead(Head):
+    """Batch norm and ReLU over both streams, then the head (i-RevNet's last layers). Nothing
+    renormalises the streams of a fully invertible net on their way (RevNet's downsampling
+    shortcuts end in batch norm), so their scale grows with depth; without this normalisation the
+    logits follow it, and delayed gradients diverge where backprop's do not."""
+
+    def __init__(self, cin, num_classes):
+        super().__init__(cin, num_classes)
+        self.norm = BatchNorm2d(cin)
+
+    def _logits(self, x):
+        return super()._logits(F.relu(self.norm(x)))
+
+
 def branch(cin, mid, cout, stride, bottleneck):
     """F from cin to cout channels through `mid` inner channels: two 3x3 convolutions (basic), or
     1x1, 3x3 (carrying the stride), 1x1 (bottleneck); no ReLU at the end, as in ResNet."""
@@ -91,5 +105,5 @@ def build_invertible_blocks(arch, width, num_classes, imagenet_stem) -> list[nn.
                 streams *= 4
             else:
                 blocks.append(ReversibleBlock(branch(streams, mid, streams, 1, bottleneck)))
-    blocks.append(Head(2 * streams, num_classes))
+    blocks.append(NormalizedHead(2 * streams, num_classes))
     return blocks
