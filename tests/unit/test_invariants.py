@@ -21,7 +21,14 @@ def test_invariant1_lr0_gradient_equals_end_to_end_float64(arch, J, k):
     got, stages = applied_gradients(arch, J, k, batches)
     want = end_to_end_gradients(arch, k, batches)
     assert len(got) == len(want)
-    assert max_relative_error(got, want) < 1e-10  # float64: the rebuild is exact to rounding
+    # irevnet18: its head's batch norm cancels any per-channel shift of the streams, and on 8x8
+    # images layer 4 runs on 1x1 maps, where a shift passes the branches' convolutions as a
+    # shift that their batch norm cancels too: the biases of layer 4's last branch BNs (3
+    # tensors) have zero gradient in exact arithmetic, 1e-17 of the largest here. They are judged
+    # against 1e-6 of the largest gradient (every other tensor is above 0.02 of it, and is judged
+    # against its own scale).
+    floor = 1e-6 if arch == "irevnet18" else 0.0
+    assert max_relative_error(got, want, floor) < 1e-10  # float64: the rebuild is exact to rounding
     assert all(s.in_flight() == 0 for s in stages), "drain left micro-batches in flight"
 
 
@@ -44,7 +51,12 @@ def test_invariant1_float32_invertible_revnet50():
     got, stages = applied_gradients("irevnet50", 5, 2, batches, dtype=torch.float32)
     assert not any(b for s in stages[1:-1] for b in s.buffered)
     want = end_to_end_gradients("irevnet50", 2, batches, dtype=torch.float32)
-    assert max_relative_error(got, want) < 1e-3
+    # Bottleneck branches begin with a 1x1 conv -> BN, which cancels any per-channel shift of the
+    # streams, and so does the head's BN: the biases of every branch's last BN (16 tensors),
+    # which shift a stream, have zero gradient in exact arithmetic and float32 rounding noise
+    # here (< 1e-7 of the largest gradient). As for RevNet50 above, they are judged against 2e-4
+    # of the largest gradient; every other tensor against its own scale.
+    assert max_relative_error(got, want, floor=2e-4) < 1e-3
 
 
 def test_invariant1_detects_a_wrong_gradient():
