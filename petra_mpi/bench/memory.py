@@ -38,7 +38,7 @@ def main(argv):
     p = argparse.ArgumentParser(prog="python -m petra_mpi.bench memory", description=__doc__)
     p.add_argument("--arch", default="revnet50")
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--stages", type=int, default=0, help="0: 18 (RevNet), one per block (ViT)")
+    p.add_argument("--stages", type=int, default=0, help="0: one per block (18 for RevNet50)")
     p.add_argument("--width", type=int, default=0, help="0: 64 (RevNet), 192 (ViT)")
     p.add_argument("--depth", type=int, default=8, help="revvit/vit: transformer blocks")
     p.add_argument("--patch", type=int, default=4, help="revvit/vit: patch side")
@@ -50,7 +50,7 @@ def main(argv):
         a.stages = a.stages or num_blocks(a.arch, a.depth)
     else:
         model = ModelConfig(arch=a.arch, width=a.width or 64, num_classes=1000, stem="imagenet")
-        a.stages = a.stages or 18
+        a.stages = a.stages or num_blocks(a.arch)  # one stage per block: 18 for the 50-layer nets
     base = Config(model=model, data=DataConfig(batch_size=a.batch),
                   train=TrainConfig(method="delayed"))
     paper = a.arch == "revnet50"  # the paper's Table 3 has figures for RevNet50 alone
