@@ -70,8 +70,9 @@ class RunConfig:
 @dataclass
 class ModelConfig:
     arch: str = "revnet18"
-    """revnet18, revnet34, revnet50, resnet18, resnet34, resnet50, revvit (reversible vision
-    transformer) or vit (its non-reversible twin)."""
+    """revnet18, revnet34, revnet50, resnet18, resnet34, resnet50, irevnet18, irevnet34, irevnet50
+    (fully invertible RevNets: invertible downsampling, only the stem buffers its input), revvit
+    (reversible vision transformer) or vit (its non-reversible twin)."""
     width: int = 64
     """Base channels per stream (64 in the paper); for revvit/vit the token features per stream
     (192 for a tiny ViT)."""

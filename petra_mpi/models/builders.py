@@ -1,4 +1,5 @@
-"""RevNet and ResNet 18/34/50 as flat lists of blocks: [stem, residual blocks..., head].
+"""RevNet and ResNet 18/34/50 (and the fully invertible RevNets of invertible.py) as flat lists of
+blocks: [stem, residual blocks..., head].
 
 The paper's stage split keeps every residual block whole: one stage for the stem, one per block and
 one for the head (10 stages for the 18-layer nets, 18 for the 34/50-layer nets).
@@ -7,6 +8,7 @@ from torch import nn
 
 from .blocks import (DownsampleBlock, Head, PadShortcut, ResidualBlock, ReversibleBlock, Stem,
                      basic_branch, bottleneck_branch, conv_bn)
+from .invertible import INVERTIBLE_ARCHS, build_invertible_blocks
 from .vit import VIT_ARCHS, build_vit_blocks, vit_num_blocks
 
 ARCHS = {  # name: (reversible, bottleneck, blocks per layer)
@@ -17,7 +19,8 @@ ARCHS = {  # name: (reversible, bottleneck, blocks per layer)
     "revnet34": (True, False, (3, 4, 6, 3)),
     "revnet50": (True, True, (3, 4, 6, 3)),
 }
-ARCH_NAMES = (*ARCHS, *VIT_ARCHS)  # every model.arch: the CNNs above and the transformers (vit.py)
+# every model.arch: the CNNs above, the fully invertible RevNets and the transformers (vit.py)
+ARCH_NAMES = (*ARCHS, *INVERTIBLE_ARCHS, *VIT_ARCHS)
 
 
 def num_blocks(arch: str, depth: int = 0) -> int:
@@ -25,6 +28,8 @@ def num_blocks(arch: str, depth: int = 0) -> int:
     be split into. `depth`: transformer blocks of revvit/vit (0: the default)."""
     if arch in VIT_ARCHS:
         return vit_num_blocks(depth)
+    if arch in INVERTIBLE_ARCHS:
+        return sum(INVERTIBLE_ARCHS[arch][1]) + 2
     return sum(ARCHS[arch][2]) + 2
 
 
@@ -33,6 +38,11 @@ def build_blocks(arch: str, width: int = 64, num_classes: int = 10, imagenet_ste
     """The block list; `image_size` and `vit_kw` (depth, heads, patch) concern revvit/vit only."""
     if arch in VIT_ARCHS:
         return build_vit_blocks(arch, width, num_classes, image_size=image_size, **vit_kw)
+    if arch in INVERTIBLE_ARCHS:
+        blocks = build_invertible_blocks(arch, width, num_classes, imagenet_stem)
+        for block in blocks:
+            _init(block)
+        return blocks
     if arch not in ARCHS:
         raise ValueError(f"unknown model.arch {arch!r}; choose one of {list(ARCH_NAMES)}")
     reversible, bottleneck, layers = ARCHS[arch]

@@ -14,11 +14,11 @@ from conftest import PROGRAMS, QUICK, check_run_outputs, mpirun
 from equivalence import REVVIT, batches, eval_batches
 
 
-def local_reference(J, method, k, n, short_eval=False, **flags):
+def local_reference(J, method, k, n, short_eval=False, arch="revnet18", **flags):
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     try:
-        stages = build_stages("revnet18", 4, 10, J, seed=0, **flags)
+        stages = build_stages(arch, 4, 10, J, seed=0, **flags)
         workers = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), k,
                                 weight_decay=5e-4)
         engine = LocalEngine(workers, method)
@@ -37,7 +37,8 @@ RUNS = {
     2: ["petra:1", "backprop:1", "delayed:2:buffer"],
     3: ["petra:2", "backprop:2", "delayed:1:buffer:stash",
         "petra:1:short_eval",  # evaluation's last batch has 2 samples, not 4
-        "petra:2:revvit", "petra:2:bf16"],
+        "petra:2:revvit", "petra:2:bf16",
+        "petra:2:irevnet"],  # the fully invertible net: every stage but the stem's rebuilds
     4: ["petra:1", "petra:2", "backprop:1", "delayed:2:stash"],
 }
 
@@ -68,10 +69,11 @@ def test_invariant3_mpi_equals_local_bitwise(launched, J, run):
     method, k, *flags = run.split(":")
     k = int(k)
     out = launched(J, run)
+    arch = "irevnet18" if "irevnet" in flags else "revnet18"
     stages, ref_eval = local_reference(J, method, k, N, short_eval="short_eval" in flags,
-                                       buffer_inputs="buffer" in flags,
+                                       arch=arch, buffer_inputs="buffer" in flags,
                                        stash_weights="stash" in flags)
-    initial = build_stages("revnet18", 4, 10, J, seed=0)
+    initial = build_stages(arch, 4, 10, J, seed=0)
     moved = 0.0
     for r in range(J):
         got = torch.load(out / f"rank{r}.pt")

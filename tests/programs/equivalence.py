@@ -4,7 +4,7 @@ for several runs in one launch (each launch pays the imports on every rank once)
 Usage: mpirun -n J python tests/programs/equivalence.py OUT_DIR N RUN [RUN ...]
 RUN is METHOD:K[:FLAG...], FLAG one of buffer, stash (the delayed method's switches), short_eval
 (evaluation ends with a batch of 2), revvit (the tiny reversible ViT below instead of RevNet18),
-bf16 (the blocks compute in bf16). Run RUN writes OUT_DIR/RUN/rank{r}.pt.
+irevnet (the fully invertible irevnet18 instead of RevNet18), bf16 (the blocks compute in bf16). Run RUN writes OUT_DIR/RUN/rank{r}.pt.
 """
 import os
 import sys
@@ -46,7 +46,8 @@ def train_and_save(world, out, method, k, n, flags):
                               image_size=REVVIT["image_size"], model_kw=REVVIT["model_kw"],
                               **switches)
     else:
-        stages = build_stages("revnet18", 4, 10, world.size, seed=0, only=world.rank, **switches)
+        arch = "irevnet18" if "irevnet" in flags else "revnet18"
+        stages = build_stages(arch, 4, 10, world.size, seed=0, only=world.rank, **switches)
     (worker,) = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), k,
                               weight_decay=5e-4)
     engine = MPIEngine(worker, method, world, torch.float32, (3, 16, 16), 4)
