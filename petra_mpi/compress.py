@@ -122,10 +122,12 @@ class Codec:
             return codes
         # Unbiased rounding: the other neighbour of t (the next 16-bit value on t's side of the
         # nearest) with probability |t - nearest| / |other - nearest|, the nearest otherwise.
+        # Floats are sign and magnitude, so the neighbour of larger (smaller) magnitude is the
+        # bit pattern plus (minus) one, on any device.
         nearest = codes.to(t.dtype)
         error = t - nearest
-        other = torch.nextafter(codes, torch.where(error > 0, torch.inf, -torch.inf).to(
-            codes.dtype))
+        step = torch.where(t.abs() > nearest.abs(), 1, -1).to(torch.int16)
+        other = (codes.view(torch.int16) + step).view(codes.dtype)
         gap = (other.to(t.dtype) - nearest).abs()
         take_other = self._uniform(t) * gap < error.abs()  # never where error == 0
         return torch.where(take_other, other, codes)

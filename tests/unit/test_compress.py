@@ -78,6 +78,24 @@ def test_stochastic_rounding_is_unbiased(fmt):
     assert not torch.equal(got, Codec(fmt, stochastic=True, seed=4).roundtrip(v)[1:])
 
 
+@pytest.mark.parametrize("fmt,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_stochastic_16_bit_rounding_lands_on_a_neighbour(fmt, dtype):
+    """Each value goes to one of the two 16-bit values around it, over many magnitudes, signs,
+    zeros and subnormals."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50_000, generator=g) * torch.exp(3 * torch.randn(50_000, generator=g))
+    x[:8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-6, -1e-6, 1.0, -1.0])
+    x = x[torch.isfinite(x.to(dtype))]  # fp16 overflows past 65504, whatever the rounding
+    y = Codec(fmt, stochastic=True, seed=2).roundtrip(x)
+    nearest = x.to(dtype)
+    up = torch.nextafter(nearest, torch.full_like(nearest, float("inf"))).float()
+    down = torch.nextafter(nearest, torch.full_like(nearest, -float("inf"))).float()
+    below = torch.where(nearest.float() <= x, nearest.float(), down)
+    above = torch.where(nearest.float() >= x, nearest.float(), up)
+    assert ((y == below) | (y == above)).all()
+    assert (y != nearest.float()).any()  # some values went to the farther neighbour
+
+
 def test_evaluation_rounds_to_the_nearest():
     x = activation()
     assert torch.equal(Codec("int8", stochastic=True).roundtrip(x, evaluation=True),
