@@ -4,9 +4,10 @@ Each direction of traffic between stages, forward activations, rebuilt inputs an
 back, and the inputs that buffered blocks keep for their backward, has a format:
 - none: as computed (float32);
 - bf16, fp16: the 16-bit float nearest to each value (half the bytes);
-- int8: one signed byte per value, v ≈ code · scale, codes in [-127, 127] and scale = max|v| / 127
-  over the whole tensor; int8_channel: one scale per channel (dim 1 of an NCHW activation, the
-  last dim of a token tensor), so that a channel of small values keeps its resolution.
+- int8: one signed byte per value, v ≈ code · scale, codes in [-127, 127] and
+  scale = max|v| / 127 over the whole tensor;
+- int8_channel: the same with one scale per channel (dim 1 of an NCHW activation, the last dim
+  of a token tensor), so that a channel of small values keeps its resolution.
 With `stochastic`, values round up or down at random with the probabilities that make the
 rounding unbiased (E[decoded] = v) instead of to the nearest code; the random numbers come from a
 generator of the sender's own, seeded from the run's seed, its stage and replica and the

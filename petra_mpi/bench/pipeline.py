@@ -2,9 +2,9 @@
 (model parallelism, one stage busy at a time), alternated in one run. Reports images/s of each,
 the speed-up, and per rank the fraction of wall time spent waiting on MPI, the compute-only
 time per tick next to the wall time per tick, and the bytes sent per tick (compressed as
-`--compress` says, e.g. `--compress forward=int8,gradient=bf16`). `--device cuda`: every rank on its GPU, bound as
-training binds it (ranks share the GPUs when there are fewer GPUs than ranks: under MPS, J ranks
-on one GPU emulate J smaller GPUs and time the real GPU transport)."""
+`--compress` says, e.g. `--compress forward=int8,gradient=bf16`). `--device cuda`: every rank on
+its GPU, bound as training binds it (ranks share the GPUs when there are fewer GPUs than ranks:
+under MPS, J ranks on one GPU emulate J smaller GPUs and time the real GPU transport)."""
 import argparse
 import statistics
 import sys

@@ -264,7 +264,8 @@ class Inbox:
         if self.codec is not None:  # one byte buffer: scales, then codes
             self.head = self.codec.scale_bytes(self.shape, dtype)
             self.sample_bytes = self.per_sample * self.codec.code_dtype.itemsize
-            self.buffer = ((self.head + self.shape[0] * self.sample_bytes,), torch.uint8, CONTIGUOUS)
+            size = self.head + self.shape[0] * self.sample_bytes
+            self.buffer = ((size,), torch.uint8, CONTIGUOUS)
         else:
             self.buffer = (self.shape, dtype, layout)
         self.pending = deque()
