@@ -136,6 +136,17 @@ def test_compressed_fifo_keeps_fewer_bytes():
     assert peaks["int8"] < peaks["none"] / 3.9
 
 
+def test_dry_run_counts_packed_fifo_entries():
+    from petra_mpi.dryrun import stage_table
+    fifo = {}
+    for fmt in ("none", "bf16", "int8"):
+        cfg = load_config("configs/quickstart.yaml", [f"comm.buffers={fmt}"])
+        fifo[fmt] = [row["input_fifo_bytes"] for row in stage_table(cfg, 4)]
+    assert any(fifo["none"])
+    assert fifo["bf16"] == [b // 2 for b in fifo["none"]]
+    assert fifo["int8"] == [b // 4 for b in fifo["none"]]
+
+
 def test_config_comm_section():
     cfg = load_config("configs/quickstart.yaml", ["comm.forward=int8_channel",
                                                   "comm.stochastic=true"])
