@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from .compress import DIRECTIONS, FORMATS
 from .models import ARCH_NAMES, num_blocks
 from .models.vit import VIT_ARCHS, default_heads
 from .optim import OPTIMIZERS
@@ -182,12 +183,30 @@ class OptimConfig:
 
 
 @dataclass
+class CommConfig:
+    """Compression of what the stages send and store (docs/design.md, "Compressed messages").
+    Formats: none, bf16, fp16, int8 (one scale per tensor) or int8_channel (one per channel)."""
+    forward: str = "none"
+    """Activations sent forward, to the next stage."""
+    rebuilt: str = "none"
+    """Rebuilt inputs x̃ sent backward (only to stages that use them)."""
+    gradient: str = "none"
+    """Input gradients δ sent backward."""
+    buffers: str = "none"
+    """Inputs that buffered blocks (stem, downsampling, ResNet blocks) keep for their backward."""
+    stochastic: bool = False
+    """Round at random, unbiased, instead of to the nearest (training only; evaluation rounds to
+    the nearest)."""
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     source: str = "<defaults>"
     """The file the config came from (for messages)."""
 
@@ -356,6 +375,8 @@ def validate(cfg: Config, world_size: int | None = None):
     need(len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas), "optim.betas",
          "must be two numbers in [0, 1)")
     need(cfg.optim.schedule in ("step", "cosine"), "optim.schedule", "must be step or cosine")
+    for d in DIRECTIONS:
+        need(getattr(cfg.comm, d) in FORMATS, f"comm.{d}", f"must be one of {', '.join(FORMATS)}")
     if world_size is not None and world_size > 1:
         need(not cfg.train.diag_every, "train.diag_every",
              "the diagnostics need every stage in one process: run them without mpirun")

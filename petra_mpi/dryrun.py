@@ -8,6 +8,7 @@ import sys
 import torch
 
 from .config import model_kwargs
+from .compress import Codec
 from .engine.build import build_stages
 from .schedule import delay
 
@@ -46,6 +47,9 @@ def stage_table(cfg, num_stages: int, dtype=torch.float32, partition=None,
     x = torch.zeros(1, 3, side, side, dtype=dtype)
     rows = []
     itemsize = torch.finfo(dtype).bits // 8
+    # a FIFO keeps its inputs in comm.buffers' format (an int8 tensor's few scales not counted)
+    buffer_codec = Codec(cfg.comm.buffers)
+    fifo_itemsize = buffer_codec.code_dtype.itemsize if buffer_codec.active else itemsize
     for stage in stages:
         stage.eval()
         in_shape = tuple(x.shape[1:])
@@ -53,7 +57,7 @@ def stage_table(cfg, num_stages: int, dtype=torch.float32, partition=None,
         with torch.no_grad():
             for block, buffered in zip(stage.blocks, stage.buffered):
                 if buffered and not stage.is_last:
-                    fifo += x.numel() * batch * itemsize
+                    fifo += x.numel() * batch * fifo_itemsize
                 x = block(x)
         params = sum(p.numel() for p in stage.parameters()) * itemsize
         in_flight = delay(num_stages, stage.index) + 1 if cfg.train.method != "backprop" else 1

@@ -20,11 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .compress import Codec, nbytes
 from .models import frozen_bn_stats
 from .trace import BACKWARD, FORWARD, LOSS, NULL_TRACER
 
 
 class Stage(nn.Module):
+    # how the FIFOs keep their inputs (comm.buffers): packed at the push, unpacked at the pop
+    buffer_codec = Codec("none")
+
     def __init__(self, blocks, index: int, num_stages: int, *, buffer_inputs: bool = False,
                  stash_weights: bool = False):
         super().__init__()
@@ -52,7 +56,7 @@ class Stage(nn.Module):
             for block, fifo, stash, buffered in zip(self.blocks, self.fifos, self.stashes,
                                                     self.buffered):
                 if buffered:
-                    fifo.append(x)
+                    fifo.append(self.buffer_codec.pack(x))
                 if self.stash_weights:
                     stash.append([p.detach().clone() for p in block.parameters()])
                 x = block(x)
@@ -79,7 +83,7 @@ class Stage(nn.Module):
         if not self.buffered[i] and stashed is None:
             return block.backward_from_output(y, grad_y, need_grad_x)
         if self.buffered[i]:
-            x = self.fifos[i].popleft()
+            x = self.buffer_codec.unpack(self.fifos[i].popleft())
         else:  # rebuild with the current weights, differentiate with the stashed ones
             with torch.no_grad(), frozen_bn_stats():  # the graph pass below updates the stats
                 x = block.inverse(y)
@@ -118,12 +122,7 @@ class Stage(nn.Module):
 
 
 def _queued_bytes(queues) -> int:
-    total = 0
-    for q in queues:
-        for item in q:
-            for t in (item if isinstance(item, list) else [item]):
-                total += t.numel() * t.element_size()
-    return total
+    return sum(nbytes(item) for q in queues for item in q)
 
 
 class _weights:

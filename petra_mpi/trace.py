@@ -7,7 +7,8 @@ What is recorded, each as a complete ("X") event with ts/dur in microseconds:
 - wait: the time blocked in MPI per stream (activation/rebuilt/gradient/labels in, and the waits
   of the sends), with the message size in bytes;
 - plan: one span per tick naming the operations schedule.tick_ops planned for it ("F3 B1"), so
-  the planned actions sit beside the measured ones.
+  the planned actions sit beside the measured ones; under MPI with the bytes the rank sent in
+  that tick (compressed size when `comm` compresses).
 pid = rank (in one process: the stage), tid = the kind, so each kind is a row of its own.
 
 Cost: when tracing is off every worker holds NULL_TRACER, whose span() returns one shared null
@@ -109,6 +110,7 @@ class Tracer:
         # serialises host and device at every span (slower, but the spans mean something).
         self.log, self.pid, self.sync = log, pid, sync
         self.tick = self.b = -1  # outside a tick (drain, evaluation): -1, left out of args
+        self.sent_bytes = -1  # bytes put into the MPI engine's outboxes; -1: no boxes wrapped
         log.names[pid] = name
 
     def span(self, kind, b=-1):
@@ -118,15 +120,16 @@ class Tracer:
         return self._plan(tick, ops) if ops else ops
 
     def _plan(self, tick, ops):
-        start = time.perf_counter()
+        start, sent = time.perf_counter(), self.sent_bytes
         self.tick = tick
         for op, b in ops:
             self.b = b
             yield op, b
         label = " ".join({"forward": "F", "backward": "B", "forward_backward": "FB"}[op] + str(b)
                          for op, b in ops)
+        nbytes = self.sent_bytes - sent if sent >= 0 else -1
         self.log.add((PLAN, label, self.pid, COMPUTE_TIDS[PLAN], start, time.perf_counter(), -1,
-                      tick, -1))
+                      tick, nbytes))
         self.tick = self.b = -1
 
     def wrap_callback(self, kind, fn):
@@ -144,7 +147,8 @@ class Tracer:
 
     def wrap_boxes(self, engine):
         """Replace the MPI engine's Inbox/Outbox attributes by timing proxies (mpi/transport.py stays
-        untouched: the proxies read the boxes' own `waited` counters)."""
+        untouched: the proxies read the boxes' own `waited` counters and byte counts)."""
+        self.sent_bytes = max(self.sent_bytes, 0)
         for attr, stream in STREAMS.items():
             box = getattr(engine, attr, None)
             if box is None or isinstance(box, (_TracedInbox, _TracedOutbox)):
@@ -161,10 +165,6 @@ def unwrap_boxes(engine):
             setattr(engine, attr, box.box)
 
 
-def _nbytes(t) -> int:
-    return t.numel() * t.element_size()
-
-
 class _TracedInbox:
     """An Inbox whose get() records its MPI wait. The wait is the growth of box.waited; it starts
     at once (get() waits before anything else), so the span is [start, start + wait]."""
@@ -178,13 +178,14 @@ class _TracedInbox:
     def get(self):
         before, start = self.box.waited, time.perf_counter()
         t = self.box.get()
-        self.tracer.wait(self.stream, start, start + self.box.waited - before, _nbytes(t))
+        self.tracer.wait(self.stream, start, start + self.box.waited - before, self.box.last_bytes)
         return t
 
 
 class _TracedOutbox:
     """An Outbox whose put()/flush() record the time spent waiting for earlier sends to complete
-    (that wait ends the call, so the span is [end - wait, end]); bytes = the message put."""
+    (that wait ends the call, so the span is [end - wait, end]); bytes = the message put, as
+    sent (compressed where compression is on)."""
 
     def __init__(self, box, tracer, stream):
         self.box, self.tracer, self.stream = box, tracer, stream
@@ -192,11 +193,12 @@ class _TracedOutbox:
     def __getattr__(self, name):
         return getattr(self.box, name)
 
-    def put(self, t):
+    def put(self, t, **kw):
         before = self.box.waited
-        self.box.put(t)
+        nbytes = self.box.put(t, **kw)
         end = time.perf_counter()
-        self.tracer.wait(self.stream, end - (self.box.waited - before), end, _nbytes(t))
+        self.tracer.sent_bytes += nbytes
+        self.tracer.wait(self.stream, end - (self.box.waited - before), end, nbytes)
 
     def flush(self):
         before = self.box.waited

@@ -23,6 +23,7 @@ from .checkpoint import (LAYOUT_FREE, MANIFEST, CheckpointError, block_files, ch
                          find_resume, invalidate, load_blocks, load_stage, prune, read_manifest,
                          save_blocks, write_manifest)
 from .config import ConfigError, load_config, model_kwargs, num_replicas, num_stages, validate
+from .compress import Compression
 from .engine.build import build_stages, build_workers
 from .engine.evaluation import correct
 from .metrics import MetricsWriter, Progress, fmt_time, stage_memory, write_json_atomic
@@ -346,6 +347,7 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
     if world:
         resume = world.comm.bcast(resume, root=0)
     partition = choose_partition(cfg, J, world, device, dtype, lengths[2], resume)
+    compression = Compression.from_config(cfg.comm, cfg.run.seed)
     stages = []
     for _ in range(1 if world else R):  # in one process: R identical replicas, in rank order
         stages += build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, J,
@@ -354,7 +356,7 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
                                stash_weights=cfg.train.stash_weights, device=device, dtype=dtype,
                                image_size=lengths[2][-1],  # the side the data loader delivers
                                only=stage if world else None, model_kw=model_kwargs(cfg),
-                               precision=cfg.run.precision)
+                               precision=cfg.run.precision, compression=compression)
     steps_per_epoch = -(-n // cfg.train.accumulation)
     schedule = lr_schedule(cfg, steps_per_epoch, R)
     workers = build_workers(stages, schedule, cfg.train.accumulation,
@@ -370,13 +372,15 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
     if world:
         from .mpi.engine import MPIEngine
         engine = MPIEngine(workers[0], cfg.train.method, world, dtype, lengths[2],
-                           cfg.data.batch_size)
+                           cfg.data.batch_size, compression)  # its start-up line shows it
         tracer.wrap_boxes(engine)  # time the MPI waits of each stream
         from .watchdog import start_watchdog
         engine.watchdog = start_watchdog(cfg, world, engine)  # ends a rank that hangs
     else:
         from .engine.local import LocalEngine
-        engine = LocalEngine(workers, cfg.train.method, R)
+        engine = LocalEngine(workers, cfg.train.method, R, compression)
+        if compression.active:
+            print(f"petra_mpi: {compression.describe()}", file=sys.stderr, flush=True)
     writer = MetricsWriter(cfg.run.out_dir, cfg.run.tensorboard) if writes else None
     if cfg.train.diag_every:
         from .diagnostics import Diagnostics

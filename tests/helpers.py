@@ -2,6 +2,7 @@
 import torch
 import torch.nn.functional as F
 
+from petra_mpi.compress import NO_COMPRESSION
 from petra_mpi.engine.build import build_stages, build_workers
 from petra_mpi.engine.local import LocalEngine
 from petra_mpi.optim import LRSchedule
@@ -19,12 +20,16 @@ def flat_params(stages):
 
 
 def run_engine(arch, J, k, batches, method="petra", lr=0.0, dtype=torch.float64, width=4,
-               momentum=0.9, weight_decay=0.0, on_update=None, **stage_kw):
-    """Train one segment on `batches` with the local engine; returns the stages."""
-    stages = build_stages(arch, width, 10, J, seed=0, dtype=dtype, **stage_kw)
+               momentum=0.9, weight_decay=0.0, on_update=None, compression=NO_COMPRESSION,
+               **stage_kw):
+    """Train one segment on `batches` with the local engine (its messages and buffers compressed
+    as `compression` says); returns the stages."""
+    stages = build_stages(arch, width, 10, J, seed=0, dtype=dtype, compression=compression,
+                          **stage_kw)
     workers = build_workers(stages, LRSchedule(lr, 10**6), k, momentum=momentum,
                             weight_decay=weight_decay, on_update=on_update)
-    LocalEngine(workers, method).train_segment(iter(batches), len(batches))
+    LocalEngine(workers, method, compression=compression).train_segment(iter(batches),
+                                                                        len(batches))
     return stages
 
 

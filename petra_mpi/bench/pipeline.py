@@ -1,9 +1,10 @@
 """Under `mpirun -n J`: the same model, batch and ranks trained with PETRA and with backprop
 (model parallelism, one stage busy at a time), alternated in one run. Reports images/s of each,
-the speed-up, and per rank the fraction of wall time spent waiting on MPI and the compute-only
-time per tick next to the wall time per tick. `--device cuda`: every rank on its GPU, bound as
-training binds it (ranks share the GPUs when there are fewer GPUs than ranks: under MPS, J ranks
-on one GPU emulate J smaller GPUs and time the real GPU transport)."""
+the speed-up, and per rank the fraction of wall time spent waiting on MPI, the compute-only
+time per tick next to the wall time per tick, and the bytes sent per tick (compressed as
+`--compress` says, e.g. `--compress forward=int8,gradient=bf16`). `--device cuda`: every rank on
+its GPU, bound as training binds it (ranks share the GPUs when there are fewer GPUs than ranks:
+under MPS, J ranks on one GPU emulate J smaller GPUs and time the real GPU transport)."""
 import argparse
 import statistics
 import sys
@@ -11,6 +12,7 @@ import time
 
 import torch
 
+from ..compress import DIRECTIONS, Codec, Compression
 from ..devices import bind_early, bound_cuda_device, rank_map, synchronize
 from ..engine.build import build_stages, build_workers
 from ..mpi.engine import MPIEngine
@@ -57,9 +59,13 @@ def main(argv):
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
                    help="as run.precision: bf16 autocast inside the blocks")
+    p.add_argument("--compress", metavar="DIRECTION=FORMAT,...", default="",
+                   help=f"compress messages and buffers as comm.* does; directions "
+                        f"{', '.join(DIRECTIONS)}, or `stochastic` alone for stochastic rounding")
     p.add_argument("--trace", metavar="FILE",
                    help="write the Chrome-trace timeline of the last timed PETRA segment")
     a = p.parse_args(argv)
+    compression = parse_compression(a.compress)
     if a.device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no CUDA device is visible")
@@ -77,9 +83,9 @@ def main(argv):
             print(table, flush=True)
     sizes = split_for(a, world, device)
     stages = build_stages(a.arch, a.width, 10, J, seed=0, only=world.rank, partition=sizes,
-                          device=device, precision=a.precision)
+                          device=device, precision=a.precision, compression=compression)
     (worker,) = build_workers(stages, LRSchedule(0.01, 10**6))
-    engines = {m: MPIEngine(worker, m, world, torch.float32, (3, 32, 32), a.batch)
+    engines = {m: MPIEngine(worker, m, world, torch.float32, (3, 32, 32), a.batch, compression)
                for m in ("petra", "backprop")}
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(a.batch, 3, 32, 32, generator=g).to(device),
@@ -96,13 +102,13 @@ def main(argv):
             worker.tracer.wrap_boxes(engine)
         synchronize(device)
         comm.Barrier()
-        start, waited, computed = (time.perf_counter(), engine.wait_seconds(),
-                                   engine.compute_seconds)
+        start, waited, computed, sent = (time.perf_counter(), engine.wait_seconds(),
+                                         engine.compute_seconds, engine.sent_bytes())
         engine.train_segment(batches, n)
         synchronize(device)  # the segment ends when this rank's GPU work has
         comm.Barrier()
         result = (time.perf_counter() - start, engine.wait_seconds() - waited,
-                  engine.compute_seconds - computed)
+                  engine.compute_seconds - computed, engine.sent_bytes() - sent)
         if traced:
             trace.unwrap_boxes(engine)
             trace.finish([worker.tracer], world, a.trace,
@@ -127,7 +133,8 @@ def main(argv):
                    "wait_fraction": comm.gather(sum(r[1] for r in runs) / total, root=0),
                    "compute_ms_per_tick": comm.gather(1e3 * sum(r[2] for r in runs) / ticks,
                                                       root=0),
-                   "wall_ms_per_tick": 1e3 * total / ticks}
+                   "wall_ms_per_tick": 1e3 * total / ticks,
+                   "sent_bytes_per_tick": comm.gather(sum(r[3] for r in runs) / ticks, root=0)}
     if world.rank == 0:
         speedup = rows["petra"]["images_per_s"] / rows["backprop"]["images_per_s"]
         where = (f"{torch.cuda.get_device_name(device)}, {a.precision}" if device.type == "cuda"
@@ -135,20 +142,45 @@ def main(argv):
         print(f"{a.arch} width {a.width}, batch {a.batch}, {J} ranks x {where}, "
               f"split {stages[0].partition}, {a.microbatches} micro-batches per segment (fill "
               f"and drain included), median of {a.rounds} alternated rounds"
-              + (", no polling" if a.no_poll else ""))
+              + (", no polling" if a.no_poll else "") + f", {compression.describe()}")
         print(f"{'method':<10} {'images/s':>9} {'wall ms/tick':>13}  per rank: MPI wait fraction "
-              f"| compute ms/tick")
+              f"| compute ms/tick | kB sent/tick")
         for m, r in rows.items():
             fr = " ".join(f"{f:.2f}" for f in r["wait_fraction"])
             ct = " ".join(f"{c:.0f}" for c in r["compute_ms_per_tick"])
-            print(f"{m:<10} {r['images_per_s']:>9.1f} {r['wall_ms_per_tick']:>13.0f}  {fr} | {ct}")
+            kb = " ".join(f"{b / 1e3:.0f}" for b in r["sent_bytes_per_tick"])
+            print(f"{m:<10} {r['images_per_s']:>9.1f} {r['wall_ms_per_tick']:>13.0f}  {fr} | {ct} "
+                  f"| {kb}")
         print(f"speed-up PETRA / backprop: {speedup:.2f} (ideal {J}.0)")
         sys.stdout.flush()
         emit({"bench": "pipeline", "arch": a.arch, "width": a.width, "batch": a.batch,
               "ranks": J, "device": str(device), "precision": a.precision,
               "transport": engines["petra"].transport.mode,
               "split": stages[0].partition, "poll": not a.no_poll,
+              "compression": {d: getattr(compression, d) for d in DIRECTIONS}
+              | {"stochastic": compression.stochastic},
               "petra_images_per_s": rows["petra"]["images_per_s"],
               "backprop_images_per_s": rows["backprop"]["images_per_s"], "speedup": speedup,
               **{f"{m}_{k}": rows[m][k] for m in rows
-                 for k in ("wait_fraction", "compute_ms_per_tick", "wall_ms_per_tick")}})
+                 for k in ("wait_fraction", "compute_ms_per_tick", "wall_ms_per_tick",
+                           "sent_bytes_per_tick")}})
+
+
+def parse_compression(text: str) -> Compression:
+    """`forward=int8,gradient=bf16,stochastic` -> a Compression (run seed 0)."""
+    formats, stochastic = {}, False
+    for item in filter(None, text.split(",")):
+        if item == "stochastic":
+            stochastic = True
+            continue
+        direction, _, fmt = item.partition("=")
+        if direction not in DIRECTIONS:
+            raise SystemExit(f"--compress {item}: direction must be one of {', '.join(DIRECTIONS)}")
+        formats[direction] = fmt
+    try:
+        compression = Compression(**formats, stochastic=stochastic)
+        for d in DIRECTIONS:
+            Codec(getattr(compression, d))  # raises on an unknown format
+    except ValueError as e:
+        raise SystemExit(f"--compress: {e}")
+    return compression

@@ -4,18 +4,23 @@ from collections import deque
 
 import torch
 
+from ..compress import NO_COMPRESSION
 from ..schedule import num_ticks, stop_count, tick_ops
 from ..stopping import STOP_CHECK_TICKS
 from .evaluation import EvalTotals
 
 
 class LocalEngine:
-    def __init__(self, workers, method: str, replicas: int = 1):
+    def __init__(self, workers, method: str, replicas: int = 1, compression=NO_COMPRESSION):
         """workers: R replicas of a J-stage pipeline in rank order (replica · J + stage); with
         R > 1 each stage's gradients are averaged over its replicas at every step, as R · J
-        ranks would under mpirun (replicas.py)."""
+        ranks would under mpirun (replicas.py). compression (compress.Compression): every message
+        between stages goes through its codec's round trip, as the MPI engine's do."""
         self.workers, self.method, self.replicas = workers, method, replicas
         self.J = len(workers) // replicas
+        # per worker, the codecs of what it sends: {direction: Codec}
+        self.codecs = [{d: compression.codec(d, i % self.J, i // self.J)
+                        for d in ("forward", "rebuilt", "gradient")} for i in range(len(workers))]
         if replicas > 1:
             from ..mpi.replicas import link_local
             link_local(workers, replicas)
@@ -41,8 +46,8 @@ class LocalEngine:
                     w.begin_segment(n)  # the last backward now steps the optimizer
             # Every replica through tick t before tick t + 1: a stage's average needs all of them.
             for r in range(R):
-                self._tick(self.workers[r * J:(r + 1) * J], *queues[r], feeds[r], t, n,
-                           on_loss if r == 0 else None)
+                self._tick(self.workers[r * J:(r + 1) * J], self.codecs[r * J:(r + 1) * J],
+                           *queues[r], feeds[r], t, n, on_loss if r == 0 else None)
             t += 1
         for w in self.workers:
             w.settle()  # the last step of the segment, when it waited for the replicas' average
@@ -50,15 +55,20 @@ class LocalEngine:
             "pipeline not drained"
         return n
 
-    def _tick(self, workers, inputs, grads, labels, batches, t, n, on_loss):
+    def _tick(self, workers, codecs, inputs, grads, labels, batches, t, n, on_loss):
         J = len(workers)
+
+        def send_down(s, x, grad_x):  # as the MPI engine: ỹ only to a stage that uses it
+            if workers[s - 1].stage.needs_rebuilt_input:
+                x = codecs[s]["rebuilt"].roundtrip(x)
+            grads[s - 1].append((x, codecs[s]["gradient"].roundtrip(grad_x)))
         # Stage by stage: each op only needs what a neighbour produced at an earlier tick.
         for s, w in enumerate(workers):
             for op, b in w.tracer.plan(t, tick_ops(self.method, J, s, t, n)):
                 if op == "backward":
                     x, grad_x = w.backward(b, *grads[s].popleft())
                     if s > 0:
-                        grads[s - 1].append((x, grad_x))
+                        send_down(s, x, grad_x)
                     continue
                 if s == 0:
                     x, y = next(batches)
@@ -66,14 +76,14 @@ class LocalEngine:
                 else:
                     x = inputs[s].popleft()
                 if op == "forward":
-                    inputs[s + 1].append(w.forward(b, x))
+                    inputs[s + 1].append(codecs[s]["forward"].roundtrip(w.forward(b, x)))
                     continue
                 y = labels.popleft()
                 loss, logits, grad_x = w.forward_backward(b, x, y)
                 if on_loss is not None:
                     on_loss(b, loss, logits, y)
                 if s > 0:
-                    grads[s - 1].append((x, grad_x))
+                    send_down(s, x, grad_x)
 
     def any_stop(self, stop) -> bool:
         return stop is not None and stop.requested
@@ -87,8 +97,10 @@ class LocalEngine:
             w.stage.eval()
         try:
             for x, y in batches:
-                for w in pipeline:
+                for w, codecs in zip(pipeline, self.codecs):
                     x = w.stage.evaluate(x)
+                    if not w.is_last:  # the MPI engine sends it: rounded to the nearest
+                        x = codecs["forward"].roundtrip(x, evaluation=True)
                 totals.add(x, y)
         finally:
             for w in pipeline:

@@ -16,6 +16,7 @@ import torch
 
 from .transport import (CONTIGUOUS, RECEIVE_DEPTH, TAG_ACTIVATION, TAG_GRADIENT, TAG_LABELS,
                     TAG_REBUILT, Inbox, Outbox, Transport, cuda_aware_mpi, in_layout, layout_of)
+from ..compress import NO_COMPRESSION
 from ..schedule import num_ticks, stop_count, tick_ops
 from ..stopping import STOP_CHECK_TICKS
 from ..engine.evaluation import EvalTotals
@@ -27,9 +28,13 @@ STREAM_NAMES = {TAG_ACTIVATION: "activation", TAG_REBUILT: "rebuilt input",
 
 
 class MPIEngine:
-    def __init__(self, worker, method, world, dtype, input_shape, batch_size):
+    def __init__(self, worker, method, world, dtype, input_shape, batch_size,
+                 compression=NO_COMPRESSION):
         self.w, self.method, self.world = worker, method, world
         comm, r, J = world.pipe, world.stage, world.stages
+
+        def codec(direction, sender):  # of what `sender` sends; a receiver only decodes with it
+            return compression.codec(direction, sender, world.replica)
         device = next(worker.stage.parameters()).device
         aware, why = cuda_aware_mpi() if device.type == "cuda" else (False, "")
         self.transport = t = Transport(device, aware)
@@ -41,6 +46,7 @@ class MPIEngine:
             path = average_path(device.type, t.direct, allowed)
             worker.reducer = MPIMean(world.dp, t, path)
             line += f", replica average {path}" + (f" ({why_avg})" if why_avg else "")
+        line += ", " + compression.describe()
         if world.rank == 0:
             ranks = f"{world.replicas} replicas x {J} stages" if world.replicas > 1 else f"{J} ranks"
             print(f"petra_mpi: {ranks}, {line}", file=sys.stderr, flush=True)
@@ -56,16 +62,19 @@ class MPIEngine:
         wants_rebuilt = comm.sendrecv(worker.stage.needs_rebuilt_input, dest=(r + 1) % J,
                                       source=(r - 1) % J)
         self.send_rebuilt = r > 0 and wants_rebuilt
-        self.inputs = (Inbox(comm, t, r - 1, TAG_ACTIVATION, in_shape, dtype, layout=in_fmt)
-                       if r > 0 else None)
-        self.outputs = Outbox(comm, t, r + 1, TAG_ACTIVATION, layout=out_fmt) if r < J - 1 else None
-        self.rebuilt_in = (Inbox(comm, t, r + 1, TAG_REBUILT, out_shape, dtype, layout=out_fmt)
+        self.inputs = (Inbox(comm, t, r - 1, TAG_ACTIVATION, in_shape, dtype, layout=in_fmt,
+                             codec=codec("forward", r - 1)) if r > 0 else None)
+        self.outputs = (Outbox(comm, t, r + 1, TAG_ACTIVATION, layout=out_fmt,
+                               codec=codec("forward", r)) if r < J - 1 else None)
+        self.rebuilt_in = (Inbox(comm, t, r + 1, TAG_REBUILT, out_shape, dtype, layout=out_fmt,
+                                 codec=codec("rebuilt", r + 1))
                            if r < J - 1 and worker.stage.needs_rebuilt_input else None)
-        self.grads_in = (Inbox(comm, t, r + 1, TAG_GRADIENT, out_shape, dtype, layout=out_fmt)
-                         if r < J - 1 else None)
-        self.rebuilt_out = (Outbox(comm, t, r - 1, TAG_REBUILT, layout=in_fmt)
-                            if self.send_rebuilt else None)
-        self.grads_out = Outbox(comm, t, r - 1, TAG_GRADIENT, layout=in_fmt) if r > 0 else None
+        self.grads_in = (Inbox(comm, t, r + 1, TAG_GRADIENT, out_shape, dtype, layout=out_fmt,
+                               codec=codec("gradient", r + 1)) if r < J - 1 else None)
+        self.rebuilt_out = (Outbox(comm, t, r - 1, TAG_REBUILT, layout=in_fmt,
+                                   codec=codec("rebuilt", r)) if self.send_rebuilt else None)
+        self.grads_out = (Outbox(comm, t, r - 1, TAG_GRADIENT, layout=in_fmt,
+                                 codec=codec("gradient", r)) if r > 0 else None)
         # with one stage (J = 1, replicas only) the labels never leave the rank
         self.labels_out = (Outbox(comm, t, J - 1, TAG_LABELS, depth=J + 2)
                            if r == 0 and J > 1 else None)
@@ -113,6 +122,10 @@ class MPIEngine:
         rank = self.world.replica * self.world.stages + stage
         where = self.world.placement
         return f"rank {rank}" + (f" ({where[rank]['host']})" if where else "")
+
+    def sent_bytes(self) -> int:
+        """Bytes this rank sent so far (compressed size where compression is on)."""
+        return sum(box.sent_bytes for box in self._boxes() if hasattr(box, "sent_bytes"))
 
     def wait_seconds(self) -> float:
         """Time this rank spent blocked on MPI so far."""
@@ -240,7 +253,7 @@ class MPIEngine:
                 x, labels = self._input(batches)
                 out = stage.evaluate(x)
                 if totals is None:
-                    self.outputs.put(out)
+                    self.outputs.put(out, evaluation=True)
                 else:
                     totals.add(out, self.labels_in.get() if labels is None else labels)
         finally:

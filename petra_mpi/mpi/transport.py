@@ -26,6 +26,12 @@ progress engine) and posts the GPU sends whose data are ready.
 
 CPU receive buffers come from a pool and are reused once every tensor viewing them is gone,
 instead of a fresh allocation (page faults on every large message) per message.
+
+Compression (compress.py): a box given a codec sends one byte message per tensor, its scales
+(int8 formats) first and then its codes in the layout's storage order. The scales go in the same
+message rather than a second one so that a message is still matched, counted and waited for
+alone; in front, so that the codes start on a boundary their dtype can be viewed at. The
+receiver still learns the batch size from the byte count (the scales' size does not depend on it).
 """
 import ctypes
 import os
@@ -36,10 +42,12 @@ from collections import deque
 import numpy as np
 import torch
 
+from ..compress import Packed
+
 TAG_ACTIVATION, TAG_REBUILT, TAG_GRADIENT, TAG_LABELS = 11, 12, 13, 14
 RECEIVE_DEPTH = 2  # receives posted ahead per stream
 
-_MPI_DTYPES = {torch.float32: "f", torch.float64: "d", torch.int64: "q"}
+_MPI_DTYPES = {torch.float32: "f", torch.float64: "d", torch.int64: "q", torch.uint8: "B"}
 
 
 def cuda_aware_mpi() -> tuple[bool, str]:
@@ -114,7 +122,26 @@ def empty_in_layout(shape, layout: str, allocate) -> torch.Tensor:
     return allocate(tuple(shape))
 
 
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int64}
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int64,
+                 torch.uint8: np.uint8}
+
+
+def to_wire(packed, layout: str) -> torch.Tensor:
+    """A compress.Packed tensor (dense in `layout`) as one flat byte tensor: scales, then codes
+    in storage order."""
+    codes = storage_order(in_layout(packed.codes, layout), layout).reshape(-1).view(torch.uint8)
+    if packed.scale is None:
+        return codes
+    return torch.cat([packed.scale.reshape(-1).view(torch.uint8), codes])
+
+
+def from_wire(wire: torch.Tensor, codec, shape, dtype, layout: str):
+    """The compress.Packed tensor of `shape` (dense in `layout`) that to_wire made `wire` from."""
+    head = codec.scale_bytes(shape, dtype)
+    scale = wire[:head].view(dtype).reshape(codec.scale_shape(shape)) if head else None
+    flat = wire[head:].view(codec.code_dtype)
+    codes = empty_in_layout(shape, layout, lambda s: flat.reshape(s))
+    return Packed(codes, scale, dtype)
 
 
 class HostPool:
@@ -226,16 +253,26 @@ class Transport:
 
 class Inbox:
     """Receives `count` tensors of at most `shape` from `source` under `tag`, posted ahead, in
-    the layout the sender sends."""
+    the layout the sender sends; with an active `codec` (compress.Codec), compressed messages
+    that get() decodes."""
 
     def __init__(self, comm, transport, source, tag, shape, dtype, depth=RECEIVE_DEPTH,
-                 layout=CONTIGUOUS):
+                 layout=CONTIGUOUS, codec=None):
         self.comm, self.transport, self.source, self.tag = comm, transport, source, tag
         self.shape, self.dtype, self.depth, self.layout = tuple(shape), dtype, depth, layout
         self.per_sample = int(np.prod(self.shape[1:], dtype=np.int64))
+        self.codec = codec if codec is not None and codec.active else None
+        if self.codec is not None:  # one byte buffer: scales, then codes
+            self.head = self.codec.scale_bytes(self.shape, dtype)
+            self.sample_bytes = self.per_sample * self.codec.code_dtype.itemsize
+            size = self.head + self.shape[0] * self.sample_bytes
+            self.buffer = ((size,), torch.uint8, CONTIGUOUS)
+        else:
+            self.buffer = (self.shape, dtype, layout)
         self.pending = deque()
         self.remaining = 0
         self.waited = 0.0  # seconds blocked in MPI, for the pipeline benchmark
+        self.received_bytes = self.last_bytes = 0  # what came over the wire
         transport.boxes.append(self)
 
     def poll(self):
@@ -258,7 +295,7 @@ class Inbox:
     def _post(self):
         from mpi4py import MPI
         while self.remaining > 0 and len(self.pending) < self.depth:
-            tensor, buf = self.transport.recv_buffer(self.shape, self.dtype, self.layout)
+            tensor, buf = self.transport.recv_buffer(*self.buffer)
             req = self.comm.Irecv(buf, source=self.source, tag=self.tag)
             self.pending.append((req, tensor, MPI.Status()))
             self.remaining -= 1
@@ -272,7 +309,17 @@ class Inbox:
         self.transport.blocked = None
         self.waited += time.perf_counter() - start
         self._post()
-        n = status.Get_count(_mpi_datatype(self.dtype)) // max(1, self.per_sample)
+        if self.codec is not None:
+            self.last_bytes = status.Get_count(_mpi_datatype(torch.uint8))
+            self.received_bytes += self.last_bytes
+            n = (self.last_bytes - self.head) // max(1, self.sample_bytes)
+            wire = self.transport.hand_over(tensor[:self.last_bytes])
+            return self.codec.unpack(from_wire(wire, self.codec, (n, *self.shape[1:]),
+                                               self.dtype, self.layout))
+        count = status.Get_count(_mpi_datatype(self.dtype))
+        self.last_bytes = count * self.dtype.itemsize
+        self.received_bytes += self.last_bytes
+        n = count // max(1, self.per_sample)
         # the first n samples: the batch dimension is outermost in every layout's storage order
         return self.transport.hand_over(tensor[:n] if n != self.shape[0] else tensor)
 
@@ -280,20 +327,32 @@ class Inbox:
 class Outbox:
     """Non-blocking sends to `dest` under `tag` in `layout`; at most `depth` in flight (posted or
     waiting for their GPU data). Sends are posted in order: MPI matches messages of one tag in
-    posting order."""
+    posting order. With an active `codec` (compress.Codec) each tensor is compressed first, on
+    the producing stream, into one byte message (to_wire)."""
 
-    def __init__(self, comm, transport, dest, tag, depth=2, layout=CONTIGUOUS):
+    def __init__(self, comm, transport, dest, tag, depth=2, layout=CONTIGUOUS, codec=None):
         self.comm, self.transport, self.dest, self.tag, self.depth = comm, transport, dest, tag, depth
         self.layout = layout
+        self.codec = codec if codec is not None and codec.active else None
         self.unposted = deque()  # (buffer, tensor kept alive, CUDA event) not yet handed to MPI
         self.pending = deque()   # (request, tensor kept alive)
         self.waited = 0.0
+        self.sent_bytes = 0  # what went over the wire
         transport.boxes.append(self)
 
-    def put(self, t: torch.Tensor):
-        self.unposted.append(self.transport.send_buffer(t, self.layout))
+    def put(self, t: torch.Tensor, evaluation: bool = False) -> int:
+        """Send t (evaluation: a stochastic codec rounds to the nearest). Returns its bytes."""
+        if self.codec is not None:
+            t = to_wire(self.codec.pack(in_layout(t.detach(), self.layout), evaluation),
+                        self.layout)
+            self.unposted.append(self.transport.send_buffer(t, CONTIGUOUS))
+        else:
+            self.unposted.append(self.transport.send_buffer(t, self.layout))
+        nbytes = t.numel() * t.element_size()
+        self.sent_bytes += nbytes
         self.post_ready(wait=False)
         self._drain(self.depth)
+        return nbytes
 
     def poll(self):
         self.post_ready(wait=False)

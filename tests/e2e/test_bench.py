@@ -42,6 +42,22 @@ def test_bench_pipeline_reports_compute_time_per_rank(precision):
         assert len(compute) == 2 and all(0 < c <= out[f"{method}_wall_ms_per_tick"] for c in compute)
 
 
+def test_bench_pipeline_reports_bytes_per_tick_compressed():
+    """int8 messages both ways send at least 3.9x fewer bytes per tick on every rank (one byte per
+    value instead of four, plus a 4-byte scale per message)."""
+    sent = {}
+    for compress in ("", "forward=int8,rebuilt=int8,gradient=int8"):
+        proc = mpirun(2, ["-m", "petra_mpi.bench", "pipeline", "--width", "4", "--batch", "4",
+                          "--microbatches", "6", "--rounds", "1", "--compress", compress],
+                      timeout=600)
+        out = last_json(proc)
+        assert out["compression"]["forward"] == ("int8" if compress else "none")
+        sent[compress] = out["petra_sent_bytes_per_tick"]
+    plain, int8 = sent[""], sent["forward=int8,rebuilt=int8,gradient=int8"]
+    assert len(plain) == len(int8) == 2 and all(p > 0 for p in plain)
+    assert all(0 < c <= p / 3.9 for c, p in zip(int8, plain))
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_bench_overhead_times_a_tick_and_a_plain_step(precision):
     proc = subprocess.run([sys.executable, "-m", "petra_mpi.bench", "overhead", "--width", "4",

@@ -249,3 +249,33 @@ def test_replica_average_on_gpu(tmp_path, aware, collectives, path):
     # as in test_mpi_equivalence_cpu_vs_gpu_staging: only cuDNN's atomics may differ
     assert_states_close(final_stage_states(tmp_path / "local", 2),
                         final_stage_states(tmp_path / "mpi", 2), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "int8", "int8_channel"])
+def test_compression_on_gpu_needs_no_host_synchronisation(fmt):
+    """Packing, the wire format and unpacking (stochastic rounding included) run on the device
+    without a synchronising call (sync debug mode makes one an error)."""
+    from petra_mpi.compress import Codec
+    from petra_mpi.mpi.transport import CHANNELS_LAST, from_wire, to_wire
+    x = torch.randn(8, 6, 5, 5, device="cuda").contiguous(memory_format=torch.channels_last)
+    codec = Codec(fmt, stochastic=True, seed=1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        wire = to_wire(codec.pack(x), CHANNELS_LAST)
+        got = codec.unpack(from_wire(wire, codec, x.shape, x.dtype, CHANNELS_LAST))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got.device.type == "cuda"
+    assert (got - x).abs().max().item() <= x.abs().max().item() / 127 * 1.01  # within a step
+
+
+def test_mpi_training_on_gpu_with_compression(tmp_path):
+    proc = mpirun(2, ["-m", "petra_mpi.train", "configs/quickstart.yaml", *QUICK, "--set",
+                      f"run.out_dir={tmp_path}", "--set", "run.device=cuda", "--set",
+                      "comm.forward=int8_channel", "--set", "comm.rebuilt=bf16", "--set",
+                      "comm.gradient=int8", "--set", "comm.buffers=fp16", "--set",
+                      "comm.stochastic=true"], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "compression forward int8_channel" in proc.stderr
+    check_run_outputs(tmp_path, epochs=1, stages=2)

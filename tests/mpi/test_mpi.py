@@ -6,22 +6,28 @@ import json
 import pytest
 import torch
 
+from petra_mpi.compress import NO_COMPRESSION
 from petra_mpi.engine.build import build_stages, build_workers
 from petra_mpi.engine.local import LocalEngine
 from petra_mpi.optim import LRSchedule
 
 from conftest import PROGRAMS, QUICK, check_run_outputs, mpirun
-from equivalence import REVVIT, batches, eval_batches
+from equivalence import COMPRESSED, REVVIT, batches, eval_batches
 
 
-def local_reference(J, method, k, n, short_eval=False, arch="revnet18", **flags):
+def flat(params):
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def local_reference(J, method, k, n, short_eval=False, arch="revnet18",
+                    compression=NO_COMPRESSION, **flags):
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     try:
-        stages = build_stages(arch, 4, 10, J, seed=0, **flags)
+        stages = build_stages(arch, 4, 10, J, seed=0, compression=compression, **flags)
         workers = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), k,
                                 weight_decay=5e-4)
-        engine = LocalEngine(workers, method)
+        engine = LocalEngine(workers, method, compression=compression)
         engine.train_segment(batches(n), n)
         engine.train_segment(batches(n, seed=2), n)
         totals = engine.evaluate(eval_batches(short_eval), 3 + short_eval)
@@ -38,8 +44,9 @@ RUNS = {
     3: ["petra:2", "backprop:2", "delayed:1:buffer:stash",
         "petra:1:short_eval",  # evaluation's last batch has 2 samples, not 4
         "petra:2:revvit", "petra:2:bf16",
-        "petra:2:irevnet"],  # the fully invertible net: every stage but the stem's rebuilds
-    4: ["petra:1", "petra:2", "backprop:1", "delayed:2:stash"],
+        "petra:2:irevnet",  # the fully invertible net: every stage but the stem's rebuilds
+        "petra:2:compress:short_eval"],  # every compression format, stochastic rounding on
+    4: ["petra:1", "petra:2", "backprop:1", "delayed:2:stash", "delayed:1:buffer:compress"],
 }
 
 
@@ -72,7 +79,9 @@ def test_invariant3_mpi_equals_local_bitwise(launched, J, run):
     arch = "irevnet18" if "irevnet" in flags else "revnet18"
     stages, ref_eval = local_reference(J, method, k, N, short_eval="short_eval" in flags,
                                        arch=arch, buffer_inputs="buffer" in flags,
-                                       stash_weights="stash" in flags)
+                                       stash_weights="stash" in flags,
+                                       compression=COMPRESSED if "compress" in flags else
+                                       NO_COMPRESSION)
     initial = build_stages(arch, 4, 10, J, seed=0)
     moved = 0.0
     for r in range(J):
@@ -85,6 +94,9 @@ def test_invariant3_mpi_equals_local_bitwise(launched, J, run):
         moved = max(moved, max((p - q).abs().max().item() for p, q in
                                zip(want_p, initial[r].parameters())))
     assert moved > 1e-3  # it trained
+    if "compress" in flags:  # and the compression changed what it learnt (the test has teeth)
+        plain, _ = local_reference(J, method, k, N, buffer_inputs="buffer" in flags)
+        assert not torch.equal(flat(plain[0].parameters()), flat(stages[0].parameters()))
     last = torch.load(out / f"rank{J - 1}.pt")["eval"]
     assert last == ref_eval
     assert last["val_count"] == (14 if "short_eval" in flags else 12)

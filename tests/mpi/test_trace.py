@@ -60,6 +60,31 @@ def test_traced_mpi_run_has_every_rank_and_kind_and_plots(tmp_path):
     check_png(tmp_path / "timeline.png")
 
 
+def test_traced_compressed_mpi_run_counts_the_bytes_sent(tmp_path):
+    """With int8 activations and bf16 gradients the messages' sizes are the compressed ones, the
+    plan spans carry the bytes each rank sent per tick, and the run log says what is in force."""
+    proc = mpirun(2, train_args(tmp_path, "--set", "run.trace=true", "--set",
+                                "comm.forward=int8", "--set", "comm.gradient=bf16"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "compression forward int8, rebuilt none, gradient bf16, buffers none" in proc.stderr
+    spans = spans_of(tmp_path)
+    waits = [e for e in spans if e["cat"] == "wait" and e["args"].get("microbatch", -1) >= 0]
+    sizes = {(e["pid"], e["name"]): e["args"]["bytes"] for e in waits if "bytes" in e["args"]}
+    activation, gradient = sizes[(1, "activation in")], sizes[(0, "gradient in")]
+    # int8: one byte per value and a 4-byte scale; the gradient has the activation's shape and
+    # two bytes per value in bf16
+    assert gradient == 2 * (activation - 4) and sizes[(0, "activation out")] == activation
+    assert sizes[(1, "gradient out")] == gradient
+    # each tick's plan span holds what its rank sent in it: the forward ticks of rank 0 one
+    # activation (and the labels), the backward ticks of rank 1 one gradient (and ỹ, float32)
+    for e in spans:
+        if e["cat"] == "plan":
+            assert e["args"]["bytes"] >= 0
+    sent = sum(e["args"]["bytes"] for e in spans if e["cat"] == "plan" and e["pid"] == 0)
+    assert sent == sum(e["args"]["bytes"] for e in waits if e["pid"] == 0
+                       and e["name"].endswith(" out"))
+
+
 @pytest.mark.extended
 def test_traced_one_process_run_gives_each_stage_a_pid(tmp_path):
     cmd = [sys.executable, *train_args(tmp_path, "--set", "run.trace=true", "--set",

@@ -4,13 +4,15 @@ for several runs in one launch (each launch pays the imports on every rank once)
 Usage: mpirun -n J python tests/programs/equivalence.py OUT_DIR N RUN [RUN ...]
 RUN is METHOD:K[:FLAG...], FLAG one of buffer, stash (the delayed method's switches), short_eval
 (evaluation ends with a batch of 2), revvit (the tiny reversible ViT below instead of RevNet18),
-irevnet (the fully invertible irevnet18 instead of RevNet18), bf16 (the blocks compute in bf16). Run RUN writes OUT_DIR/RUN/rank{r}.pt.
+irevnet (the fully invertible irevnet18 instead of RevNet18), bf16 (the blocks compute in bf16),
+compress (COMPRESSED below on every message and buffer). Run RUN writes OUT_DIR/RUN/rank{r}.pt.
 """
 import os
 import sys
 
 import torch
 
+from petra_mpi.compress import NO_COMPRESSION, Compression
 from petra_mpi.engine.build import build_stages, build_workers
 from petra_mpi.mpi.engine import MPIEngine
 from petra_mpi.mpi.world import World
@@ -38,9 +40,16 @@ def eval_batches(short=False):
 REVVIT = dict(width=8, image_size=16, model_kw=dict(depth=4, heads=2, patch=4))
 
 
+# Flag "compress": every format on some direction, stochastic rounding on (so the random streams
+# of both engines must match too).
+COMPRESSED = Compression(forward="int8_channel", rebuilt="bf16", gradient="int8", buffers="fp16",
+                         stochastic=True, seed=5)
+
+
 def train_and_save(world, out, method, k, n, flags):
+    compression = COMPRESSED if "compress" in flags else NO_COMPRESSION
     switches = dict(buffer_inputs="buffer" in flags, stash_weights="stash" in flags,
-                    precision="bf16" if "bf16" in flags else "fp32")
+                    precision="bf16" if "bf16" in flags else "fp32", compression=compression)
     if "revvit" in flags:
         stages = build_stages("revvit", REVVIT["width"], 10, world.size, seed=0, only=world.rank,
                               image_size=REVVIT["image_size"], model_kw=REVVIT["model_kw"],
@@ -50,7 +59,7 @@ def train_and_save(world, out, method, k, n, flags):
         stages = build_stages(arch, 4, 10, world.size, seed=0, only=world.rank, **switches)
     (worker,) = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), k,
                               weight_decay=5e-4)
-    engine = MPIEngine(worker, method, world, torch.float32, (3, 16, 16), 4)
+    engine = MPIEngine(worker, method, world, torch.float32, (3, 16, 16), 4, compression)
     data = batches(n) if world.rank == 0 else None
     engine.train_segment(data, n)
     engine.train_segment(batches(n, seed=2) if world.rank == 0 else None, n)  # a second segment
