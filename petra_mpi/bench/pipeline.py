@@ -17,26 +17,29 @@ from ..mpi.engine import MPIEngine
 from ..mpi.world import World
 from ..models import PRECISIONS, num_blocks
 from ..optim import LRSchedule
+from ..partition import resolve_partition
+from ..perfmodel import speedup_bound
 from ..schedule import num_ticks
 from .. import trace
 from .common import emit
 
 
 def split_for(a, world, device):
-    """Blocks per stage: given (--partition), measured on rank 0 and shared (as training does by
-    default), or the estimate."""
-    if a.partition:
-        return [int(n) for n in a.partition.split(",")]
-    if a.balance == "estimate" or world.size == num_blocks(a.arch):  # one block per stage
-        return None
-    sizes = None
+    """(blocks per stage, the measured per-block costs on rank 0 or None elsewhere). The split is
+    given (--partition), balanced by the measured costs (as training does by default), or the
+    estimate; the costs are measured in every case, for the speed-up bound of the split."""
+    given = [int(n) for n in a.partition.split(",")] if a.partition else None
+    sizes = costs = None
     if world.rank == 0:
         from ..blockcost import measured_partition
         sizes, costs = measured_partition(a.arch, a.width, 10, world.size, (3, 32, 32), a.batch,
                                           device=device, precision=a.precision)
-        print(f"measured split {sizes}: ms per micro-batch per stage "
+        if given or a.balance == "estimate" or world.size == num_blocks(a.arch):
+            from ..models import build_blocks
+            sizes = resolve_partition(build_blocks(a.arch, a.width, 10), world.size, given)
+        print(f"split {sizes}: measured ms per micro-batch per stage "
               f"{[round(1e3 * c) for c in costs.stage_seconds(sizes)]}", flush=True)
-    return world.comm.bcast(sizes, root=0)
+    return world.comm.bcast(sizes, root=0), costs
 
 
 def main(argv):
@@ -75,7 +78,7 @@ def main(argv):
         table = rank_map(world, device)
         if table:
             print(table, flush=True)
-    sizes = split_for(a, world, device)
+    sizes, costs = split_for(a, world, device)
     stages = build_stages(a.arch, a.width, 10, J, seed=0, only=world.rank, partition=sizes,
                           device=device, precision=a.precision)
     (worker,) = build_workers(stages, LRSchedule(0.01, 10**6))
@@ -142,7 +145,12 @@ def main(argv):
             fr = " ".join(f"{f:.2f}" for f in r["wait_fraction"])
             ct = " ".join(f"{c:.0f}" for c in r["compute_ms_per_tick"])
             print(f"{m:<10} {r['images_per_s']:>9.1f} {r['wall_ms_per_tick']:>13.0f}  {fr} | {ct}")
-        print(f"speed-up PETRA / backprop: {speedup:.2f} (ideal {J}.0)")
+        # What the split allows: the stages' work over the slowest stage's, with fill and drain
+        # for segments of this length (the model; the link taken as free).
+        bound = speedup_bound(costs, stages[0].partition, a.microbatches)
+        print(f"speed-up PETRA / backprop: {speedup:.2f}; the split allows "
+              f"{bound['segment']:.2f} for segments of {a.microbatches} ({bound['steady']:.2f} "
+              f"for endless ones): {speedup / bound['segment']:.2f} of its bound (ideal {J}.0)")
         sys.stdout.flush()
         emit({"bench": "pipeline", "arch": a.arch, "width": a.width, "batch": a.batch,
               "ranks": J, "device": str(device), "precision": a.precision,
@@ -150,5 +158,7 @@ def main(argv):
               "split": stages[0].partition, "poll": not a.no_poll,
               "petra_images_per_s": rows["petra"]["images_per_s"],
               "backprop_images_per_s": rows["backprop"]["images_per_s"], "speedup": speedup,
+              "speedup_bound": bound["segment"], "speedup_bound_steady": bound["steady"],
+              "of_bound": speedup / bound["segment"],
               **{f"{m}_{k}": rows[m][k] for m in rows
                  for k in ("wait_fraction", "compute_ms_per_tick", "wall_ms_per_tick")}})

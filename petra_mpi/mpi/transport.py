@@ -26,6 +26,10 @@ progress engine) and posts the GPU sends whose data are ready.
 
 CPU receive buffers come from a pool and are reused once every tensor viewing them is gone,
 instead of a fresh allocation (page faults on every large message) per message.
+
+Waiting: MPI's blocking Wait spins a core until the message comes. Where many ranks share a core
+(the emulated pipelines of `bench emulate`), PETRA_MPI_POLL_SLEEP=SECONDS makes a waiting rank
+test its request and sleep that long between tests instead (Transport.poll_sleep).
 """
 import ctypes
 import os
@@ -38,6 +42,7 @@ import torch
 
 TAG_ACTIVATION, TAG_REBUILT, TAG_GRADIENT, TAG_LABELS = 11, 12, 13, 14
 RECEIVE_DEPTH = 2  # receives posted ahead per stream
+POLL_SLEEP_ENV = "PETRA_MPI_POLL_SLEEP"
 
 _MPI_DTYPES = {torch.float32: "f", torch.float64: "d", torch.int64: "q"}
 
@@ -154,6 +159,17 @@ class Transport:
         # every Inbox and Outbox on this transport, and the replicas' average (replicas.py):
         # poll() drives them all; those with a post_ready method may hold work not yet posted
         self.boxes = []
+        # seconds between tests of a request this rank waits for; 0: MPI's Wait (spins a core)
+        self.poll_sleep = float(os.environ.get(POLL_SLEEP_ENV) or 0)
+
+    def wait(self, request, status=None):
+        """Complete `request`: in MPI's Wait, or by testing it and sleeping poll_sleep seconds
+        between tests, so that a waiting rank leaves its core to the others."""
+        if self.poll_sleep <= 0:
+            request.Wait(status)
+            return
+        while not request.Test(status):
+            time.sleep(self.poll_sleep)
 
     def poll(self):
         """Drive MPI's progress and post the sends whose GPU data are ready (between blocks)."""
@@ -266,7 +282,7 @@ class Inbox:
         req, tensor, status = self.pending.popleft()
         self.transport.post_all()
         start = time.perf_counter()
-        req.Wait(status)
+        self.transport.wait(req, status)
         self.waited += time.perf_counter() - start
         self._post()
         n = status.Get_count(_mpi_datatype(self.dtype)) // max(1, self.per_sample)
@@ -318,7 +334,7 @@ class Outbox:
         if len(self.unposted) + len(self.pending) > keep:
             self.post_ready(wait=True)
         while len(self.pending) > keep:
-            self.pending.popleft()[0].Wait()
+            self.transport.wait(self.pending.popleft()[0])
         self.waited += time.perf_counter() - start
 
 
