@@ -29,7 +29,9 @@ PAPER_TABLE5_MS = {"revnet18": {"backprop": 160.3, "petra": 53.4},
 # Share of a plain backward that computes the weight gradients (zero-bubble's W), where a
 # profile does not say: a convolution's input and weight gradients cost one forward each.
 WEIGHT_SHARE = 0.5
-SLICE_S = 0.0005  # longest sleep between two polls of the transport while a rank waits
+# Longest sleep between two polls of the transport while a stage waits its cost: often enough to
+# move large messages along, rarely enough that J ranks polling do not crowd two cores.
+SLICE_S = 0.002
 
 
 @dataclass

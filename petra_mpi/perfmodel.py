@@ -151,24 +151,35 @@ def predict_images_per_s(method, costs, link, n, batch, k=1, framework=NO_FRAMEW
     return n * batch / simulate(orders, costs, link, framework)
 
 
-def fit_framework(orders_list, costs_list, links, measured_seconds) -> Framework:
+def fit_framework(orders_list, costs_list, links, measured_seconds, rounds=6) -> Framework:
     """The Framework that best explains measured makespans (least squares, non-negative) of runs
-    whose compute costs nothing: with compute at zero, a makespan is the link's share plus
-    per_message and per_step times what the model counts of each on the critical path."""
-    rows, rhs = [], []
-    for orders, costs, link, seconds in zip(orders_list, costs_list, links, measured_seconds):
-        base = simulate(orders, costs, link)
-        per_message = simulate(orders, costs, link, Framework(1e-3, 0.0)) - base
-        per_step = simulate(orders, costs, link, Framework(0.0, 1e-3)) - base
-        rows.append((per_message / 1e-3, per_step / 1e-3))
-        rhs.append(seconds - base)
-    best, best_err = Framework(), float("inf")
-    # a two-unknown non-negative least squares: the unconstrained solution, or one unknown at 0
+    whose compute costs nothing. A makespan is piecewise linear in the two costs (the longest
+    path counts so many messages and steps), so the fit is linearised at its current estimate
+    and solved again until the critical paths stop changing."""
+    fw, h = Framework(1e-3, 1e-3), 1e-7
+    for _ in range(rounds):
+        rows, rhs = [], []
+        for orders, costs, link, seconds in zip(orders_list, costs_list, links, measured_seconds):
+            at = simulate(orders, costs, link, fw)
+            d_message = (simulate(orders, costs, link,
+                                  Framework(fw.per_message + h, fw.per_step)) - at) / h
+            d_step = (simulate(orders, costs, link,
+                               Framework(fw.per_message, fw.per_step + h)) - at) / h
+            rows.append((d_message, d_step))
+            rhs.append(seconds - at + d_message * fw.per_message + d_step * fw.per_step)
+        fw = _nonnegative_fit(rows, rhs)
+    return fw
+
+
+def _nonnegative_fit(rows, rhs) -> Framework:
+    """Least squares of rhs ≈ rows · (per_message, per_step) with both at least 0: the
+    unconstrained solution, else the best with one of them at 0."""
     candidates = [_solve2(rows, rhs)]
     for i in (0, 1):
         a = sum(r[i] * r[i] for r in rows)
         x = max(0.0, sum(r[i] * y for r, y in zip(rows, rhs)) / a) if a > 0 else 0.0
         candidates.append((x, 0.0) if i == 0 else (0.0, x))
+    best, best_err = Framework(0.0, 0.0), float("inf")
     for m, st in candidates:
         if m is None or m < 0 or st < 0:
             continue

@@ -113,6 +113,9 @@ def main(argv):
     p.add_argument("--rounds", type=int, default=1, help="alternated rounds of every run")
     p.add_argument("--poll-sleep", type=float, default=0.0005,
                    help="seconds a waiting rank sleeps between tests of its requests")
+    p.add_argument("--framework", metavar="JSON",
+                   help="take the frameworks' costs from this earlier run's last line (e.g. J = 2, "
+                        "where the zero-cost runs do not crowd the cores) instead of this run's")
     p.add_argument("--real", action="store_true",
                    help="also time the real stages (J = 2 with --costs measured: validation)")
     p.add_argument("--png", default="", help="draw this run's images/s per method")
@@ -312,9 +315,14 @@ def main(argv):
         return zb_orders.get(name) or pipelining_orders(None, method, J, m)
 
     frameworks = {}
+    if a.framework:
+        with open(a.framework) as f:
+            given = json.loads(f.read().strip().splitlines()[-1])["framework"]
+        frameworks = {k: perfmodel.Framework(v["per_message_s"], v["per_step_s"])
+                      for k, v in given.items()}
     for family, names in (("ours", [x for x in runs if x[1] in PETRA_METHODS]),
                           ("pipelining", [x for x in runs if x[1] in PIPELINING])):
-        if names:
+        if names and family not in frameworks:
             key = "petra" if family == "ours" else "plain"
             frameworks[family] = perfmodel.fit_framework(
                 [orders_of(n, mt, m, m) for n, mt, m, _ in names],
@@ -360,8 +368,9 @@ def main(argv):
           f"{profile.source}; messages of width {a.width}, batch {a.batch}; split {sizes} "
           f"(plain {plain_sizes}); link {1e6 * link.latency:.0f} us, "
           f"{link.bandwidth / 1e9:.2f} GB/s; {a.rounds} round(s)")
+    origin = f"from {a.framework}" if a.framework else "fitted at zero compute"
     for family, fw in frameworks.items():
-        print(f"framework costs fitted at zero compute ({family}): "
+        print(f"framework costs ({family}, {origin}): "
               f"{1e6 * fw.per_message:.0f} us per message, {1e3 * fw.per_step:.2f} ms per step")
     if overhead:
         print(f"emulation overhead: PETRA at zero cost {overhead['ms_per_tick']:.2f} ms per tick "
@@ -389,6 +398,7 @@ def main(argv):
               "link": {"latency_s": link.latency, "bandwidth_bytes_per_s": link.bandwidth},
               "framework": {f: {"per_message_s": fw.per_message, "per_step_s": fw.per_step}
                             for f, fw in frameworks.items()},
+              "framework_from": a.framework or "zero-cost runs of this run",
               "overhead": overhead, "rows": rows,
               "validation": [{"name": row["name"], "model_error": row["model_error"],
                               **({"emulation_error": row["emulation_error"]}
