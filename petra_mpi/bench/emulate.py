@@ -239,11 +239,12 @@ def main(argv):
 
     def timed(fn):
         sleeping_barrier(comm, a.poll_sleep)
-        busy, start = clock.busy, time.perf_counter()
+        busy, cpu, start = clock.busy, time.process_time(), time.perf_counter()
         count = fn()
         busy = clock.busy - busy
         sleeping_barrier(comm, a.poll_sleep)  # a run ends when its last rank is done
-        return count, time.perf_counter() - start, busy
+        # CPU seconds this process used (every thread): what the emulation itself costs a core
+        return count, time.perf_counter() - start, busy, time.process_time() - cpu
 
     # 1. The same runs at zero cost: the emulation's own overhead, and the frameworks' costs
     # for the model (warm-up too).
@@ -297,6 +298,8 @@ def main(argv):
     # 4. Gather and report.
     busy = {name: comm.gather(sum(v[2] for v in rs) / sum(v[1] for v in rs), root=0)
             for name, rs in results.items()}
+    cpu = {name: comm.gather(sum(v[3] for v in rs) / sum(v[1] for v in rs), root=0)
+           for name, rs in results.items()}
     peak_bytes = {name: comm.gather(peaks[name], root=0) for name in results}
     zb_orders = {name: pipelining_orders(pt[name][1], "zero_bubble", J, pt[name][3])
                  for name in pt if pt[name][2] == "zero_bubble"}
@@ -340,7 +343,8 @@ def main(argv):
         row = {"name": name, "method": method, "m": m, "microbatches": count,
                "images_per_s": count * a.batch / wall, "predicted_images_per_s": predicted,
                "model_error": predicted / (count * a.batch / wall) - 1,
-               "busy_fraction": busy[name], "peak_held_bytes": peak_bytes[name],
+               "busy_fraction": busy[name], "cpu_fraction": cpu[name],
+               "peak_held_bytes": peak_bytes[name],
                "zero_cost_s": zero[name],
                "walls_s": [v[1] for v in results[name]]}
         if method == "petra":
@@ -375,6 +379,9 @@ def main(argv):
     if overhead:
         print(f"emulation overhead: PETRA at zero cost {overhead['ms_per_tick']:.2f} ms per tick "
               f"(a tick of the profile costs {1e3 / bound:.1f} ms)")
+    cpu_all = [c for row in rows for c in row["cpu_fraction"]]
+    print(f"CPU used per rank while emulating: {min(cpu_all):.3f}-{max(cpu_all):.3f} of a core "
+          f"(mean {statistics.mean(cpu_all):.3f})")
     print(f"{'run':<18} {'images/s':>9} {'model':>8} {'err':>6}  busy fraction per rank | "
           f"peak held MiB per rank")
     for row in rows:
@@ -400,6 +407,7 @@ def main(argv):
                             for f, fw in frameworks.items()},
               "framework_from": a.framework or "zero-cost runs of this run",
               "overhead": overhead, "rows": rows,
+              "cpu_fraction_mean": statistics.mean(cpu_all),
               "validation": [{"name": row["name"], "model_error": row["model_error"],
                               **({"emulation_error": row["emulation_error"]}
                                  if "emulation_error" in row else {})} for row in rows]}
