@@ -348,6 +348,12 @@ def main(argv):
                "zero_cost_s": zero[name],
                "walls_s": [v[1] for v in results[name]]}
         if method == "petra":
+            # the model's steady rate: what 4J more micro-batches add to the segment
+            n = segment_of[m]
+            more = perfmodel.simulate(perfmodel.petra_orders("petra", J, n + 4 * J, m), costs,
+                                      link, frameworks[family])
+            row["model_steady_images_per_s"] = 4 * J * a.batch / (
+                more - count * a.batch / predicted)
             rate = statistics.median(steady[name]) if steady[name] else None
             row["steady_images_per_s"] = rate * a.batch if rate else None
             row["bound_images_per_s"] = bound * a.batch
@@ -432,9 +438,11 @@ def _stage_seconds(c, s, J):
 
 
 def _steady_rate(starts, J):
-    """Micro-batches per second of rank 0's forwards once the pipeline is full (its forward of
-    micro-batch 2(J-1) on), or None for a segment too short to have a steady state."""
-    full = starts[2 * (J - 1):]
+    """Micro-batches per second of rank 0's forwards once the pipeline is full, or None for a
+    segment too short to have a steady state. Its forward of micro-batch 2(J-1) opens the first
+    full tick, but that tick's backward waits for the first gradient to come back: the rate is
+    counted from the next forward, the first one paced by the full pipeline."""
+    full = starts[2 * (J - 1) + 1:]
     if len(full) < 3:
         return None
     return (len(full) - 1) / (full[-1] - full[0])

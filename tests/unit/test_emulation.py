@@ -170,3 +170,11 @@ def test_speedup_bound_of_a_split():
     assert uneven["steady"] == pytest.approx(16 / 12)
     short = perfmodel.speedup_bound(costs, [2, 2], 4)
     assert 1.0 < short["segment"] < even["segment"]  # fill and drain cost a short segment
+
+
+def test_steady_rate_counts_from_the_first_forward_paced_by_the_full_pipeline():
+    from petra_mpi.bench.emulate import _steady_rate
+    J = 3  # forwards 0-3 run free (fill), 4 waits for the first gradient, then one per second
+    starts = [0.0, 0.1, 0.2, 0.3, 0.4, 5.0, 6.0, 7.0, 8.0]
+    assert _steady_rate(starts, J) == pytest.approx(1.0)
+    assert _steady_rate(starts[:6], J) is None  # no full tick measured
