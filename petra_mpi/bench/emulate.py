@@ -142,6 +142,9 @@ def main(argv):
         profile = (paper_profile(a.arch) if a.costs == "paper" else
                    measured_profile(a.arch, a.width, a.batch) if a.costs == "measured" else
                    file_profile(a.costs))
+    # the others sleep meanwhile: a rank spinning in MPI's Bcast would take a core from rank 0
+    # while it times the blocks
+    sleeping_barrier(comm, a.poll_sleep)
     profile = comm.bcast(profile, root=0)
     shapes = probe_shapes(profile.arch, a.width)
     out_bytes = [4 * a.batch * torch.Size(s).numel() for s in shapes.outputs]
