@@ -456,7 +456,8 @@ def plot_record(record, png):
 
 
 def plot(sources, png):
-    """images/s against J per method (PETRA: steady state; the others: per step, at m = 2J)."""
+    """images/s against J: one colour per method, one line style per m (PETRA: its steady rate,
+    the same for every m), one marker per network."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -467,26 +468,37 @@ def plot(sources, png):
             continue
         with open(src) as f:
             records.append(json.loads(f.read().strip().splitlines()[-1]))
-    series = {}
+    series = {}  # (arch, method, m label) -> {J: [images/s of every run]}
     for rec in records:
         J = rec["ranks"]
         for row in rec["rows"]:
-            label = f"{rec['arch']} {row['method']}"
-            if row["method"] == "petra":
+            m = row["m"]
+            if row["method"] in PETRA_METHODS:
+                label = ""
                 value = row.get("steady_images_per_s") or row["images_per_s"]
-                label += " (steady)"
             else:
-                label += f" m={row['m'] // J}J" if row["m"] % J == 0 else f" m={row['m']}"
-            series.setdefault(label, {})[J] = value if row["method"] == "petra" else \
-                row["images_per_s"]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, points in sorted(series.items()):
+                label = "m=4" if m == 4 else f"m={m // J}J" if m % J == 0 else f"m={m}"
+                value = row["images_per_s"]
+            key = (rec["arch"], row["method"], label)
+            if row["method"] == "petra" and J in series.get(key, {}):
+                continue  # one PETRA point per run: its steady rate does not depend on m
+            series.setdefault(key, {}).setdefault(J, []).append(value)
+    colours = {"petra": "C3", "backprop": "C7", "gpipe": "C0", "1f1b": "C1", "zero_bubble": "C2"}
+    styles = {"": "-", "m=4": ":", "m=2J": "--", "m=8J": "-"}
+    markers = {"revnet18": "o", "revnet34": "s"}
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for (arch, method, label), points in sorted(series.items()):
         js = sorted(points)
-        ax.plot(js, [points[j] for j in js], "o-" if "petra" in label else "s--", label=label)
+        ax.plot(js, [statistics.median(points[j]) for j in js], styles.get(label, "-."),
+                color=colours.get(method), marker=markers.get(arch, "^"),
+                linewidth=2.5 if method == "petra" else 1.2,
+                label=f"{arch} {method}" + (f" {label}" if label else
+                                             " (steady)" if method == "petra" else ""))
     ax.set_xlabel("stages J (ranks)")
-    ax.set_ylabel("images/s (emulated)")
-    ax.set_title("emulated pipelines: " + ", ".join(sorted({r["costs"] for r in records})))
-    ax.legend(fontsize=7)
+    ax.set_ylabel("images/s, emulated (median of runs)")
+    ax.set_title("emulated pipelines, costs: " + ", ".join(sorted({r["costs"] for r in records})),
+                 fontsize=9)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
