@@ -24,17 +24,10 @@ from ..emulation import (Clock, WaitingOptimizer, WaitingPlainStage, WaitingStag
 from ..engine.worker import StageWorker
 from ..models import build_blocks
 from ..partition import resolve_partition
-from .common import emit
+from .common import emit, sleeping_barrier
 
 PETRA_METHODS = ("petra", "backprop")
 PIPELINING = ("gpipe", "1f1b", "zero_bubble")
-
-
-def sleeping_barrier(comm, poll_sleep):
-    """A barrier that sleeps while it waits (MPI's Barrier spins a core per waiting rank)."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(poll_sleep)
 
 
 def measure_link(comm, nbytes, poll_sleep, repeats=10) -> perfmodel.Link:

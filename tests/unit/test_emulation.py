@@ -179,3 +179,13 @@ def test_steady_rate_counts_from_the_first_forward_paced_by_the_full_pipeline():
     starts = [0.0, 0.1, 0.2, 0.3, 0.4, 5.0, 6.0, 7.0, 8.0]
     assert _steady_rate(starts, J) == pytest.approx(1.0)
     assert _steady_rate(starts[:6], J) is None  # no full tick measured
+
+
+def test_bench_pipeline_scales_the_timed_block_costs_to_the_stage_costs_of_its_runs():
+    from petra_mpi.bench.pipeline import scaled_to
+    costs = BlockCosts([1.0] * 4, [3.0] * 4, [4.0] * 4, [0.5] * 4, [7] * 4, 3)
+    scaled = scaled_to(costs, [2, 2], [4.0, 16.0])  # stages timed at 8 and 8, ran at 4 and 16
+    assert scaled.stage_seconds([2, 2]) == [4.0, 16.0]
+    assert scaled.forward == [0.5, 0.5, 2.0, 2.0] and scaled.step == [0.25, 0.25, 1.0, 1.0]
+    assert scaled.output_bytes == [7] * 4 and scaled.input_bytes == 3
+    assert perfmodel.speedup_bound(scaled, [2, 2], 1000)["steady"] == pytest.approx(20 / 16)
