@@ -146,8 +146,8 @@ def main(argv):
                    "wall_ms_per_tick": 1e3 * total / ticks}
     # each rank's compute per micro-batch in PETRA's own runs (both ranks busy at once, under the
     # load the runs saw): the stage costs of the bound, beside those timed at start-up
-    in_run = comm.gather(sum(r[2] for r in results["petra"]) /
-                         (a.microbatches * len(results["petra"])), root=0)
+    in_run = {m: comm.gather(sum(r[2] for r in results[m]) / (a.microbatches * len(results[m])),
+                             root=0) for m in results}
     if world.rank == 0:
         speedup = rows["petra"]["images_per_s"] / rows["backprop"]["images_per_s"]
         where = (f"{torch.cuda.get_device_name(device)}, {a.precision}" if device.type == "cuda"
@@ -166,12 +166,19 @@ def main(argv):
         # for segments of this length (the model; the link taken as free).
         split = stages[0].partition
         timed_bound = speedup_bound(costs, split, a.microbatches)
-        bound = speedup_bound(scaled_to(costs, split, in_run), split, a.microbatches)
+        bound = speedup_bound(scaled_to(costs, split, in_run["petra"]), split, a.microbatches)
+        alone = speedup_bound(scaled_to(costs, split, in_run["backprop"]), split,
+                              a.microbatches)
+        # where ranks share cores, PETRA's stages (all busy at once) compute slower than
+        # backprop's (one at a time): this ratio says by how much
+        contention = sum(in_run["petra"]) / sum(in_run["backprop"])
         print(f"speed-up PETRA / backprop: {speedup:.2f}; the split allows "
               f"{bound['segment']:.2f} for segments of {a.microbatches} ({bound['steady']:.2f} "
               f"for endless ones) with the stage costs of the PETRA runs, "
+              f"{alone['segment']:.2f} with those of the backprop runs, "
               f"{timed_bound['segment']:.2f} with those timed at start-up: "
-              f"{speedup / bound['segment']:.2f} of its bound (ideal {J}.0)")
+              f"{speedup / bound['segment']:.2f} of its bound (ideal {J}.0); PETRA's stages "
+              f"computed {contention:.2f}x as long per micro-batch as backprop's")
         sys.stdout.flush()
         emit({"bench": "pipeline", "arch": a.arch, "width": a.width, "batch": a.batch,
               "ranks": J, "device": str(device), "precision": a.precision,
@@ -182,6 +189,7 @@ def main(argv):
               "speedup_bound": bound["segment"], "speedup_bound_steady": bound["steady"],
               "of_bound": speedup / bound["segment"],
               "speedup_bound_timed_costs": timed_bound["segment"],
-              "stage_seconds_in_run": in_run,
+              "speedup_bound_backprop_costs": alone["segment"],
+              "stage_seconds_in_run": in_run, "petra_over_backprop_compute": contention,
               **{f"{m}_{k}": rows[m][k] for m in rows
                  for k in ("wait_fraction", "compute_ms_per_tick", "wall_ms_per_tick")}})
