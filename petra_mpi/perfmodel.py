@@ -5,8 +5,9 @@ Every rank runs its operations in a fixed order (PETRA's and backprop's come fro
 schedule.tick_ops, 1F1B's from one_f_one_b_order); an operation starts when its rank is free and
 the message it needs has arrived, and runs for its measured cost. A message arrives
 latency + bytes / bandwidth after the operation that produced it ends; sends do not hold the
-sender (the transport is non-blocking and polled while the stage computes). This is the whole
-model: no contention between ranks, no jitter.
+sender (the transport is non-blocking and polled while the stage computes). A framework may add
+its own costs (Framework): seconds per message an operation sends or receives, and per optimizer
+step. This is the whole model: no contention between ranks, no jitter.
 """
 from dataclasses import dataclass
 
@@ -31,12 +32,31 @@ class StageCosts:
     step: float           # one optimizer step of the stage's parameters
     out_bytes: int        # its output activation
     down_bytes: int       # what its backward sends down (δ, plus x̃ where the receiver rebuilds)
+    weight: float = 0.0   # the part of backward that computes the weight gradients (zero
+    #                       bubble runs it as a separate operation, backward_weight)
 
 
-def simulate(orders, costs, link: Link) -> float:
+@dataclass
+class Framework:
+    """What the training framework itself costs, beside the compute and the link: per_message
+    seconds added to every message's way from the end of the operation that sends it to the
+    operation that needs it (posting, matching and bookkeeping on either side, which in a
+    non-blocking transport overlap the ranks' compute rather than add to it) and per_step
+    seconds for every optimizer step (a schedule's setup and teardown of a step). Fitted from
+    runs whose compute costs nothing (fit_framework)."""
+    per_message: float = 0.0
+    per_step: float = 0.0
+
+
+NO_FRAMEWORK = Framework()
+
+
+def simulate(orders, costs, link: Link, framework: Framework = NO_FRAMEWORK) -> float:
     """Makespan of ranks running `orders[s]`: lists of (op, b) with op in forward, backward,
-    fused, step; forward b on stage s needs forward b of s-1, backward b needs the backward (or
-    fused) b of s+1; the last stage's backward b (1F1B) needs its own forward b."""
+    fused, step, backward_input, backward_weight; forward b on stage s needs forward b of s-1,
+    backward (or backward_input) b needs the backward, fused or backward_input b of s+1; the
+    last stage's backward b (1F1B, zero bubble) needs its own forward b; backward_weight b needs
+    its own backward_input b."""
     J = len(orders)
     done = {}     # (stage, op, b) -> end time
     free = [0.0] * J
@@ -47,12 +67,14 @@ def simulate(orders, costs, link: Link) -> float:
         for s in range(J):
             while position[s] < len(orders[s]):
                 op, b = orders[s][position[s]]
-                ready = _ready_time(s, op, b, J, done, costs, link)
+                ready = _ready_time(s, op, b, J, done, costs, link, framework.per_message)
                 if ready is None:
                     break
                 start = max(free[s], ready)
-                cost = {"forward": costs[s].forward, "backward": costs[s].backward,
-                        "fused": costs[s].fused, "step": costs[s].step}[op]
+                c = costs[s]
+                cost = {"forward": c.forward, "backward": c.backward, "fused": c.fused,
+                        "step": c.step + framework.per_step,
+                        "backward_input": c.backward - c.weight, "backward_weight": c.weight}[op]
                 free[s] = done[(s, op, b)] = start + cost
                 position[s] += 1
                 remaining -= 1
@@ -62,18 +84,22 @@ def simulate(orders, costs, link: Link) -> float:
     return max(free)
 
 
-def _ready_time(s, op, b, J, done, costs, link):
-    """When the input of (s, op, b) is there, or None if its producer has not run yet."""
+def _ready_time(s, op, b, J, done, costs, link, extra=0.0):
+    """When the input of (s, op, b) is there, or None if its producer has not run yet; a message
+    takes `extra` seconds of the framework's own beside the link's."""
     if op == "step":
         return 0.0
     if op in ("forward", "fused") and s > 0:
         end = done.get((s - 1, "forward", b))
-        return None if end is None else end + link.seconds(costs[s - 1].out_bytes)
-    if op == "backward":
-        if s == J - 1:  # 1F1B's last stage: its own forward
+        return None if end is None else end + link.seconds(costs[s - 1].out_bytes) + extra
+    if op in ("backward", "backward_input"):
+        if s == J - 1:  # 1F1B's and zero bubble's last stage: its own forward
             return done.get((s, "forward", b))
-        end = done.get((s + 1, "backward", b), done.get((s + 1, "fused", b)))
-        return None if end is None else end + link.seconds(costs[s + 1].down_bytes)
+        end = next((done[(s + 1, o, b)] for o in ("backward", "fused", "backward_input")
+                    if (s + 1, o, b) in done), None)
+        return None if end is None else end + link.seconds(costs[s + 1].down_bytes) + extra
+    if op == "backward_weight":
+        return done.get((s, "backward_input", b))
     return 0.0
 
 
@@ -113,23 +139,72 @@ def gpipe_order(J, m):
             [("step", m)] for _ in range(J)]
 
 
-def predict_images_per_s(method, costs, link, n, batch, k=1):
+def predict_images_per_s(method, costs, link, n, batch, k=1, framework=NO_FRAMEWORK,
+                         orders=None):
     """images/s of a segment of n micro-batches (fill and drain included) for petra, backprop,
-    delayed; or of steps of n micro-batches for 1f1b and gpipe."""
+    delayed; or of steps of n micro-batches for 1f1b and gpipe (or any `orders`, e.g. a zero
+    bubble schedule's)."""
     J = len(costs)
-    if method == "1f1b":
-        orders = one_f_one_b_order(J, n)
-    elif method == "gpipe":
-        orders = gpipe_order(J, n)
-    else:
-        orders = petra_orders(method, J, n, k)
-    return n * batch / simulate(orders, costs, link)
+    if orders is None:
+        orders = (one_f_one_b_order(J, n) if method == "1f1b" else gpipe_order(J, n)
+                  if method == "gpipe" else petra_orders(method, J, n, k))
+    return n * batch / simulate(orders, costs, link, framework)
 
 
-def stage_costs(block_costs, sizes, rebuilt_down=None):
+def fit_framework(orders_list, costs_list, links, measured_seconds, rounds=6) -> Framework:
+    """The Framework that best explains measured makespans (least squares, non-negative) of runs
+    whose compute costs nothing. A makespan is piecewise linear in the two costs (the longest
+    path counts so many messages and steps), so the fit is linearised at its current estimate
+    and solved again until the critical paths stop changing."""
+    fw, h = Framework(1e-3, 1e-3), 1e-7
+    for _ in range(rounds):
+        rows, rhs = [], []
+        for orders, costs, link, seconds in zip(orders_list, costs_list, links, measured_seconds):
+            at = simulate(orders, costs, link, fw)
+            d_message = (simulate(orders, costs, link,
+                                  Framework(fw.per_message + h, fw.per_step)) - at) / h
+            d_step = (simulate(orders, costs, link,
+                               Framework(fw.per_message, fw.per_step + h)) - at) / h
+            rows.append((d_message, d_step))
+            rhs.append(seconds - at + d_message * fw.per_message + d_step * fw.per_step)
+        fw = _nonnegative_fit(rows, rhs)
+    return fw
+
+
+def _nonnegative_fit(rows, rhs) -> Framework:
+    """Least squares of rhs ≈ rows · (per_message, per_step) with both at least 0: the
+    unconstrained solution, else the best with one of them at 0."""
+    candidates = [_solve2(rows, rhs)]
+    for i in (0, 1):
+        a = sum(r[i] * r[i] for r in rows)
+        x = max(0.0, sum(r[i] * y for r, y in zip(rows, rhs)) / a) if a > 0 else 0.0
+        candidates.append((x, 0.0) if i == 0 else (0.0, x))
+    best, best_err = Framework(0.0, 0.0), float("inf")
+    for m, st in candidates:
+        if m is None or m < 0 or st < 0:
+            continue
+        err = sum((r[0] * m + r[1] * st - y) ** 2 for r, y in zip(rows, rhs))
+        if err < best_err:
+            best, best_err = Framework(m, st), err
+    return best
+
+
+def _solve2(rows, rhs):
+    a = sum(r[0] * r[0] for r in rows)
+    b = sum(r[0] * r[1] for r in rows)
+    d = sum(r[1] * r[1] for r in rows)
+    e = sum(r[0] * y for r, y in zip(rows, rhs))
+    f = sum(r[1] * y for r, y in zip(rows, rhs))
+    det = a * d - b * b
+    if abs(det) < 1e-12:
+        return None, None
+    return (e * d - b * f) / det, (a * f - b * e) / det
+
+
+def stage_costs(block_costs, sizes, rebuilt_down=None, weight=None):
     """StageCosts of a split from blockcost.BlockCosts (PETRA's and backprop's operations).
     rebuilt_down[s]: whether stage s sends x̃ with δ (its predecessor rebuilds); default: every
-    stage but the first."""
+    stage but the first. weight[b]: the weight-gradient part of block b's backward."""
     out, i = [], 0
     for s, n in enumerate(sizes):
         blocks = range(i, i + n)
@@ -141,6 +216,20 @@ def stage_costs(block_costs, sizes, rebuilt_down=None):
             fused=sum(block_costs.last[b] for b in blocks),
             step=sum(block_costs.step[b] for b in blocks),
             out_bytes=block_costs.output_bytes[i + n - 1],
-            down_bytes=in_bytes * (2 if sends_rebuilt else 1) if s > 0 else 0))
+            down_bytes=in_bytes * (2 if sends_rebuilt else 1) if s > 0 else 0,
+            weight=sum(weight[b] for b in blocks) if weight is not None else 0.0))
         i += n
     return out
+
+
+def speedup_bound(block_costs, sizes, n, k=1, link=None) -> dict:
+    """What a split allows PETRA over backprop, from measured per-block costs (a
+    blockcost.BlockCosts): `steady`, the sum of the stages' work over the slowest stage's (an
+    endless segment), and `segment`, the model's ratio for segments of n micro-batches (fill
+    and drain included, steps every k) over `link` (default: free)."""
+    link = link or Link(0.0, float("inf"))
+    work = block_costs.stage_seconds(sizes)
+    costs = stage_costs(block_costs, sizes)
+    petra = simulate(petra_orders("petra", len(sizes), n, k), costs, link)
+    backprop = simulate(petra_orders("backprop", len(sizes), n, k), costs, link)
+    return {"steady": sum(work) / max(work), "segment": backprop / petra}

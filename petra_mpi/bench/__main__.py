@@ -1,11 +1,12 @@
-"""`python -m petra_mpi.bench NAME [options]`: overhead, pipeline, peers, scaling and replicas (under
-mpirun), data, memory.
+"""`python -m petra_mpi.bench NAME [options]`: overhead, pipeline, peers, scaling, replicas and
+emulate (under mpirun), data, memory.
 
 Each benchmark prints a readable table and, as its very last line, one JSON object of figures."""
 import importlib
 import sys
 
-BENCHES = ("overhead", "pipeline", "peers", "scaling", "replicas", "data", "memory")
+BENCHES = ("overhead", "pipeline", "peers", "scaling", "replicas", "emulate", "data",
+           "memory")
 
 
 def main(argv=None):

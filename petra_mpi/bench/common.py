@@ -3,6 +3,8 @@ import json
 import statistics
 import time
 
+POLL_SLEEP_S = 0.0005
+
 
 def timed(fn, sync=None) -> float:
     """Seconds fn() takes; `sync` (e.g. torch.cuda.synchronize) waits for queued device work
@@ -29,3 +31,11 @@ def alternate(fns: dict, repeats: int, sync=None) -> dict:
 def emit(record: dict):
     """The contract: the very last line of a benchmark is one JSON object."""
     print(json.dumps(record), flush=True)
+
+
+def sleeping_barrier(comm, poll_sleep=POLL_SLEEP_S):
+    """A barrier that sleeps while it waits: MPI's Barrier spins a core per waiting rank (MPICH),
+    which on a machine with fewer cores than ranks slows the ranks still working."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(poll_sleep)

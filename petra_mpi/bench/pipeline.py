@@ -19,26 +19,42 @@ from ..mpi.engine import MPIEngine
 from ..mpi.world import World
 from ..models import PRECISIONS, num_blocks
 from ..optim import LRSchedule
+from ..partition import resolve_partition
+from ..perfmodel import speedup_bound
 from ..schedule import num_ticks
 from .. import trace
-from .common import emit
+from .common import emit, sleeping_barrier
 
 
 def split_for(a, world, device):
-    """Blocks per stage: given (--partition), measured on rank 0 and shared (as training does by
-    default), or the estimate."""
-    if a.partition:
-        return [int(n) for n in a.partition.split(",")]
-    if a.balance == "estimate" or world.size == num_blocks(a.arch):  # one block per stage
-        return None
-    sizes = None
+    """(blocks per stage, the measured per-block costs on rank 0 or None elsewhere). The split is
+    given (--partition), balanced by the measured costs (as training does by default), or the
+    estimate; the costs are measured in every case, for the speed-up bound of the split."""
+    given = [int(n) for n in a.partition.split(",")] if a.partition else None
+    sizes = costs = None
     if world.rank == 0:
         from ..blockcost import measured_partition
         sizes, costs = measured_partition(a.arch, a.width, 10, world.size, (3, 32, 32), a.batch,
                                           device=device, precision=a.precision)
-        print(f"measured split {sizes}: ms per micro-batch per stage "
+        if given or a.balance == "estimate" or world.size == num_blocks(a.arch):
+            from ..models import build_blocks
+            sizes = resolve_partition(build_blocks(a.arch, a.width, 10), world.size, given)
+        print(f"split {sizes}: measured ms per micro-batch per stage "
               f"{[round(1e3 * c) for c in costs.stage_seconds(sizes)]}", flush=True)
-    return world.comm.bcast(sizes, root=0)
+    sleeping_barrier(world.comm)  # a rank spinning in Bcast would slow rank 0's timing
+    return world.comm.bcast(sizes, root=0), costs
+
+
+def scaled_to(costs, sizes, stage_seconds):
+    """The per-block costs with each stage's blocks scaled so that the stage costs
+    `stage_seconds[s]` per micro-batch (its middle-stage or last-stage work, as stage_seconds)."""
+    from ..blockcost import BlockCosts
+    scale = []
+    for n, have, want in zip(sizes, costs.stage_seconds(sizes), stage_seconds):
+        scale += [want / have if have > 0 else 1.0] * n
+    return BlockCosts(*([c * f for c, f in zip(field, scale)]
+                        for field in (costs.forward, costs.backward, costs.last, costs.step)),
+                      costs.output_bytes, costs.input_bytes)
 
 
 def main(argv):
@@ -81,7 +97,7 @@ def main(argv):
         table = rank_map(world, device)
         if table:
             print(table, flush=True)
-    sizes = split_for(a, world, device)
+    sizes, costs = split_for(a, world, device)
     stages = build_stages(a.arch, a.width, 10, J, seed=0, only=world.rank, partition=sizes,
                           device=device, precision=a.precision, compression=compression)
     (worker,) = build_workers(stages, LRSchedule(0.01, 10**6))
@@ -135,6 +151,10 @@ def main(argv):
                                                       root=0),
                    "wall_ms_per_tick": 1e3 * total / ticks,
                    "sent_bytes_per_tick": comm.gather(sum(r[3] for r in runs) / ticks, root=0)}
+    # each rank's compute per micro-batch in PETRA's own runs (both ranks busy at once, under the
+    # load the runs saw): the stage costs of the bound, beside those timed at start-up
+    in_run = {m: comm.gather(sum(r[2] for r in results[m]) / (a.microbatches * len(results[m])),
+                             root=0) for m in results}
     if world.rank == 0:
         speedup = rows["petra"]["images_per_s"] / rows["backprop"]["images_per_s"]
         where = (f"{torch.cuda.get_device_name(device)}, {a.precision}" if device.type == "cuda"
@@ -151,7 +171,23 @@ def main(argv):
             kb = " ".join(f"{b / 1e3:.0f}" for b in r["sent_bytes_per_tick"])
             print(f"{m:<10} {r['images_per_s']:>9.1f} {r['wall_ms_per_tick']:>13.0f}  {fr} | {ct} "
                   f"| {kb}")
-        print(f"speed-up PETRA / backprop: {speedup:.2f} (ideal {J}.0)")
+        # What the split allows: the stages' work over the slowest stage's, with fill and drain
+        # for segments of this length (the model; the link taken as free).
+        split = stages[0].partition
+        timed_bound = speedup_bound(costs, split, a.microbatches)
+        bound = speedup_bound(scaled_to(costs, split, in_run["petra"]), split, a.microbatches)
+        alone = speedup_bound(scaled_to(costs, split, in_run["backprop"]), split,
+                              a.microbatches)
+        # where ranks share cores, PETRA's stages (all busy at once) compute slower than
+        # backprop's (one at a time): this ratio says by how much
+        contention = sum(in_run["petra"]) / sum(in_run["backprop"])
+        print(f"speed-up PETRA / backprop: {speedup:.2f}; the split allows "
+              f"{bound['segment']:.2f} for segments of {a.microbatches} ({bound['steady']:.2f} "
+              f"for endless ones) with the stage costs of the PETRA runs, "
+              f"{alone['segment']:.2f} with those of the backprop runs, "
+              f"{timed_bound['segment']:.2f} with those timed at start-up: "
+              f"{speedup / bound['segment']:.2f} of its bound (ideal {J}.0); PETRA's stages "
+              f"computed {contention:.2f}x as long per micro-batch as backprop's")
         sys.stdout.flush()
         emit({"bench": "pipeline", "arch": a.arch, "width": a.width, "batch": a.batch,
               "ranks": J, "device": str(device), "precision": a.precision,
@@ -161,6 +197,11 @@ def main(argv):
               | {"stochastic": compression.stochastic},
               "petra_images_per_s": rows["petra"]["images_per_s"],
               "backprop_images_per_s": rows["backprop"]["images_per_s"], "speedup": speedup,
+              "speedup_bound": bound["segment"], "speedup_bound_steady": bound["steady"],
+              "of_bound": speedup / bound["segment"],
+              "speedup_bound_timed_costs": timed_bound["segment"],
+              "speedup_bound_backprop_costs": alone["segment"],
+              "stage_seconds_in_run": in_run, "petra_over_backprop_compute": contention,
               **{f"{m}_{k}": rows[m][k] for m in rows
                  for k in ("wait_fraction", "compute_ms_per_tick", "wall_ms_per_tick",
                            "sent_bytes_per_tick")}})

@@ -5,6 +5,7 @@ of blocks with the performance model (petra_mpi/perfmodel.py), validate the pred
 runs of PETRA and backprop at every J from 1 to P, and print the predicted speed-up curve beside
 the paper's Table 5 (and draw it as a PNG when matplotlib is there)."""
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -98,7 +99,17 @@ def main(argv):
     p.add_argument("--rounds", type=int, default=3, help="timed segments per measured point")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: share)")
     p.add_argument("--png", default="runs/bench/scaling.png", help="'' to skip the figure")
+    p.add_argument("--framework", metavar="JSON",
+                   help="the frameworks' own costs per message and per step, from the last line "
+                        "of a `bench emulate` run (else none)")
     a = p.parse_args(argv)
+    ours = pipelining = perfmodel.NO_FRAMEWORK
+    if a.framework:
+        with open(a.framework) as f:
+            fw = json.loads(f.read().strip().splitlines()[-1])["framework"]
+        ours, pipelining = (perfmodel.Framework(fw[k]["per_message_s"], fw[k]["per_step_s"])
+                            if k in fw else perfmodel.NO_FRAMEWORK
+                            for k in ("ours", "pipelining"))
     world = World.from_environment()
     P = world.size if world else 1
     rank = world.rank if world else 0
@@ -125,11 +136,13 @@ def main(argv):
         plain_sizes = resolve_partition(plain, J, costs=plain_costs)
         pc = perfmodel.stage_costs(plain_costs, plain_sizes, rebuilt_down=[False] * J)
         row = {"ranks": J, "split": sizes,
-               "petra": perfmodel.predict_images_per_s("petra", sc, link, a.microbatches, a.batch),
+               "petra": perfmodel.predict_images_per_s("petra", sc, link, a.microbatches, a.batch,
+                                                       framework=ours),
                "backprop": perfmodel.predict_images_per_s("backprop", sc, link, a.microbatches,
-                                                          a.batch),
+                                                          a.batch, framework=ours),
                "1f1b": perfmodel.predict_images_per_s("1f1b", pc, link,
-                                                      max(a.pt_microbatches, J), a.batch)}
+                                                      max(a.pt_microbatches, J), a.batch,
+                                                      framework=pipelining)}
         row["speedup"] = row["petra"] / row["backprop"]
         predictions.append(row)
 
@@ -173,6 +186,7 @@ def main(argv):
           "threads": torch.get_num_threads(),
           "link": {"latency_s": link.latency, "bandwidth_bytes_per_s": link.bandwidth},
           "block_costs": costs.to_dict(), "predictions": predictions, "validation": validation,
+          "framework": {"ours": vars(ours), "pipelining": vars(pipelining)},
           "paper_table5": PAPER_TABLE5})
 
 

@@ -32,6 +32,10 @@ Compression (compress.py): a box given a codec sends one byte message per tensor
 message rather than a second one so that a message is still matched, counted and waited for
 alone; in front, so that the codes start on a boundary their dtype can be viewed at. The
 receiver still learns the batch size from the byte count (the scales' size does not depend on it).
+
+Waiting: MPI's blocking Wait spins a core until the message comes. Where many ranks share a core
+(the emulated pipelines of `bench emulate`), PETRA_MPI_POLL_SLEEP=SECONDS makes a waiting rank
+test its request and sleep that long between tests instead (Transport.poll_sleep).
 """
 import ctypes
 import os
@@ -46,6 +50,7 @@ from ..compress import Packed
 
 TAG_ACTIVATION, TAG_REBUILT, TAG_GRADIENT, TAG_LABELS = 11, 12, 13, 14
 RECEIVE_DEPTH = 2  # receives posted ahead per stream
+POLL_SLEEP_ENV = "PETRA_MPI_POLL_SLEEP"
 
 _MPI_DTYPES = {torch.float32: "f", torch.float64: "d", torch.int64: "q", torch.uint8: "B"}
 
@@ -182,6 +187,17 @@ class Transport:
         # poll() drives them all; those with a post_ready method may hold work not yet posted
         self.boxes = []
         self.blocked = None  # the box whose message the rank is waiting for now (watchdog.py)
+        # seconds between tests of a request this rank waits for; 0: MPI's Wait (spins a core)
+        self.poll_sleep = float(os.environ.get(POLL_SLEEP_ENV) or 0)
+
+    def wait(self, request, status=None):
+        """Complete `request`: in MPI's Wait, or by testing it and sleeping poll_sleep seconds
+        between tests, so that a waiting rank leaves its core to the others."""
+        if self.poll_sleep <= 0:
+            request.Wait(status)
+            return
+        while not request.Test(status):
+            time.sleep(self.poll_sleep)
 
     def poll(self):
         """Drive MPI's progress and post the sends whose GPU data are ready (between blocks)."""
@@ -305,7 +321,7 @@ class Inbox:
         self.transport.post_all()
         start = time.perf_counter()
         self.transport.blocked = self
-        req.Wait(status)
+        self.transport.wait(req, status)
         self.transport.blocked = None
         self.waited += time.perf_counter() - start
         self._post()
@@ -381,7 +397,7 @@ class Outbox:
             self.post_ready(wait=True)
         self.transport.blocked = self
         while len(self.pending) > keep:
-            self.pending[0][0].Wait()
+            self.transport.wait(self.pending[0][0])
             self.pending.popleft()
         self.transport.blocked = None
         self.waited += time.perf_counter() - start

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, mpirun
+from conftest import ROOT, check_png, mpirun
 
 # Each bench costs a launch or two; the engine they time is tested in unit/ and mpi/.
 pytestmark = pytest.mark.extended
@@ -19,10 +19,18 @@ def last_json(proc):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_bench_scaling_under_mpirun_2():
+def test_bench_scaling_under_mpirun_2(tmp_path):
+    # the frameworks' own costs, as the last line of a `bench emulate` run gives them
+    emulated = tmp_path / "emulate.txt"
+    emulated.write_text("table\n" + json.dumps({"framework": {
+        "ours": {"per_message_s": 0.001, "per_step_s": 0.002},
+        "pipelining": {"per_message_s": 0.003, "per_step_s": 0.004}}}) + "\n")
     proc = mpirun(2, ["-m", "petra_mpi.bench", "scaling", "--width", "4", "--batch", "4",
-                      "--microbatches", "4", "--rounds", "1", "--png", ""], timeout=600)
+                      "--microbatches", "4", "--rounds", "1", "--png", "",
+                      "--framework", emulated], timeout=600)
     out = last_json(proc)
+    assert out["framework"] == {"ours": {"per_message": 0.001, "per_step": 0.002},
+                                "pipelining": {"per_message": 0.003, "per_step": 0.004}}
     assert out["bench"] == "scaling" and out["ranks"] == 2
     assert [p["ranks"] for p in out["predictions"]] == list(range(1, 11))
     assert {(v["ranks"], v["method"]) for v in out["validation"]} == {
@@ -40,6 +48,9 @@ def test_bench_pipeline_reports_compute_time_per_rank(precision):
     for method in ("petra", "backprop"):
         compute = out[f"{method}_compute_ms_per_tick"]
         assert len(compute) == 2 and all(0 < c <= out[f"{method}_wall_ms_per_tick"] for c in compute)
+    # the measured speed-up beside what its split allows (fill and drain of 6 included)
+    assert 1 < out["speedup_bound"] < out["speedup_bound_steady"] <= 2
+    assert out["of_bound"] == pytest.approx(out["speedup"] / out["speedup_bound"])
 
 
 def test_bench_pipeline_reports_bytes_per_tick_compressed():
@@ -120,3 +131,36 @@ def test_bench_peers_runs_every_contender():
     # still keeps its block inputs
     assert min(record["peak_activation_bytes"]["1f1b_checkpointed"]) > 0
     assert record["petra_vs_1f1b"] > 0 and record["petra_vs_1f1b_checkpointed"] > 0
+
+
+def test_bench_emulate_under_mpirun_4(tmp_path):
+    """The emulated pipeline runs PETRA, backprop and pipelining's schedules on the real engines
+    and reports every run with the model beside it (the figures are not checked: no timing)."""
+    profile = tmp_path / "costs.json"
+    n = 10  # revnet18's blocks
+    profile.write_text(json.dumps({"arch": "revnet18", "forward": [1e-3] * n,
+                                   "rebuild": [1e-3] * n, "backward": [2e-3] * n}))
+    proc = mpirun(4, ["-m", "petra_mpi.bench", "emulate", "--costs", profile, "--width", "4",
+                      "--batch", "4", "--microbatches", "4,2J", "--segment", "10",
+                      "--backprop-segment", "2", "--rounds", "1",
+                      "--png", tmp_path / "emulate.png"], timeout=600)
+    out = last_json(proc)
+    assert out["bench"] == "emulate" and out["ranks"] == 4 and out["microbatches"] == [4, 8]
+    assert out["costs"].startswith("file") and sum(out["split"]) == n
+    names = {row["name"] for row in out["rows"]} | set(out.get("skipped", {}))
+    assert names == {"petra m=4", "petra m=8", "backprop", "gpipe m=4", "gpipe m=8",
+                     "1f1b m=4", "1f1b m=8", "zero_bubble m=4", "zero_bubble m=8"}
+    for row in out["rows"]:
+        assert row["images_per_s"] > 0 and row["predicted_images_per_s"] > 0
+        assert len(row["busy_fraction"]) == 4 and all(0 <= b <= 1 for b in row["busy_fraction"])
+        assert len(row["peak_held_bytes"]) == 4
+    petra = next(row for row in out["rows"] if row["name"] == "petra m=4")
+    assert petra["microbatches"] == 10 and petra["bound_images_per_s"] > 0
+    # PETRA's first stage buffers the stem's input, its last stage nothing; a plain stage
+    # holds what autograd saves
+    assert petra["peak_held_bytes"][0] > 0 and petra["peak_held_bytes"][-1] == 0
+    gpipe = next(row for row in out["rows"] if row["name"] == "gpipe m=8")
+    assert all(b > 0 for b in gpipe["peak_held_bytes"])
+    assert {v["name"] for v in out["validation"]} == {row["name"] for row in out["rows"]}
+    assert out["overhead"]["ticks"] == 10 + 2 * 3
+    check_png(tmp_path / "emulate.png")

@@ -217,3 +217,21 @@ def test_channels_last_through_mpi():
     proc = mpirun(2, [PROGRAMS / "layout.py", "cpu"], timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "layout ok" in proc.stdout
+
+
+def test_sleeping_waits_train_bitwise_alike(tmp_path):
+    """PETRA_MPI_POLL_SLEEP (the waits of `bench emulate`: test the request and sleep, instead of
+    MPI's Wait) changes who holds the core, nothing else: the same parameters as the local
+    engine, and the short last evaluation batch, whose size comes from the completed request's
+    status, counted right."""
+    run = "petra:1:short_eval"
+    proc = mpirun(3, [PROGRAMS / "equivalence.py", tmp_path, N, run], timeout=300,
+                  env={"PETRA_MPI_POLL_SLEEP": "0.0005"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stages, ref_eval = local_reference(3, "petra", 1, N, short_eval=True)
+    for r in range(3):
+        got = torch.load(tmp_path / run / f"rank{r}.pt")
+        want = [p.detach() for p in stages[r].parameters()] + list(stages[r].buffers())
+        assert all(torch.equal(g, w) for g, w in zip(got["params"] + got["buffers"], want))
+    last = torch.load(tmp_path / run / "rank2.pt")["eval"]
+    assert last == ref_eval and last["val_count"] == 14

@@ -1,0 +1,325 @@
+"""Emulated stages: each rank's compute replaced by a wait of its cost, so that many ranks of a
+pipeline run faithfully on a few cores (`bench emulate`, docs/benchmarks.md).
+
+The stand-ins keep the interfaces of the real ones, so the real worker, engine and transport run
+them unchanged: WaitingStage is a Stage (forward, backward, forward_backward_loss, evaluate) and
+returns tensors of the real shapes, so the messages are real; WaitingOptimizer steps by waiting;
+WaitingPlainStage is an nn.Module for torch.distributed.pipelining whose autograd forward and
+backward wait. A wait sleeps in short slices and polls the transport between them, as a GPU
+rank's host thread polls while its kernels run, and never spins a core.
+
+Costs (a Profile: seconds per micro-batch per block) come from this machine (`measured`), a JSON
+file (e.g. profiled on a GPU) or the paper's Table 5 (`paper_profile`, derivation below).
+"""
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .blockcost import BlockCosts
+from .models import build_blocks
+from .partition import block_costs as estimated_block_costs
+
+# Paper Table 5: time per micro-batch of 256 CIFAR-10 images with one block per GPU.
+PAPER_TABLE5_MS = {"revnet18": {"backprop": 160.3, "petra": 53.4},
+                   "revnet34": {"backprop": 235.6, "petra": 97.1}}
+# Share of a plain backward that computes the weight gradients (zero-bubble's W), where a
+# profile does not say: a convolution's input and weight gradients cost one forward each.
+WEIGHT_SHARE = 0.5
+# Longest sleep between two polls of the transport while a stage waits its cost: often enough to
+# move large messages along, rarely enough that J ranks polling do not crowd two cores.
+SLICE_S = 0.002
+
+
+@dataclass
+class Profile:
+    """Seconds per micro-batch of every block of `arch`. forward: the no-graph forward; rebuild:
+    rebuilding the block's input (reversible: the inverse while recording the graph; buffered:
+    the recomputed forward); backward: the vector-Jacobian product (weight part: `weight`);
+    step: one optimizer step of the block. PETRA's backward is rebuild + backward, a plain
+    network's (torch.distributed.pipelining) is backward after a forward with graph."""
+    arch: str
+    forward: list
+    rebuild: list
+    backward: list
+    step: list = None
+    weight: list = None
+    source: str = ""
+    notes: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        n = len(self.forward)
+        self.step = list(self.step) if self.step is not None else [0.0] * n
+        self.weight = (list(self.weight) if self.weight is not None
+                       else [WEIGHT_SHARE * b for b in self.backward])
+        if any(len(v) != n for v in (self.rebuild, self.backward, self.step, self.weight)):
+            raise ValueError("every cost list of a profile needs one entry per block")
+
+    def petra_costs(self, output_bytes, input_bytes) -> BlockCosts:
+        """PETRA's per-block costs (as blockcost.measure_block_costs measures them)."""
+        return BlockCosts(list(self.forward),
+                          [r + b for r, b in zip(self.rebuild, self.backward)],
+                          [f + b for f, b in zip(self.forward, self.backward)],
+                          list(self.step), list(output_bytes), input_bytes)
+
+    def plain_costs(self, output_bytes, input_bytes) -> BlockCosts:
+        """A plain network's per-block costs (forward with graph, autograd backward)."""
+        return BlockCosts(list(self.forward), list(self.backward),
+                          [f + b for f, b in zip(self.forward, self.backward)],
+                          list(self.step), list(output_bytes), input_bytes)
+
+    def to_dict(self):
+        return asdict(self)
+
+
+def file_profile(path) -> Profile:
+    """A profile from JSON: {"arch": ..., "forward": [...], "rebuild": [...], "backward": [...]}
+    (seconds per micro-batch per block) and optionally "step" and "weight"."""
+    with open(path) as f:
+        d = json.load(f)
+    known = {"arch", "forward", "rebuild", "backward", "step", "weight", "source", "notes"}
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(f"{path}: unknown profile keys {sorted(unknown)}")
+    return Profile(**{"source": f"file {path}", **d})
+
+
+def measured_profile(arch, width, batch, num_classes=10, repeats=3) -> Profile:
+    """This machine's costs, timed as `model.balance: measure` times them: PETRA's forward and
+    backward (rebuild + VJP) per block, and the plain autograd backward of the same block."""
+    from .blockcost import measure_autograd_costs, measure_block_costs
+    blocks = build_blocks(arch, width, num_classes)
+    petra = measure_block_costs(blocks, (3, 32, 32), batch, num_classes, repeats=repeats)
+    plain = measure_autograd_costs(blocks, (3, 32, 32), batch, num_classes, repeats=repeats)
+    # the last stage's fused op is forward with graph + backward: its backward is the rest
+    backward = [max(0.0, last - f) for last, f in zip(petra.last, plain.forward)]
+    rebuild = [max(0.0, b - v) for b, v in zip(petra.backward, backward)]
+    return Profile(arch, petra.forward, rebuild, backward, petra.step,
+                   source=f"measured on this machine (width {width}, batch {batch})")
+
+
+def paper_profile(arch) -> Profile:
+    """Costs that reproduce the paper's Table 5 exactly at its stage count (one block per GPU,
+    batch 256, width 64). Table 5 gives two numbers per network: reversible backprop's time per
+    micro-batch B (every stage's work in series) and PETRA's P (the slowest stage's work). A
+    block's work is shaped by the cost estimate the partitioner uses (partition.block_costs:
+    MACs plus memory-bound element work), with a middle stage working 4 forwards (forward,
+    rebuild, VJP of 2) and the last 3 (forward and VJP): the block the estimate ranks most
+    expensive gets P, the others share B - P in proportion to their estimated work. Within a
+    block: forward 1/4 and rebuild 1/4, backward 1/2, half of which computes the weight
+    gradients; steps cost nothing (the paper's times include them)."""
+    if arch not in PAPER_TABLE5_MS:
+        raise ValueError(f"the paper's Table 5 has no {arch}; choose one of "
+                         f"{sorted(PAPER_TABLE5_MS)}")
+    total, slowest = (PAPER_TABLE5_MS[arch][m] / 1e3 for m in ("backprop", "petra"))
+    estimate = estimated_block_costs(build_blocks(arch, 64, 10), 32)
+    n = len(estimate)
+    units = [4.0] * (n - 1) + [3.0]  # forwards' worth of work per stage
+    work = [u * e for u, e in zip(units, estimate)]
+    top = max(range(n), key=work.__getitem__)
+    rest = sum(w for i, w in enumerate(work) if i != top)
+    stage = [slowest if i == top else (total - slowest) * w / rest for i, w in enumerate(work)]
+    forward = [s / u for s, u in zip(stage, units)]  # one forward's worth
+    rebuild = [f if i < n - 1 else 0.0 for i, f in enumerate(forward)]
+    return Profile(arch, forward, rebuild, [2 * f for f in forward],
+                   source="paper Table 5 (see docs/benchmarks.md)",
+                   notes={"table5_ms": PAPER_TABLE5_MS[arch], "slowest_block": top})
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes and held bytes of the real network, from one batch-1 probe
+
+@dataclass
+class BlockShapes:
+    inputs: list       # per block, the input shape without the batch dimension
+    outputs: list
+    reversible: list   # whether the block rebuilds its input (else it buffers it)
+    saved: list        # bytes autograd saves per sample in a forward with graph (plain training)
+
+
+def probe_shapes(arch, width, num_classes=10) -> BlockShapes:
+    blocks = build_blocks(arch, width, num_classes)
+    x = torch.zeros(2, 3, 32, 32)  # 2 samples: batch norm needs more than one in training
+    inputs, outputs, saved = [], [], []
+    for block in blocks:
+        storages = {}
+
+        def pack(t, storages=storages):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+        leaf = x.detach().requires_grad_(True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = block(leaf)
+        inputs.append(tuple(x.shape[1:]))
+        outputs.append(tuple(y.shape[1:]))
+        saved.append(sum(b for p, b in storages.items() if p not in params) // 2)
+        x = y.detach()
+    return BlockShapes(inputs, outputs, [b.reversible for b in blocks], saved)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# Waiting
+
+class Clock:
+    """Waits that leave the core free: sleep in slices of at most SLICE_S, calling `poll` (the
+    transport) between them. `busy` sums the seconds waited (the emulated compute)."""
+
+    def __init__(self, scale=1.0):
+        self.scale, self.busy, self.poll = scale, 0.0, None
+
+    def wait(self, seconds):
+        seconds *= self.scale
+        if seconds <= 0:
+            return
+        start = time.perf_counter()
+        end = start + seconds
+        while True:
+            left = end - time.perf_counter()
+            if left <= 0:
+                break
+            time.sleep(min(left, SLICE_S))
+            if self.poll is not None:
+                self.poll()
+        self.busy += time.perf_counter() - start
+
+
+class WaitingStage(nn.Module):
+    """A Stage whose operations wait their cost and return zero tensors of the real shapes.
+    `costs`: (forward, backward, fused) seconds per micro-batch of each of its blocks (fused:
+    the block's share of the last stage's forward, loss and backward). Peak held activations:
+    the inputs of its buffered blocks for every micro-batch in flight, as the real FIFOs."""
+
+    def __init__(self, index, num_stages, shapes: BlockShapes, first_block, costs, batch,
+                 num_classes=10, clock=None):
+        super().__init__()
+        self.index, self.num_stages = index, num_stages
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+        blocks = range(first_block, first_block + len(costs))
+        self.costs, self.clock = costs, clock or Clock()
+        self.in_shape = (batch, *shapes.inputs[first_block])
+        self.out_shape = (batch, *shapes.outputs[blocks[-1]])
+        self.num_classes = num_classes
+        self.needs_rebuilt_input = shapes.reversible[blocks[-1]]
+        self.held_per_microbatch = sum(4 * batch * _numel(shapes.inputs[b]) for b in blocks
+                                       if not shapes.reversible[b])
+        self.in_flight = self.peak_in_flight = 0
+        self.between_blocks = None  # the engine's transport poll, as for a real stage
+        self.anchor = nn.Parameter(torch.zeros(1))  # engines find the device from a parameter
+        self.forward_starts = []  # wall clock of every forward (rank 0: the tick rate)
+
+    def _wait(self, which):
+        self.clock.poll = self.between_blocks
+        for block in self.costs:
+            self.clock.wait(block[which])
+            if self.between_blocks is not None:
+                self.between_blocks()
+
+    @property
+    def peak_held_bytes(self) -> int:
+        return self.peak_in_flight * self.held_per_microbatch
+
+    def forward(self, x):
+        self.forward_starts.append(time.perf_counter())
+        self._wait(0)
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        return torch.empty((x.shape[0], *self.out_shape[1:]))  # contents do not matter
+
+    def backward(self, y, grad_y):
+        self._wait(1)
+        self.in_flight -= 1
+        shape = (grad_y.shape[0], *self.in_shape[1:])
+        return torch.empty(shape), (None if self.is_first else torch.empty(shape))
+
+    def forward_backward_loss(self, x, labels, tracer=None, b=-1):
+        self._wait(2)
+        logits = torch.zeros(x.shape[0], self.num_classes)
+        return F.cross_entropy(logits, labels), logits, (None if self.is_first
+                                                         else torch.empty_like(x))
+
+    def evaluate(self, x):
+        return torch.zeros((x.shape[0], *self.out_shape[1:]))
+
+
+class WaitingOptimizer:
+    """StageOptimizer's interface: a step waits `seconds`."""
+
+    def __init__(self, seconds, clock):
+        self.seconds, self.clock = seconds, clock
+
+    def accumulated(self):
+        pass
+
+    def step(self):
+        self.clock.wait(self.seconds)
+
+
+class _WaitInput(torch.autograd.Function):
+    """Forward: wait, return zeros of the output shape; backward: wait the input-gradient part."""
+
+    @staticmethod
+    def forward(ctx, x, stage):
+        ctx.stage = stage
+        stage.clock.wait(stage.forward_s)
+        stage.in_flight += 1
+        stage.peak_in_flight = max(stage.peak_in_flight, stage.in_flight)
+        return x.new_empty((x.shape[0], *stage.out_shape[1:]))
+
+    @staticmethod
+    def backward(ctx, grad):
+        stage = ctx.stage
+        stage.clock.wait(stage.input_grad_s)
+        return grad.new_empty((grad.shape[0], *stage.in_shape[1:])), None
+
+
+class _WaitWeight(torch.autograd.Function):
+    """A zero added to the output that depends on the weights: its backward is the weight
+    gradient's part (zero-bubble's W), and the micro-batch's activations are freed after it."""
+
+    @staticmethod
+    def forward(ctx, weight, stage, batch):
+        ctx.stage = stage
+        return weight.new_zeros((batch, *stage.out_shape[1:]))
+
+    @staticmethod
+    def backward(ctx, grad):
+        stage = ctx.stage
+        stage.clock.wait(stage.weight_grad_s)
+        stage.in_flight -= 1
+        return torch.zeros(1), None, None
+
+
+class WaitingPlainStage(nn.Module):
+    """One rank's module for torch.distributed.pipelining: forward with graph and backward wait
+    the plain network's costs of its blocks. Peak held activations: what autograd would save for
+    every micro-batch between its forward and its weight gradient."""
+
+    def __init__(self, shapes: BlockShapes, blocks, forward_s, backward_s, weight_s, batch,
+                 clock=None):
+        super().__init__()
+        self.clock = clock or Clock()
+        self.in_shape = (batch, *shapes.inputs[blocks[0]])
+        self.out_shape = (batch, *shapes.outputs[blocks[-1]])
+        self.forward_s, self.weight_grad_s = forward_s, weight_s
+        self.input_grad_s = backward_s - weight_s
+        self.held_per_microbatch = batch * sum(shapes.saved[b] for b in blocks)
+        self.in_flight = self.peak_in_flight = 0
+        self.weight = nn.Parameter(torch.zeros(1))
+
+    @property
+    def peak_held_bytes(self) -> int:
+        return self.peak_in_flight * self.held_per_microbatch
+
+    def forward(self, x):
+        return _WaitInput.apply(x, self) + _WaitWeight.apply(self.weight, self, x.shape[0])

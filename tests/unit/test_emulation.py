@@ -1,0 +1,191 @@
+"""The emulated pipeline's pieces (petra_mpi/emulation.py): cost profiles, waiting stages that
+match the real stages' shapes and held memory, and the performance model's framework costs and
+speed-up bound (the mpirun run of `bench emulate` is in tests/e2e/test_bench.py)."""
+import json
+
+import pytest
+import torch
+
+from petra_mpi import emulation, perfmodel
+from petra_mpi.blockcost import BlockCosts
+from petra_mpi.emulation import (Clock, Profile, WaitingStage, file_profile, paper_profile,
+                                 probe_shapes)
+from petra_mpi.engine.build import build_stages
+from petra_mpi.mpi.transport import Transport
+
+
+@pytest.mark.parametrize("arch", ["revnet18", "revnet34"])
+def test_paper_profile_reproduces_table5_with_one_block_per_stage(arch):
+    profile = paper_profile(arch)
+    n = len(profile.forward)
+    costs = profile.petra_costs([1] * n, 1)
+    work = costs.stage_seconds([1] * n)  # the paper's split: one block per GPU
+    table = emulation.PAPER_TABLE5_MS[arch]
+    assert 1e3 * sum(work) == pytest.approx(table["backprop"])  # every stage in series
+    assert 1e3 * max(work) == pytest.approx(table["petra"])     # the slowest stage
+    # a middle block works 4 forwards (forward, rebuild, VJP of 2), the last 3 (no rebuild)
+    assert costs.backward[1] == pytest.approx(3 * costs.forward[1])
+    assert costs.last[-1] == pytest.approx(3 * profile.forward[-1])
+    assert profile.rebuild[-1] == 0.0
+
+
+def test_file_profile_round_trip_and_errors(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"arch": "revnet18", "forward": [1.0, 2.0], "rebuild": [1.0, 0.5],
+                                "backward": [2.0, 4.0], "step": [0.1, 0.2]}))
+    p = file_profile(path)
+    assert p.weight == [1.0, 2.0]  # half of the backward by default
+    petra = p.petra_costs([10, 20], 5)
+    plain = p.plain_costs([10, 20], 5)
+    assert petra.backward == [3.0, 4.5] and petra.last == [3.0, 6.0]  # rebuild + VJP
+    assert plain.backward == [2.0, 4.0] and plain.step == [0.1, 0.2]
+    path.write_text(json.dumps({"arch": "revnet18", "forward": [1.0], "rebuild": [1.0],
+                                "backward": [2.0], "speed": 3}))
+    with pytest.raises(ValueError, match="speed"):
+        file_profile(path)
+    with pytest.raises(ValueError, match="one entry per block"):
+        Profile("revnet18", [1.0, 2.0], [1.0], [2.0, 2.0])
+
+
+def test_waiting_stages_match_the_real_stages_shapes_and_fifo_bytes():
+    """Every message a waiting stage makes has the real stage's shape, it needs the rebuilt
+    input where the real one does, and it holds what the real FIFOs hold."""
+    J, batch, width = 3, 4, 4
+    real = build_stages("revnet18", width, 10, J, partition=[2, 4, 4])
+    shapes = probe_shapes("revnet18", width)
+    x = torch.randn(batch, 3, 32, 32)
+    labels = torch.zeros(batch, dtype=torch.int64)
+    first = 0
+    clock = Clock(scale=0.0)  # no waiting here: shapes only
+    for s, stage in enumerate(real):
+        n = stage.partition[s]
+        fake = WaitingStage(s, J, shapes, first, [(0.0, 0.0, 0.0)] * n, batch, clock=clock)
+        first += n
+        assert fake.needs_rebuilt_input == stage.needs_rebuilt_input
+        if stage.is_last:
+            _, logits, gx = stage.forward_backward_loss(x, labels)
+            _, f_logits, f_gx = fake.forward_backward_loss(x, labels)
+            assert f_logits.shape == logits.shape and f_gx.shape == gx.shape
+            continue
+        y = stage(x)
+        stage(x)  # two micro-batches in flight
+        assert fake(x).shape == y.shape
+        fake(x)
+        assert fake.peak_held_bytes == stage.peak_fifo_bytes
+        rebuilt, gx = stage.backward(y, torch.ones_like(y))
+        f_rebuilt, f_gx = fake.backward(y, torch.ones_like(y))
+        assert f_rebuilt.shape == rebuilt.shape
+        assert (f_gx is None) == (gx is None) and (gx is None or f_gx.shape == gx.shape)
+        x = y.detach()
+
+
+def test_a_wait_polls_between_sleeps_and_a_zero_scale_does_not_wait(monkeypatch):
+    sleeps = []
+    monkeypatch.setattr(emulation.time, "sleep", lambda s: sleeps.append(s) or _advance(s))
+    now = [0.0]
+
+    def _advance(s):
+        now[0] += s
+    monkeypatch.setattr(emulation.time, "perf_counter", lambda: now[0])
+    polls = []
+    clock = Clock()
+    clock.poll = lambda: polls.append(1)
+    cost = 4 * emulation.SLICE_S
+    clock.wait(cost)
+    assert all(s <= emulation.SLICE_S for s in sleeps) and sum(sleeps) == pytest.approx(cost)
+    assert len(polls) == len(sleeps) >= 4 and clock.busy == pytest.approx(cost)
+    slept = len(sleeps)
+    clock.scale = 0.0
+    clock.wait(1.0)
+    assert len(sleeps) == slept and clock.busy == pytest.approx(cost)
+
+
+class _Request:
+    def __init__(self, tests_before_done):
+        self.left, self.waited = tests_before_done, False
+
+    def Test(self, status=None):
+        self.left -= 1
+        return self.left < 0
+
+    def Wait(self, status=None):
+        self.waited = True
+
+
+def test_transport_wait_sleeps_between_tests_only_when_asked(monkeypatch):
+    monkeypatch.delenv("PETRA_MPI_POLL_SLEEP", raising=False)
+    plain = Transport(torch.device("cpu"), False)
+    request = _Request(3)
+    plain.wait(request)
+    assert request.waited  # MPI's own Wait by default
+    monkeypatch.setenv("PETRA_MPI_POLL_SLEEP", "0.0001")
+    sleeping = Transport(torch.device("cpu"), False)
+    assert sleeping.poll_sleep == 0.0001
+    request = _Request(3)
+    sleeping.wait(request)
+    assert not request.waited and request.left == -1  # tested until done, never Wait
+
+
+def _stage(fwd, bwd, out_bytes=0, weight=0.0):
+    return perfmodel.StageCosts(fwd, bwd, fwd + bwd, 0.0, out_bytes, out_bytes, weight)
+
+
+def test_framework_costs_delay_messages_and_steps():
+    free = perfmodel.Link(0.0, float("inf"))
+    orders = [[("forward", 0), ("step", 0)], [("forward", 0), ("step", 0)]]
+    costs = [_stage(1.0, 0.0), _stage(1.0, 0.0)]
+    base = perfmodel.simulate(orders, costs, free)
+    assert base == 2.0
+    assert perfmodel.simulate(orders, costs, free, perfmodel.Framework(0.5, 0.0)) == 2.5
+    assert perfmodel.simulate(orders, costs, free, perfmodel.Framework(0.0, 0.25)) == 2.25
+
+
+def test_fit_framework_recovers_the_costs_that_made_the_runs():
+    free = perfmodel.Link(1e-4, 1e9)
+    truth = perfmodel.Framework(2e-3, 7e-3)
+    zero = [_stage(0.0, 0.0, 1000)] * 4
+    cases = [perfmodel.gpipe_order(4, 4), perfmodel.one_f_one_b_order(4, 8),
+             perfmodel.petra_orders("petra", 4, 12), perfmodel.gpipe_order(4, 16)]
+    made = [perfmodel.simulate(o, zero, free, truth) for o in cases]
+    fitted = perfmodel.fit_framework(cases, [zero] * 4, [free] * 4, made)
+    assert fitted.per_message == pytest.approx(truth.per_message)
+    assert fitted.per_step == pytest.approx(truth.per_step)
+
+
+def test_split_backward_waits_for_its_inputs():
+    """Zero bubble's backward_input needs the next stage's, backward_weight its own input part."""
+    free = perfmodel.Link(0.0, float("inf"))
+    costs = [_stage(1.0, 2.0, weight=0.5), _stage(1.0, 2.0, weight=0.5)]
+    orders = [[("forward", 0), ("backward_input", 0), ("backward_weight", 0)],
+              [("forward", 0), ("backward_input", 0), ("backward_weight", 0)]]
+    # s0 F [0,1]; s1 F [1,2], I [2,3.5], W [3.5,4]; s0 I [3.5,5], W [5,5.5]
+    assert perfmodel.simulate(orders, costs, free) == 5.5
+
+
+def test_speedup_bound_of_a_split():
+    # per block: forward 1 and backward 3 in a middle stage, 4 in the last
+    costs = BlockCosts([1.0] * 4, [3.0] * 4, [4.0] * 4, [0.0] * 4, [0] * 4)
+    even = perfmodel.speedup_bound(costs, [2, 2], 1000)
+    assert even["steady"] == 2.0 and even["segment"] == pytest.approx(2.0, rel=0.01)
+    uneven = perfmodel.speedup_bound(costs, [1, 3], 1000)
+    assert uneven["steady"] == pytest.approx(16 / 12)
+    short = perfmodel.speedup_bound(costs, [2, 2], 4)
+    assert 1.0 < short["segment"] < even["segment"]  # fill and drain cost a short segment
+
+
+def test_steady_rate_counts_from_the_first_forward_paced_by_the_full_pipeline():
+    from petra_mpi.bench.emulate import _steady_rate
+    J = 3  # forwards 0-3 run free (fill), 4 waits for the first gradient, then one per second
+    starts = [0.0, 0.1, 0.2, 0.3, 0.4, 5.0, 6.0, 7.0, 8.0]
+    assert _steady_rate(starts, J) == pytest.approx(1.0)
+    assert _steady_rate(starts[:6], J) is None  # no full tick measured
+
+
+def test_bench_pipeline_scales_the_timed_block_costs_to_the_stage_costs_of_its_runs():
+    from petra_mpi.bench.pipeline import scaled_to
+    costs = BlockCosts([1.0] * 4, [3.0] * 4, [4.0] * 4, [0.5] * 4, [7] * 4, 3)
+    scaled = scaled_to(costs, [2, 2], [4.0, 16.0])  # stages timed at 8 and 8, ran at 4 and 16
+    assert scaled.stage_seconds([2, 2]) == [4.0, 16.0]
+    assert scaled.forward == [0.5, 0.5, 2.0, 2.0] and scaled.step == [0.25, 0.25, 1.0, 1.0]
+    assert scaled.output_bytes == [7] * 4 and scaled.input_bytes == 3
+    assert perfmodel.speedup_bound(scaled, [2, 2], 1000)["steady"] == pytest.approx(20 / 16)
