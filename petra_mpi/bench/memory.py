@@ -88,7 +88,7 @@ def stage_picture(petra_rows, buffered_rows) -> list[dict]:
     buffer of the run that buffers every input. Stage 0's input buffer holds the data set's
     images, which the totals above leave out as the paper does."""
     mb = 1e6
-    print(f"\nper stage, PETRA beside buffering every input (MB; stage 0's buffer holds the data):")
+    print("\nper stage, PETRA beside buffering every input (MB; stage 0's buffer holds the data):")
     print(f"{'stage':>5} {'kind':<14} {'input':<16} {'params':>9} {'PETRA buf':>10} "
           f"{'all buf':>10}")
     stages = []
