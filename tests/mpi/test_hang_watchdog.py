@@ -10,7 +10,7 @@ def test_a_stalled_rank_ends_the_job_and_every_rank_reports(tmp_path):
     """Rank 1's forward of micro-batch 5 sleeps for an hour; with run.watchdog_s=3 each rank
     prints its last action and pending messages: rank 1 that its own work stalled, ranks 0 and 2
     that they wait on rank 1. The job ends with EXIT_STALLED (mpirun passes the status on)."""
-    proc = mpirun(3, [PROGRAMS / "stall_train.py", 1, 5, "configs/quickstart.yaml",
+    proc = mpirun(3, [PROGRAMS / "faulty_train.py", "stall", 1, 5, "configs/quickstart.yaml",
                       "--set", f"run.out_dir={tmp_path}", "--set", "run.watchdog_s=3", *QUICK],
                   timeout=120)
     out = proc.stdout + proc.stderr

@@ -160,7 +160,7 @@ def test_invariant3_mpi_equals_local_bitwise_in_bf16(launched):
 
 @pytest.mark.extended  # 4 ranks
 def test_rank_failure_ends_every_rank(tmp_path):
-    proc = mpirun(4, [PROGRAMS / "faulty_train.py", 1, 5, "configs/quickstart.yaml",
+    proc = mpirun(4, [PROGRAMS / "faulty_train.py", "fail", 1, 5, "configs/quickstart.yaml",
                       "--set", f"run.out_dir={tmp_path}", *QUICK], timeout=60)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr

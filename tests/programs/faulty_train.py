@@ -1,23 +1,29 @@
-"""Run the real trainer with one rank made to fail mid-run (for the fault tests).
+"""Run the real trainer with one rank made to fail or stall mid-run (for the fault and watchdog
+tests): its forward of one micro-batch raises, or sleeps far longer than any test's
+run.watchdog_s.
 
-Usage: mpirun -n J python tests/programs/faulty_train.py FAIL_RANK FAIL_MICROBATCH CONFIG
+Usage: mpirun -n J python tests/programs/faulty_train.py (fail|stall) RANK MICROBATCH CONFIG
        [--set ...]
 """
 import sys
+import time
 
 from mpi4py import MPI
 
 from petra_mpi import train
 from petra_mpi.engine.worker import StageWorker
 
-fail_rank, fail_b = int(sys.argv[1]), int(sys.argv[2])
-if MPI.COMM_WORLD.Get_rank() == fail_rank:
+fault, fault_rank, fault_b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+assert fault in ("fail", "stall"), fault
+if MPI.COMM_WORLD.Get_rank() == fault_rank:
     original = StageWorker.forward
 
     def forward(self, b, x):
-        if b == fail_b:
-            raise RuntimeError(f"injected failure at micro-batch {b}")
+        if b == fault_b:
+            if fault == "fail":
+                raise RuntimeError(f"injected failure at micro-batch {b}")
+            time.sleep(3600)
         return original(self, b, x)
 
     StageWorker.forward = forward
-sys.exit(train.main(sys.argv[3:]))
+sys.exit(train.main(sys.argv[4:]))
