@@ -1,8 +1,8 @@
 """A performance model of pipelined training: per-stage costs and a point-to-point link in, the
 time of a run out, by simulating each rank's ordered operations.
 
-Every rank runs its operations in a fixed order (PETRA's and backprop's come from
-schedule.tick_ops, 1F1B's from one_f_one_b_order); an operation starts when its rank is free and
+Every rank runs its operations in a fixed order (PETRA's and backprop's are the schedule's
+actions, 1F1B's from one_f_one_b_order); an operation starts when its rank is free and
 the message it needs has arrived, and runs for its measured cost. A message arrives
 latency + bytes / bandwidth after the operation that produced it ends; sends do not hold the
 sender (the transport is non-blocking and polled while the stage computes). This is the whole
@@ -10,7 +10,9 @@ model: no contention between ranks, no jitter.
 """
 from dataclasses import dataclass
 
-from .schedule import num_ticks, tick_ops
+from .schedule import Kind, schedule_for
+
+FORWARD, BACKWARD, FORWARD_BACKWARD, STEP = (k.value for k in Kind)
 
 
 @dataclass
@@ -27,7 +29,7 @@ class StageCosts:
     """Seconds per micro-batch of one stage, and the bytes it sends."""
     forward: float        # forward without graph (PETRA, backprop) or with graph (1F1B)
     backward: float       # rebuild or recompute + VJP (PETRA), or the autograd backward (1F1B)
-    fused: float          # the last stage's forward, loss and backward at once
+    forward_backward: float  # the last stage's forward, loss and backward at once
     step: float           # one optimizer step of the stage's parameters
     out_bytes: int        # its output activation
     down_bytes: int       # what its backward sends down (δ, plus x̃ where the receiver rebuilds)
@@ -35,8 +37,8 @@ class StageCosts:
 
 def simulate(orders, costs, link: Link) -> float:
     """Makespan of ranks running `orders[s]`: lists of (op, b) with op in forward, backward,
-    fused, step; forward b on stage s needs forward b of s-1, backward b needs the backward (or
-    fused) b of s+1; the last stage's backward b (1F1B) needs its own forward b."""
+    forward_backward, step (schedule.Kind's names); forward b on stage s needs forward b of s-1, backward b needs the backward (or
+    forward_backward) b of s+1; the last stage's backward b (1F1B) needs its own forward b."""
     J = len(orders)
     done = {}     # (stage, op, b) -> end time
     free = [0.0] * J
@@ -51,8 +53,7 @@ def simulate(orders, costs, link: Link) -> float:
                 if ready is None:
                     break
                 start = max(free[s], ready)
-                cost = {"forward": costs[s].forward, "backward": costs[s].backward,
-                        "fused": costs[s].fused, "step": costs[s].step}[op]
+                cost = getattr(costs[s], op)
                 free[s] = done[(s, op, b)] = start + cost
                 position[s] += 1
                 remaining -= 1
@@ -64,29 +65,24 @@ def simulate(orders, costs, link: Link) -> float:
 
 def _ready_time(s, op, b, J, done, costs, link):
     """When the input of (s, op, b) is there, or None if its producer has not run yet."""
-    if op == "step":
+    if op == STEP:
         return 0.0
-    if op in ("forward", "fused") and s > 0:
-        end = done.get((s - 1, "forward", b))
+    if op in (FORWARD, FORWARD_BACKWARD) and s > 0:
+        end = done.get((s - 1, FORWARD, b))
         return None if end is None else end + link.seconds(costs[s - 1].out_bytes)
-    if op == "backward":
+    if op == BACKWARD:
         if s == J - 1:  # 1F1B's last stage: its own forward
-            return done.get((s, "forward", b))
-        end = done.get((s + 1, "backward", b), done.get((s + 1, "fused", b)))
+            return done.get((s, FORWARD, b))
+        end = done.get((s + 1, BACKWARD, b), done.get((s + 1, FORWARD_BACKWARD, b)))
         return None if end is None else end + link.seconds(costs[s + 1].down_bytes)
     return 0.0
 
 
 def petra_orders(method, J, n, k=1):
-    """Each stage's operations for a segment of n micro-batches, from the schedule itself."""
-    orders = [[] for _ in range(J)]
-    for t in range(num_ticks(method, J, n)):
-        for s in range(J):
-            for op, b in tick_ops(method, J, s, t, n):
-                orders[s].append(("fused" if op == "forward_backward" else op, b))
-                if op != "forward" and ((b + 1) % k == 0 or b == n - 1):
-                    orders[s].append(("step", b))
-    return orders
+    """Each stage's operations for a segment of n micro-batches: the schedule's actions."""
+    schedule = schedule_for(method, J, k)
+    return [[(a.kind.value, a.microbatch) for tick in schedule.stage_actions(s, n) for a in tick]
+            for s in range(J)]
 
 
 def one_f_one_b_order(J, m):
@@ -95,22 +91,22 @@ def one_f_one_b_order(J, m):
     orders = []
     for s in range(J):
         warmup = min(J - 1 - s, m)
-        order = [("forward", b) for b in range(warmup)]
+        order = [(FORWARD, b) for b in range(warmup)]
         f, bwd = warmup, 0
         while bwd < m:
             if f < m:
-                order.append(("forward", f))
+                order.append((FORWARD, f))
                 f += 1
-            order.append(("backward", bwd))
+            order.append((BACKWARD, bwd))
             bwd += 1
-        order.append(("step", m))
+        order.append((STEP, m))
         orders.append(order)
     return orders
 
 
 def gpipe_order(J, m):
-    return [[("forward", b) for b in range(m)] + [("backward", b) for b in range(m)] +
-            [("step", m)] for _ in range(J)]
+    return [[(FORWARD, b) for b in range(m)] + [(BACKWARD, b) for b in range(m)] +
+            [(STEP, m)] for _ in range(J)]
 
 
 def predict_images_per_s(method, costs, link, n, batch, k=1):
@@ -138,7 +134,7 @@ def stage_costs(block_costs, sizes, rebuilt_down=None):
         out.append(StageCosts(
             forward=sum(block_costs.forward[b] for b in blocks),
             backward=sum(block_costs.backward[b] for b in blocks),
-            fused=sum(block_costs.last[b] for b in blocks),
+            forward_backward=sum(block_costs.last[b] for b in blocks),
             step=sum(block_costs.step[b] for b in blocks),
             out_bytes=block_costs.output_bytes[i + n - 1],
             down_bytes=in_bytes * (2 if sends_rebuilt else 1) if s > 0 else 0))
