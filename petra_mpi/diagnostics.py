@@ -5,84 +5,56 @@ For one micro-batch every `every` optimizer steps, per stage:
 - delayed gradient (Zhuang et al.): back-propagation through the inputs and weights each stage
   had at that micro-batch's forward (what weight stashing plus input buffers compute);
 - end-to-end gradient: plain back-propagation of the same micro-batch through the current weights
-  once its PETRA backward has reached stage 0;
+  once its PETRA backward has reached stage 0 (before stage 0's optimizer step of that tick);
 with their cosine similarities and norm ratios, and the relative error of the rebuilt stage input.
 Batch-norm running statistics are not touched by the extra passes.
 """
 import torch
 import torch.nn.functional as F
 
+from .engine.worker import WorkerHooks
 from .models import frozen_bn_stats
+from .schedule import Kind
 
 
-class Diagnostics:
-    """Wraps a LocalEngine; records the chosen micro-batches and emits one record per stage."""
+class Diagnostics(WorkerHooks):
+    """Hooks for every worker of a LocalEngine (build_workers(hooks=[...])): records the chosen
+    micro-batches around the workers' own actions and emits one record per stage."""
 
-    def __init__(self, engine, every_steps: int, emit=None):
-        self.engine, self.every, self.emit = engine, every_steps, emit
-        self.workers = engine.workers
-        self.seen = 0        # micro-batches trained before the current segment
-        self.active = {}     # micro-batch -> per-stage records
-        for w in self.workers:
-            self._wrap(w)
+    def __init__(self, every_steps: int, accumulation: int, emit=None):
+        self.period, self.emit = every_steps * accumulation, emit
+        self.entered = 0     # micro-batches forwarded by stage 0 so far
+        self.stages = {}     # stage index -> Stage, as the workers show themselves
+        self.active = {}     # micro-batch -> per-stage records (b is the segment's index)
 
-    def train_segment(self, batches, n, on_loss=None, stop=None):
-        done = self.engine.train_segment(batches, n, on_loss, stop)
-        self.seen += done
-        return done
-
-    def evaluate(self, batches, m=None):
-        return self.engine.evaluate(batches, m)
-
-    def any_stop(self, stop):
-        return self.engine.any_stop(stop)
-
-    def _chosen(self, b):
-        period = self.every * self.workers[0].k
-        return (self.seen + b) % period == 0
-
-    def _wrap(self, w):
-        forward = w.forward
-
-        def diag_forward(b, x):
-            if w.index == 0 and self._chosen(b):
-                self.active[b] = {}
+    def before(self, worker, action, x=None, labels=None):
+        s, b = worker.index, action.microbatch
+        self.stages[s] = worker.stage
+        if action.kind in (Kind.FORWARD, Kind.FORWARD_BACKWARD):
+            if s == 0:
+                if self.entered % self.period == 0:
+                    self.active[b] = {}
+                self.entered += 1
             if b in self.active:
-                self.active[b][w.index] = {"x": x.detach().clone(), "theta": _clone_params(w)}
-            return forward(b, x)
+                self.active[b][s] = {"x": x.detach().clone(), "labels": labels,
+                                     "theta": _clone_params(worker), "rebuilt": None}
+        if action.kind in (Kind.BACKWARD, Kind.FORWARD_BACKWARD) and b in self.active:
+            self.active[b][s]["before"] = _grads(worker)
 
-        def diag_backward(b, y, grad_y):  # the worker's backward, with the gradient isolated
-            record = self.active.get(b, {}).get(w.index)
-            before = _grads(w) if record is not None else None
-            x, grad_x = w.stage.backward(y, grad_y)
-            if record is not None:
-                record["petra"] = [a - c for a, c in zip(_grads(w), before)]
-                record["rebuilt"] = None if w.stage.buffered[0] else x.detach().clone()
-            w._accumulated(b)
-            if w.index == 0 and b in self.active:
-                self._report(b, self.active.pop(b))
-            return x, grad_x
-
-        def diag_forward_backward(b, x, labels):
-            if w.index == 0 and self._chosen(b):
-                self.active[b] = {}
-            record = None
-            if b in self.active:
-                record = self.active[b][w.index] = {"x": x.detach().clone(), "labels": labels,
-                                                    "theta": _clone_params(w), "rebuilt": None}
-                before = _grads(w)
-            loss, logits, grad_x = w.stage.forward_backward_loss(x, labels)
-            if record is not None:
-                record["petra"] = [a - c for a, c in zip(_grads(w), before)]
-            w._accumulated(b)
-            if w.index == 0 and b in self.active:  # J = 1
-                self._report(b, self.active.pop(b))
-            return loss, logits, grad_x
-
-        w.forward, w.backward, w.forward_backward = diag_forward, diag_backward, diag_forward_backward
+    def after(self, worker, action, x=None):
+        s, b = worker.index, action.microbatch
+        if action.kind not in (Kind.BACKWARD, Kind.FORWARD_BACKWARD) or b not in self.active:
+            return
+        record = self.active[b][s]
+        # what this backward alone added to the accumulated gradient
+        record["petra"] = [a - c for a, c in zip(_grads(worker), record.pop("before"))]
+        if action.kind is Kind.BACKWARD and not worker.stage.buffered[0]:
+            record["rebuilt"] = x.detach().clone()
+        if s == 0:  # its backward has reached stage 0 (J = 1: the forward_backward)
+            self._report(b, self.active.pop(b))
 
     def _report(self, b, records):
-        stages = [w.stage for w in self.workers]
+        stages = [self.stages[s] for s in range(len(self.stages))]
         labels = records[len(stages) - 1]["labels"]
         delayed = _chain_gradients(stages, [records[s]["x"] for s in range(len(stages))],
                                    labels, [records[s]["theta"] for s in range(len(stages))])

@@ -1,8 +1,8 @@
 """A performance model of pipelined training: per-stage costs and a point-to-point link in, the
 time of a run out, by simulating each rank's ordered operations.
 
-Every rank runs its operations in a fixed order (PETRA's and backprop's come from
-schedule.tick_ops, 1F1B's from one_f_one_b_order); an operation starts when its rank is free and
+Every rank runs its operations in a fixed order (PETRA's and backprop's are the schedule's
+actions, 1F1B's from one_f_one_b_order); an operation starts when its rank is free and
 the message it needs has arrived, and runs for its measured cost. A message arrives
 latency + bytes / bandwidth after the operation that produced it ends; sends do not hold the
 sender (the transport is non-blocking and polled while the stage computes). A framework may add
@@ -11,7 +11,9 @@ step. This is the whole model: no contention between ranks, no jitter.
 """
 from dataclasses import dataclass
 
-from .schedule import num_ticks, tick_ops
+from .schedule import Kind, schedule_for
+
+FORWARD, BACKWARD, FORWARD_BACKWARD, STEP = (k.value for k in Kind)
 
 
 @dataclass
@@ -28,7 +30,7 @@ class StageCosts:
     """Seconds per micro-batch of one stage, and the bytes it sends."""
     forward: float        # forward without graph (PETRA, backprop) or with graph (1F1B)
     backward: float       # rebuild or recompute + VJP (PETRA), or the autograd backward (1F1B)
-    fused: float          # the last stage's forward, loss and backward at once
+    forward_backward: float  # the last stage's forward, loss and backward at once
     step: float           # one optimizer step of the stage's parameters
     out_bytes: int        # its output activation
     down_bytes: int       # what its backward sends down (δ, plus x̃ where the receiver rebuilds)
@@ -53,10 +55,10 @@ NO_FRAMEWORK = Framework()
 
 def simulate(orders, costs, link: Link, framework: Framework = NO_FRAMEWORK) -> float:
     """Makespan of ranks running `orders[s]`: lists of (op, b) with op in forward, backward,
-    fused, step, backward_input, backward_weight; forward b on stage s needs forward b of s-1,
-    backward (or backward_input) b needs the backward, fused or backward_input b of s+1; the
-    last stage's backward b (1F1B, zero bubble) needs its own forward b; backward_weight b needs
-    its own backward_input b."""
+    forward_backward, step (schedule.Kind's names), backward_input, backward_weight; forward b
+    on stage s needs forward b of s-1, backward (or backward_input) b needs the backward,
+    forward_backward or backward_input b of s+1; the last stage's backward b (1F1B, zero bubble)
+    needs its own forward b; backward_weight b needs its own backward_input b."""
     J = len(orders)
     done = {}     # (stage, op, b) -> end time
     free = [0.0] * J
@@ -72,8 +74,8 @@ def simulate(orders, costs, link: Link, framework: Framework = NO_FRAMEWORK) -> 
                     break
                 start = max(free[s], ready)
                 c = costs[s]
-                cost = {"forward": c.forward, "backward": c.backward, "fused": c.fused,
-                        "step": c.step + framework.per_step,
+                cost = {FORWARD: c.forward, BACKWARD: c.backward,
+                        FORWARD_BACKWARD: c.forward_backward, STEP: c.step + framework.per_step,
                         "backward_input": c.backward - c.weight, "backward_weight": c.weight}[op]
                 free[s] = done[(s, op, b)] = start + cost
                 position[s] += 1
@@ -87,15 +89,15 @@ def simulate(orders, costs, link: Link, framework: Framework = NO_FRAMEWORK) -> 
 def _ready_time(s, op, b, J, done, costs, link, extra=0.0):
     """When the input of (s, op, b) is there, or None if its producer has not run yet; a message
     takes `extra` seconds of the framework's own beside the link's."""
-    if op == "step":
+    if op == STEP:
         return 0.0
-    if op in ("forward", "fused") and s > 0:
-        end = done.get((s - 1, "forward", b))
+    if op in (FORWARD, FORWARD_BACKWARD) and s > 0:
+        end = done.get((s - 1, FORWARD, b))
         return None if end is None else end + link.seconds(costs[s - 1].out_bytes) + extra
-    if op in ("backward", "backward_input"):
+    if op in (BACKWARD, "backward_input"):
         if s == J - 1:  # 1F1B's and zero bubble's last stage: its own forward
-            return done.get((s, "forward", b))
-        end = next((done[(s + 1, o, b)] for o in ("backward", "fused", "backward_input")
+            return done.get((s, FORWARD, b))
+        end = next((done[(s + 1, o, b)] for o in (BACKWARD, FORWARD_BACKWARD, "backward_input")
                     if (s + 1, o, b) in done), None)
         return None if end is None else end + link.seconds(costs[s + 1].down_bytes) + extra
     if op == "backward_weight":
@@ -104,15 +106,10 @@ def _ready_time(s, op, b, J, done, costs, link, extra=0.0):
 
 
 def petra_orders(method, J, n, k=1):
-    """Each stage's operations for a segment of n micro-batches, from the schedule itself."""
-    orders = [[] for _ in range(J)]
-    for t in range(num_ticks(method, J, n)):
-        for s in range(J):
-            for op, b in tick_ops(method, J, s, t, n):
-                orders[s].append(("fused" if op == "forward_backward" else op, b))
-                if op != "forward" and ((b + 1) % k == 0 or b == n - 1):
-                    orders[s].append(("step", b))
-    return orders
+    """Each stage's operations for a segment of n micro-batches: the schedule's actions."""
+    schedule = schedule_for(method, J, k)
+    return [[(a.kind.value, a.microbatch) for tick in schedule.stage_actions(s, n) for a in tick]
+            for s in range(J)]
 
 
 def one_f_one_b_order(J, m):
@@ -121,22 +118,22 @@ def one_f_one_b_order(J, m):
     orders = []
     for s in range(J):
         warmup = min(J - 1 - s, m)
-        order = [("forward", b) for b in range(warmup)]
+        order = [(FORWARD, b) for b in range(warmup)]
         f, bwd = warmup, 0
         while bwd < m:
             if f < m:
-                order.append(("forward", f))
+                order.append((FORWARD, f))
                 f += 1
-            order.append(("backward", bwd))
+            order.append((BACKWARD, bwd))
             bwd += 1
-        order.append(("step", m))
+        order.append((STEP, m))
         orders.append(order)
     return orders
 
 
 def gpipe_order(J, m):
-    return [[("forward", b) for b in range(m)] + [("backward", b) for b in range(m)] +
-            [("step", m)] for _ in range(J)]
+    return [[(FORWARD, b) for b in range(m)] + [(BACKWARD, b) for b in range(m)] +
+            [(STEP, m)] for _ in range(J)]
 
 
 def predict_images_per_s(method, costs, link, n, batch, k=1, framework=NO_FRAMEWORK,
@@ -213,7 +210,7 @@ def stage_costs(block_costs, sizes, rebuilt_down=None, weight=None):
         out.append(StageCosts(
             forward=sum(block_costs.forward[b] for b in blocks),
             backward=sum(block_costs.backward[b] for b in blocks),
-            fused=sum(block_costs.last[b] for b in blocks),
+            forward_backward=sum(block_costs.last[b] for b in blocks),
             step=sum(block_costs.step[b] for b in blocks),
             out_bytes=block_costs.output_bytes[i + n - 1],
             down_bytes=in_bytes * (2 if sends_rebuilt else 1) if s > 0 else 0,

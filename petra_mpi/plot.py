@@ -427,7 +427,7 @@ def timeline_rows(spans: list, window: float = 5.0, start: float | None = None):
 def draw_timeline(plt, trace_path: str, out_path: str, window: float = 5.0,
                   start: float | None = None) -> str:
     """timeline.png: one row per rank (rank 0 on top); measured spans coloured by kind, the
-    planned ticks (schedule.tick_ops) as a strip above, labelled when few enough to read."""
+    planned ticks (the schedule's actions) as a strip above, labelled when few enough to read."""
     rows, (t0, t1) = timeline_rows(load_trace(trace_path), window, start)
     pids = sorted(rows)
     fig, ax = plt.subplots(figsize=(14, 1.0 + 0.8 * len(pids)))

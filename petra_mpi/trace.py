@@ -6,9 +6,9 @@ What is recorded, each as a complete ("X") event with ts/dur in microseconds:
   loss bookkeeping), eval and checkpoint spans;
 - wait: the time blocked in MPI per stream (activation/rebuilt/gradient/labels in, and the waits
   of the sends), with the message size in bytes;
-- plan: one span per tick naming the operations schedule.tick_ops planned for it ("F3 B1"), so
-  the planned actions sit beside the measured ones; under MPI with the bytes the rank sent in
-  that tick (compressed size when `comm` compresses).
+- plan: one span per tick naming the actions the schedule planned for it ("B1 F3 S", labels of
+  schedule.Action), so the planned actions sit beside the measured ones; under MPI with the bytes
+  the rank sent in that tick (compressed size when `comm` compresses).
 pid = rank (in one process: the stage), tid = the kind, so each kind is a row of its own.
 
 Cost: when tracing is off every worker holds NULL_TRACER, whose span() returns one shared null
@@ -26,12 +26,11 @@ FORWARD, BACKWARD, STEP, LOSS, LOG, EVAL, CHECKPOINT, WAIT, PLAN = (
     "forward", "backward", "step", "loss", "log", "eval", "checkpoint", "wait", "plan")
 COMPUTE_TIDS = {PLAN: 0, FORWARD: 1, BACKWARD: 2, STEP: 3, LOSS: 4, LOG: 5, EVAL: 6,
                 CHECKPOINT: 7}
-# The MPI engine's streams (its attribute names) and their rows: one row per stream, so a rank
-# waiting on its gradients is told apart from one waiting on its activations.
-STREAMS = {"inputs": "activation in", "rebuilt_in": "rebuilt in", "grads_in": "gradient in",
-           "labels_in": "labels in", "outputs": "activation out", "rebuilt_out": "rebuilt out",
-           "grads_out": "gradient out", "labels_out": "labels out"}
-WAIT_TIDS = {name: 10 + i for i, name in enumerate(STREAMS.values())}
+# The MPI engine's streams (the keys of MPIEngine.streams) and their rows: one row per stream, so
+# a rank waiting on its gradients is told apart from one waiting on its activations.
+STREAMS = ("activation in", "rebuilt in", "gradient in", "labels in", "activation out",
+           "rebuilt out", "gradient out", "labels out")
+WAIT_TIDS = {name: 10 + i for i, name in enumerate(STREAMS)}
 # Recording stops at this many events per process, so a long run cannot fill memory (about
 # 100 bytes each in memory, 150 in the file); trace a short run to look at the schedule.
 MAX_EVENTS = 500_000
@@ -47,13 +46,13 @@ class NullTracer:
     def span(self, kind, b=-1):
         return _NULL_SPAN
 
-    def plan(self, tick, ops):
-        return ops
+    def plan(self, tick, actions):
+        return actions
 
     def wrap_callback(self, kind, fn):
         return fn
 
-    def wrap_boxes(self, engine):
+    def wait(self, stream, start, end, nbytes):
         pass
 
 
@@ -99,9 +98,9 @@ class _Span:
 
 
 class Tracer:
-    """Tracing on, for one stage (pid). The engine's loop passes each tick's planned operations
+    """Tracing on, for one stage (pid). The engine's loop passes each tick's planned actions
     through plan(), which also tells the tracer the current tick and micro-batch: the waits
-    inside an operation are tagged with them."""
+    inside an action are tagged with them; the engine reports each stream's waits to wait()."""
     enabled = True
 
     def __init__(self, log: TraceLog, pid: int, name: str, sync=None):
@@ -110,23 +109,22 @@ class Tracer:
         # serialises host and device at every span (slower, but the spans mean something).
         self.log, self.pid, self.sync = log, pid, sync
         self.tick = self.b = -1  # outside a tick (drain, evaluation): -1, left out of args
-        self.sent_bytes = -1  # bytes put into the MPI engine's outboxes; -1: no boxes wrapped
+        self.sent_bytes = -1  # bytes the MPI engine sent (it sets 0 to count); -1: not counted
         log.names[pid] = name
 
     def span(self, kind, b=-1):
         return _Span(self, kind, b)
 
-    def plan(self, tick, ops):
-        return self._plan(tick, ops) if ops else ops
+    def plan(self, tick, actions):
+        return self._plan(tick, actions) if actions else actions
 
-    def _plan(self, tick, ops):
+    def _plan(self, tick, actions):
         start, sent = time.perf_counter(), self.sent_bytes
         self.tick = tick
-        for op, b in ops:
-            self.b = b
-            yield op, b
-        label = " ".join({"forward": "F", "backward": "B", "forward_backward": "FB"}[op] + str(b)
-                         for op, b in ops)
+        for action in actions:
+            self.b = action.microbatch
+            yield action
+        label = " ".join(a.label for a in actions)
         nbytes = self.sent_bytes - sent if sent >= 0 else -1
         self.log.add((PLAN, label, self.pid, COMPUTE_TIDS[PLAN], start, time.perf_counter(), -1,
                       tick, nbytes))
@@ -142,69 +140,10 @@ class Tracer:
         return traced
 
     def wait(self, stream, start, end, nbytes):
+        if stream.endswith(" out") and nbytes > 0 and self.sent_bytes >= 0:
+            self.sent_bytes += nbytes
         self.log.add((WAIT, stream, self.pid, WAIT_TIDS[stream], start, end, self.b, self.tick,
                       nbytes))
-
-    def wrap_boxes(self, engine):
-        """Replace the MPI engine's Inbox/Outbox attributes by timing proxies (mpi/transport.py stays
-        untouched: the proxies read the boxes' own `waited` counters and byte counts)."""
-        self.sent_bytes = max(self.sent_bytes, 0)
-        for attr, stream in STREAMS.items():
-            box = getattr(engine, attr, None)
-            if box is None or isinstance(box, (_TracedInbox, _TracedOutbox)):
-                continue
-            proxy = _TracedInbox if hasattr(box, "get") else _TracedOutbox
-            setattr(engine, attr, proxy(box, self, stream))
-
-
-def unwrap_boxes(engine):
-    """Undo Tracer.wrap_boxes (the benchmark traces one segment only)."""
-    for attr in STREAMS:
-        box = getattr(engine, attr, None)
-        if isinstance(box, (_TracedInbox, _TracedOutbox)):
-            setattr(engine, attr, box.box)
-
-
-class _TracedInbox:
-    """An Inbox whose get() records its MPI wait. The wait is the growth of box.waited; it starts
-    at once (get() waits before anything else), so the span is [start, start + wait]."""
-
-    def __init__(self, box, tracer, stream):
-        self.box, self.tracer, self.stream = box, tracer, stream
-
-    def __getattr__(self, name):  # expect, shrink, waited, ...
-        return getattr(self.box, name)
-
-    def get(self):
-        before, start = self.box.waited, time.perf_counter()
-        t = self.box.get()
-        self.tracer.wait(self.stream, start, start + self.box.waited - before, self.box.last_bytes)
-        return t
-
-
-class _TracedOutbox:
-    """An Outbox whose put()/flush() record the time spent waiting for earlier sends to complete
-    (that wait ends the call, so the span is [end - wait, end]); bytes = the message put, as
-    sent (compressed where compression is on)."""
-
-    def __init__(self, box, tracer, stream):
-        self.box, self.tracer, self.stream = box, tracer, stream
-
-    def __getattr__(self, name):
-        return getattr(self.box, name)
-
-    def put(self, t, **kw):
-        before = self.box.waited
-        nbytes = self.box.put(t, **kw)
-        end = time.perf_counter()
-        self.tracer.sent_bytes += nbytes
-        self.tracer.wait(self.stream, end - (self.box.waited - before), end, nbytes)
-
-    def flush(self):
-        before = self.box.waited
-        self.box.flush()
-        end = time.perf_counter()
-        self.tracer.wait(self.stream, end - (self.box.waited - before), end, -1)
 
 
 def start(enabled: bool, world, stages, device=None) -> list:

@@ -359,21 +359,27 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
                                precision=cfg.run.precision, compression=compression)
     steps_per_epoch = -(-n // cfg.train.accumulation)
     schedule = lr_schedule(cfg, steps_per_epoch, R)
+    # Collective (a Barrier fixes the common time origin); NULL_TRACERs when run.trace is off.
+    tracers = trace.start(cfg.run.trace, world, [rank] if world else list(range(len(stages))),
+                          device)
+    tracer = tracers[0]  # this process's eval and checkpoint spans
+    writer = MetricsWriter(cfg.run.out_dir, cfg.run.tensorboard) if writes else None
+    hooks = []
+    if cfg.train.diag_every:
+        from .diagnostics import Diagnostics
+        hooks.append(Diagnostics(cfg.train.diag_every, cfg.train.accumulation,
+                                 emit=lambda record: writer.write(
+                                     "diag", step=own[-1].optimizer.steps,
+                                     epoch=current_epoch[0], **record)))
     workers = build_workers(stages, schedule, cfg.train.accumulation,
                             cfg.optim.momentum, cfg.optim.nesterov, cfg.optim.weight_decay,
-                            optimizer=cfg.optim.name, betas=tuple(cfg.optim.betas))
+                            optimizer=cfg.optim.name, betas=tuple(cfg.optim.betas),
+                            tracers=tracers, hooks=hooks)
     own = workers[:J]  # replica 0's: what checkpoints hold (replicas are identical)
-    # Collective (a Barrier fixes the common time origin); NULL_TRACERs when run.trace is off.
-    tracers = trace.start(cfg.run.trace, world, [rank] if world else list(range(len(workers))),
-                          device)
-    for w, tracer in zip(workers, tracers):
-        w.tracer = tracer
-    tracer = tracers[0]  # this process's eval and checkpoint spans
     if world:
         from .mpi.engine import MPIEngine
         engine = MPIEngine(workers[0], cfg.train.method, world, dtype, lengths[2],
                            cfg.data.batch_size, compression)  # its start-up line shows it
-        tracer.wrap_boxes(engine)  # time the MPI waits of each stream
         from .watchdog import start_watchdog
         engine.watchdog = start_watchdog(cfg, world, engine)  # ends a rank that hangs
     else:
@@ -381,12 +387,6 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
         engine = LocalEngine(workers, cfg.train.method, R, compression)
         if compression.active:
             print(f"petra_mpi: {compression.describe()}", file=sys.stderr, flush=True)
-    writer = MetricsWriter(cfg.run.out_dir, cfg.run.tensorboard) if writes else None
-    if cfg.train.diag_every:
-        from .diagnostics import Diagnostics
-        last = own[-1]
-        engine = Diagnostics(engine, cfg.train.diag_every, emit=lambda record: writer.write(
-            "diag", step=last.optimizer.steps, epoch=current_epoch[0], **record))
 
     # What a checkpoint must share with this run: the model, the data and the recipe (the
     # sampler position and the learning-rate schedule depend on the batch size, k and the seed).

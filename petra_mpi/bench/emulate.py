@@ -430,7 +430,7 @@ def _zero(c):
 
 
 def _stage_seconds(c, s, J):
-    return c.fused if s == J - 1 else c.forward + c.backward
+    return c.forward_backward if s == J - 1 else c.forward + c.backward
 
 
 def _steady_rate(starts, J):

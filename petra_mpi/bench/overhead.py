@@ -65,9 +65,10 @@ def main(argv):
         for s, w in enumerate(workers):
             if w.is_last:
                 w.forward_backward(b, inputs[s], labels)
-            else:
-                w.forward(b, inputs[s])
+            else:  # the schedule's order within a tick: backward, forward, step
                 w.backward(b, inputs[s + 1], grads[s])
+                w.forward(b, inputs[s])
+            w.step(b)
 
     def plain_step():
         F.cross_entropy(model(x0), labels).backward()

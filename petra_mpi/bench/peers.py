@@ -28,12 +28,23 @@ import torch.utils.checkpoint as cp
 from torch import nn
 
 from ..engine.build import build_stages, build_workers
+from ..engine.worker import WorkerHooks
 from ..mpi.engine import MPIEngine
 from ..mpi.world import World
 from ..models import build_blocks
 from ..optim import LRSchedule
 from ..partition import resolve_partition, split_blocks
+from ..schedule import Kind
 from .common import emit
+
+
+class SampleAfterForward(WorkerHooks):
+    """Samples `meter` (when set) after each forward: the FIFO is at its fullest then."""
+    meter = None
+
+    def after(self, worker, action, x=None):
+        if self.meter is not None and action.kind is Kind.FORWARD:
+            self.meter.sample()
 
 LR, MOMENTUM = 0.01, 0.9
 ZERO_BUBBLE = "zero_bubble"
@@ -295,7 +306,9 @@ def main(argv):
     (stage,) = build_stages("revnet18", a.width, 10, J, seed=0, only=r, partition=petra_split)
     sizes = stage.partition
     pt_sizes = pt_split or resolve_partition(build_blocks("resnet18", a.width, 10), J)
-    (worker,) = build_workers([stage], LRSchedule(LR, 10**6), a.accumulation, momentum=MOMENTUM)
+    sampler = SampleAfterForward()
+    (worker,) = build_workers([stage], LRSchedule(LR, 10**6), a.accumulation, momentum=MOMENTUM,
+                              hooks=[sampler])
     engines = {m: MPIEngine(worker, m, world, torch.float32, (3, 32, 32), a.batch)
                for m in ("petra", "backprop")}
 
@@ -359,19 +372,13 @@ def main(argv):
     peaks = {}
     for m, engine in engines.items():
         meter = ActivationMeter(stage, lambda: (t for f in stage.fifos for t in f))
-        forward = worker.forward
-
-        def sampled_forward(b, x, forward=forward, meter=meter):
-            y = forward(b, x)
-            meter.sample()
-            return y
-        worker.forward = sampled_forward
+        sampler.meter = meter
         try:
             with meter.hooks():
                 comm.Barrier()
                 petra_run(m, a.microbatches)
         finally:
-            del worker.forward
+            sampler.meter = None
         peaks[m] = meter.peak
     for n, c in pts.items():
         comm.Barrier()

@@ -113,9 +113,9 @@ def main(argv):
         if a.no_poll:
             engine.transport.boxes = []  # poll() then does nothing
         if traced:  # this segment only: the other ones keep the untraced NULL_TRACER
-            (worker.tracer,) = trace.start(True, world, [world.rank],
-                                           next(worker.stage.parameters()).device)
-            worker.tracer.wrap_boxes(engine)
+            (tracer,) = trace.start(True, world, [world.rank],
+                                    next(worker.stage.parameters()).device)
+            worker.trace_with(tracer)
         synchronize(device)
         comm.Barrier()
         start, waited, computed, sent = (time.perf_counter(), engine.wait_seconds(),
@@ -126,11 +126,10 @@ def main(argv):
         result = (time.perf_counter() - start, engine.wait_seconds() - waited,
                   engine.compute_seconds - computed, engine.sent_bytes() - sent)
         if traced:
-            trace.unwrap_boxes(engine)
-            trace.finish([worker.tracer], world, a.trace,
+            trace.finish([tracer], world, a.trace,
                          {"bench": "pipeline", "arch": a.arch, "width": a.width, "batch": a.batch,
                           "method": method, "microbatches": n})
-            worker.tracer = trace.NULL_TRACER
+            worker.trace_with(trace.NULL_TRACER)
         return result
 
     for m in engines:  # warm-up

@@ -6,6 +6,7 @@ from ..models import build_blocks, set_precision
 from ..optim import StageOptimizer
 from ..partition import resolve_partition, split_blocks
 from ..stages import Stage
+from ..trace import NULL_TRACER
 from .worker import StageWorker
 
 
@@ -40,7 +41,10 @@ def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, se
 
 def build_workers(stages, schedule, accumulation: int = 1, momentum: float = 0.9,
                   nesterov: bool = True, weight_decay: float = 0.0, on_update=None, *,
-                  optimizer: str = "sgd", betas=(0.9, 0.999)):
+                  optimizer: str = "sgd", betas=(0.9, 0.999), tracers=None, hooks=()):
+    """One worker per stage; tracers: one per stage (trace.start), hooks: WorkerHooks for all."""
+    tracers = tracers or [NULL_TRACER] * len(stages)
     return [StageWorker(s, StageOptimizer(s, schedule, momentum, nesterov, weight_decay,
                                           name=optimizer, betas=betas),
-                        accumulation, on_update) for s in stages]
+                        accumulation, on_update, tracer=tracer, hooks=hooks)
+            for s, tracer in zip(stages, tracers)]

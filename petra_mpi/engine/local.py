@@ -5,7 +5,7 @@ from collections import deque
 import torch
 
 from ..compress import NO_COMPRESSION
-from ..schedule import num_ticks, stop_count, tick_ops
+from ..schedule import Kind, schedule_for, stop_count
 from ..stopping import STOP_CHECK_TICKS
 from .evaluation import EvalTotals
 
@@ -18,6 +18,7 @@ class LocalEngine:
         between stages goes through its codec's round trip, as the MPI engine's do."""
         self.workers, self.method, self.replicas = workers, method, replicas
         self.J = len(workers) // replicas
+        self.schedule = schedule_for(method, self.J, workers[0].k)
         # per worker, the codecs of what it sends: {direction: Codec}
         self.codecs = [{d: compression.codec(d, i % self.J, i // self.J)
                         for d in ("forward", "rebuilt", "gradient")} for i in range(len(workers))]
@@ -39,9 +40,9 @@ class LocalEngine:
         queues = [([deque() for _ in range(J)], [deque() for _ in range(J)], deque())
                   for _ in range(R)]
         t = 0
-        while t < num_ticks(self.method, J, n):
+        while t < self.schedule.num_ticks(n):
             if stop is not None and stop.requested and t % STOP_CHECK_TICKS == 0:
-                n = stop_count(self.method, J, t, n)
+                n = stop_count(self.schedule, t, n)
                 for w in self.workers:
                     w.begin_segment(n)  # the last backward now steps the optimizer
             # Every replica through tick t before tick t + 1: a stage's average needs all of them.
@@ -56,16 +57,18 @@ class LocalEngine:
         return n
 
     def _tick(self, workers, codecs, inputs, grads, labels, batches, t, n, on_loss):
-        J = len(workers)
-
         def send_down(s, x, grad_x):  # as the MPI engine: ỹ only to a stage that uses it
             if workers[s - 1].stage.needs_rebuilt_input:
                 x = codecs[s]["rebuilt"].roundtrip(x)
             grads[s - 1].append((x, codecs[s]["gradient"].roundtrip(grad_x)))
-        # Stage by stage: each op only needs what a neighbour produced at an earlier tick.
+        # Stage by stage: each action only needs what a neighbour produced at an earlier tick.
         for s, w in enumerate(workers):
-            for op, b in w.tracer.plan(t, tick_ops(self.method, J, s, t, n)):
-                if op == "backward":
+            for action in w.tracer.plan(t, self.schedule.actions(s, t, n)):
+                b = action.microbatch
+                if action.kind is Kind.STEP:
+                    w.step(b)
+                    continue
+                if action.kind is Kind.BACKWARD:
                     x, grad_x = w.backward(b, *grads[s].popleft())
                     if s > 0:
                         send_down(s, x, grad_x)
@@ -75,7 +78,7 @@ class LocalEngine:
                     labels.append(y)
                 else:
                     x = inputs[s].popleft()
-                if op == "forward":
+                if action.kind is Kind.FORWARD:
                     inputs[s + 1].append(codecs[s]["forward"].roundtrip(w.forward(b, x)))
                     continue
                 y = labels.popleft()
@@ -84,9 +87,6 @@ class LocalEngine:
                     on_loss(b, loss, logits, y)
                 if s > 0:
                     send_down(s, x, grad_x)
-
-    def any_stop(self, stop) -> bool:
-        return stop is not None and stop.requested
 
     @torch.no_grad()
     def evaluate(self, batches, m=None) -> EvalTotals:

@@ -1,7 +1,7 @@
 """One rank per stage: the loop of the paper's Algorithm 1 over mpi/transport.py.
 
-Rank r runs stage r of J = world size. Its operations come from the schedule in order (forward
-then backward of each tick); waiting on a neighbour's message is the only synchronisation. Rank 0
+Rank r runs stage r of J = world size. Its actions come from the schedule in order (backward,
+forward, step of each tick); waiting on a neighbour's message is the only synchronisation. Rank 0
 reads the data and sends each micro-batch's labels straight to the last rank.
 
 With R replicas (world.split) the pipeline is the replica's own communicator, `world.pipe`, and
@@ -17,7 +17,7 @@ import torch
 from .transport import (CONTIGUOUS, RECEIVE_DEPTH, TAG_ACTIVATION, TAG_GRADIENT, TAG_LABELS,
                     TAG_REBUILT, Inbox, Outbox, Transport, cuda_aware_mpi, in_layout, layout_of)
 from ..compress import NO_COMPRESSION
-from ..schedule import num_ticks, stop_count, tick_ops
+from ..schedule import Kind, schedule_for, stop_count
 from ..stopping import STOP_CHECK_TICKS
 from ..engine.evaluation import EvalTotals
 from ..watchdog import NoWatchdog
@@ -31,6 +31,7 @@ class MPIEngine:
     def __init__(self, worker, method, world, dtype, input_shape, batch_size,
                  compression=NO_COMPRESSION):
         self.w, self.method, self.world = worker, method, world
+        self.schedule = schedule_for(method, world.stages, worker.k)
         comm, r, J = world.pipe, world.stage, world.stages
 
         def codec(direction, sender):  # of what `sender` sends; a receiver only decodes with it
@@ -44,7 +45,7 @@ class MPIEngine:
             from .replicas import MPIMean, average_path
             allowed, why_avg = device_collectives() if t.mode == "cuda-aware" else (False, "")
             path = average_path(device.type, t.direct, allowed)
-            worker.reducer = MPIMean(world.dp, t, path)
+            worker.average_with(MPIMean(world.dp, t, path))
             line += f", replica average {path}" + (f" ({why_avg})" if why_avg else "")
         line += ", " + compression.describe()
         if world.rank == 0:
@@ -62,24 +63,32 @@ class MPIEngine:
         wants_rebuilt = comm.sendrecv(worker.stage.needs_rebuilt_input, dest=(r + 1) % J,
                                       source=(r - 1) % J)
         self.send_rebuilt = r > 0 and wants_rebuilt
-        self.inputs = (Inbox(comm, t, r - 1, TAG_ACTIVATION, in_shape, dtype, layout=in_fmt,
-                             codec=codec("forward", r - 1)) if r > 0 else None)
-        self.outputs = (Outbox(comm, t, r + 1, TAG_ACTIVATION, layout=out_fmt,
-                               codec=codec("forward", r)) if r < J - 1 else None)
-        self.rebuilt_in = (Inbox(comm, t, r + 1, TAG_REBUILT, out_shape, dtype, layout=out_fmt,
-                                 codec=codec("rebuilt", r + 1))
-                           if r < J - 1 and worker.stage.needs_rebuilt_input else None)
-        self.grads_in = (Inbox(comm, t, r + 1, TAG_GRADIENT, out_shape, dtype, layout=out_fmt,
-                               codec=codec("gradient", r + 1)) if r < J - 1 else None)
-        self.rebuilt_out = (Outbox(comm, t, r - 1, TAG_REBUILT, layout=in_fmt,
-                                   codec=codec("rebuilt", r)) if self.send_rebuilt else None)
-        self.grads_out = (Outbox(comm, t, r - 1, TAG_GRADIENT, layout=in_fmt,
-                                 codec=codec("gradient", r)) if r > 0 else None)
-        # with one stage (J = 1, replicas only) the labels never leave the rank
-        self.labels_out = (Outbox(comm, t, J - 1, TAG_LABELS, depth=J + 2)
-                           if r == 0 and J > 1 else None)
-        self.labels_in = (Inbox(comm, t, 0, TAG_LABELS, (batch_size,), torch.int64)
-                          if r == J - 1 and J > 1 else None)
+        last = r == J - 1
+        rebuilt_in = not last and worker.stage.needs_rebuilt_input
+        # The streams, by the name the trace shows; a stream this rank does not use is absent.
+        streams = {
+            "activation in": r > 0 and Inbox(comm, t, r - 1, TAG_ACTIVATION, in_shape, dtype,
+                                             layout=in_fmt, codec=codec("forward", r - 1)),
+            "rebuilt in": rebuilt_in and Inbox(comm, t, r + 1, TAG_REBUILT, out_shape, dtype,
+                                               layout=out_fmt, codec=codec("rebuilt", r + 1)),
+            "gradient in": not last and Inbox(comm, t, r + 1, TAG_GRADIENT, out_shape, dtype,
+                                              layout=out_fmt, codec=codec("gradient", r + 1)),
+            # with one stage (J = 1, replicas only) the labels never leave the rank
+            "labels in": last and J > 1 and Inbox(comm, t, 0, TAG_LABELS, (batch_size,),
+                                                  torch.int64),
+            "activation out": not last and Outbox(comm, t, r + 1, TAG_ACTIVATION, layout=out_fmt,
+                                                  codec=codec("forward", r)),
+            "rebuilt out": self.send_rebuilt and Outbox(comm, t, r - 1, TAG_REBUILT,
+                                                        layout=in_fmt, codec=codec("rebuilt", r)),
+            "gradient out": r > 0 and Outbox(comm, t, r - 1, TAG_GRADIENT, layout=in_fmt,
+                                             codec=codec("gradient", r)),
+            "labels out": r == 0 and J > 1 and Outbox(comm, t, J - 1, TAG_LABELS, depth=J + 2),
+        }
+        self.streams = {name: box for name, box in streams.items() if box}
+        self.inboxes = [b for b in self.streams.values() if isinstance(b, Inbox)]
+        self.outboxes = [b for b in self.streams.values() if isinstance(b, Outbox)]
+        if worker.tracer.enabled:
+            worker.tracer.sent_bytes = 0  # the trace's plan spans count the bytes sent per tick
         self.compute_seconds = 0.0  # in the stage's own work (forward, backward, optimizer step)
         self.watchdog = NoWatchdog()  # train.py starts the real one (watchdog.start_watchdog)
 
@@ -96,19 +105,13 @@ class MPIEngine:
         finally:
             stage.train(was_training)
 
-    def _boxes(self):
-        return [b for b in (self.inputs, self.rebuilt_in, self.grads_in, self.labels_in,
-                            self.outputs, self.rebuilt_out, self.grads_out, self.labels_out) if b]
-
     def pending_messages(self):
         """(blocked, direction, stream, peer, count) of each stream with messages in flight, for
         the watchdog's report; blocked: the rank is waiting on that stream now. Reads no MPI."""
         blocked, rows = self.transport.blocked, []
         if blocked is STOP_VOTE:
             rows.append((True, "receive", "stop vote", "every rank", 1))
-        for box in self.transport.boxes:  # the boxes themselves (the tracer may wrap ours)
-            if not isinstance(box, (Inbox, Outbox)):
-                continue  # the replicas' average
+        for box in self.streams.values():
             receive = isinstance(box, Inbox)
             count = len(box.pending) + (1 if receive and box is blocked else 0)
             if count:
@@ -125,24 +128,43 @@ class MPIEngine:
 
     def sent_bytes(self) -> int:
         """Bytes this rank sent so far (compressed size where compression is on)."""
-        return sum(box.sent_bytes for box in self._boxes() if hasattr(box, "sent_bytes"))
-
+        return sum(box.sent_bytes for box in self.outboxes)
     def wait_seconds(self) -> float:
         """Time this rank spent blocked on MPI so far."""
-        return sum(box.waited for box in self._boxes())
+        return sum(box.waited for box in self.streams.values())
+
+    def _get(self, name):
+        """The next message of stream `name`; the tracer records how long MPI made us wait."""
+        box = self.streams[name]
+        if not self.w.tracer.enabled:
+            return box.get()
+        before, start = box.waited, time.perf_counter()
+        t = box.get()  # it waits before anything else: the wait starts at `start`
+        self.w.tracer.wait(name, start, start + box.waited - before, box.last_bytes)
+        return t
+
+    def _put(self, name, t, evaluation=False):
+        """Send t on stream `name` (evaluation: see Outbox.put); the tracer records the wait for
+        earlier sends and the bytes as sent (compressed where compression is on)."""
+        box = self.streams[name]
+        if not self.w.tracer.enabled:
+            return box.put(t, evaluation)
+        before = box.waited
+        nbytes = box.put(t, evaluation)  # it waits for earlier sends at its end
+        end = time.perf_counter()
+        self.w.tracer.wait(name, end - (box.waited - before), end, nbytes)
 
     def _expect(self, n):
-        for box in (self.inputs, self.rebuilt_in, self.grads_in, self.labels_in):
-            if box is not None:
-                box.expect(n)
+        for box in self.inboxes:
+            box.expect(n)
 
     def _input(self, batches):
         """The next micro-batch's input (rank 0 reads it and sends its labels to the last rank)."""
-        if self.inputs is not None:
-            return self.inputs.get(), None
+        if "activation in" in self.streams:
+            return self._get("activation in"), None
         x, labels = next(batches)
-        if self.labels_out is not None:
-            self.labels_out.put(labels)
+        if "labels out" in self.streams:
+            self._put("labels out", labels)
         return x, labels
 
     def train_segment(self, batches, n, on_loss=None, stop=None) -> int:
@@ -155,42 +177,47 @@ class MPIEngine:
         self._expect(n)
         self.vote = None
         t = 0
-        while t < num_ticks(self.method, J, n):
+        while t < self.schedule.num_ticks(n):
             if stop is not None and t % STOP_CHECK_TICKS == 0:
                 n = self._vote(t, n, stop)
-            # w.tracer.plan passes the ops through (it records the tick when tracing is on)
-            for op, b in w.tracer.plan(t, tick_ops(self.method, J, w.index, t, n)):
-                self.watchdog.beat(t, op, b)
-                if op == "forward":
-                    x, _ = self._input(batches)
-                    start = time.perf_counter()
-                    y = w.forward(b, x)
-                    self.compute_seconds += time.perf_counter() - start
-                    self.outputs.put(y)
-                elif op == "backward":
-                    y = self.rebuilt_in.get() if self.rebuilt_in else None
-                    grad_y = self.grads_in.get()
-                    start = time.perf_counter()
-                    x, grad_x = w.backward(b, y, grad_y)
-                    self.compute_seconds += time.perf_counter() - start
-                    self._send_down(x, grad_x)
-                else:  # last stage: forward, loss and backward at once
-                    x, labels = self._input(batches)
-                    labels = self.labels_in.get() if labels is None else labels
-                    start = time.perf_counter()
-                    loss, logits, grad_x = w.forward_backward(b, x, labels)
-                    self.compute_seconds += time.perf_counter() - start
-                    self._send_down(x, grad_x)
-                    if on_loss is not None:  # after the send: .item() and logging wait here
-                        on_loss(b, loss, logits, labels)
+            # w.tracer.plan passes the actions through (it records the tick when tracing is on)
+            for action in w.tracer.plan(t, self.schedule.actions(w.index, t, n)):
+                self.watchdog.beat(t, action.kind.value, action.microbatch)
+                self._run(action, batches, on_loss)
             t += 1
         # A vote is posted only while 2 checks remain, so none is pending here; a request that
-        # arrives later is seen by any_stop at the drain.
+        # arrives later is seen by the trainer's stop check at the drain.
         assert self.vote is None
         w.settle()  # the segment's last step, when it waited for the replicas' average
         self._flush()
         self.watchdog.idle()
         return n
+
+    def _run(self, action, batches, on_loss):
+        """One action of the schedule: receive its inputs, let the worker compute, send."""
+        w, b = self.w, action.microbatch
+        if action.kind is Kind.STEP:
+            self._compute(w.step, b)
+        elif action.kind is Kind.BACKWARD:
+            y = self._get("rebuilt in") if "rebuilt in" in self.streams else None
+            x, grad_x = self._compute(w.backward, b, y, self._get("gradient in"))
+            self._send_down(x, grad_x)
+        elif action.kind is Kind.FORWARD:
+            x, _ = self._input(batches)
+            self._put("activation out", self._compute(w.forward, b, x))
+        else:  # last stage: forward, loss and backward at once
+            x, labels = self._input(batches)
+            labels = self._get("labels in") if labels is None else labels
+            loss, logits, grad_x = self._compute(w.forward_backward, b, x, labels)
+            self._send_down(x, grad_x)
+            if on_loss is not None:  # after the send: .item() and logging wait here
+                on_loss(b, loss, logits, labels)
+
+    def _compute(self, work, *args):
+        start = time.perf_counter()
+        out = work(*args)
+        self.compute_seconds += time.perf_counter() - start
+        return out
 
     def _vote(self, t, n, stop):
         """Every STOP_CHECK_TICKS ticks each rank contributes its stop flag to a non-blocking
@@ -206,33 +233,29 @@ class MPIEngine:
             self.vote = None
             if flag[0]:
                 # what has entered, plus what a rank may already have posted receives for
-                shorter = stop_count(self.method, self.world.stages, t, n, RECEIVE_DEPTH + 1)
-                for box in (self.inputs, self.rebuilt_in, self.grads_in, self.labels_in):
-                    if box is not None:
-                        box.shrink(n - shorter)
+                shorter = stop_count(self.schedule, t, n, RECEIVE_DEPTH + 1)
+                for box in self.inboxes:
+                    box.shrink(n - shorter)
                 self.w.begin_segment(shorter)
                 return shorter
-        if t + 2 * STOP_CHECK_TICKS < num_ticks(self.method, self.world.stages, n):
+        if t + 2 * STOP_CHECK_TICKS < self.schedule.num_ticks(n):
             flag = np.array([int(stop.requested)], dtype=np.int32)
             self.vote = (self.world.comm.Iallreduce(MPI.IN_PLACE, flag, op=MPI.MAX), flag)
         return n
 
-    def any_stop(self, stop) -> bool:
-        """At a drain point: whether any rank was asked to stop (a blocking all-reduce)."""
-        from mpi4py import MPI
-        return bool(self.world.comm.allreduce(int(stop is not None and stop.requested),
-                                              op=MPI.MAX))
-
     def _send_down(self, x, grad_x):
-        if self.rebuilt_out is not None:
-            self.rebuilt_out.put(x)
-        if self.grads_out is not None:
-            self.grads_out.put(grad_x)
+        if "rebuilt out" in self.streams:
+            self._put("rebuilt out", x)
+        if "gradient out" in self.streams:
+            self._put("gradient out", grad_x)
 
     def _flush(self):
-        for box in (self.outputs, self.rebuilt_out, self.grads_out, self.labels_out):
-            if box is not None:
+        for name, box in self.streams.items():
+            if isinstance(box, Outbox):
+                before = box.waited
                 box.flush()
+                end = time.perf_counter()
+                self.w.tracer.wait(name, end - (box.waited - before), end, -1)
 
     @torch.no_grad()
     def evaluate(self, batches, m):
@@ -242,9 +265,9 @@ class MPIEngine:
         if self.world.replica > 0:
             return None
         stage = self.w.stage
-        for box in (self.inputs, self.labels_in):
-            if box is not None:
-                box.expect(m)
+        for name in ("activation in", "labels in"):
+            if name in self.streams:
+                self.streams[name].expect(m)
         totals = EvalTotals() if self.w.is_last else None
         stage.eval()
         try:
@@ -253,9 +276,9 @@ class MPIEngine:
                 x, labels = self._input(batches)
                 out = stage.evaluate(x)
                 if totals is None:
-                    self.outputs.put(out, evaluation=True)
+                    self._put("activation out", out, evaluation=True)
                 else:
-                    totals.add(out, self.labels_in.get() if labels is None else labels)
+                    totals.add(out, self._get("labels in") if labels is None else labels)
         finally:
             stage.train()
         self._flush()

@@ -153,4 +153,4 @@ def link_local(workers, replicas: int):
     for s in range(J):
         reducer = LocalMean(workers[s::J])
         for w in workers[s::J]:
-            w.reducer = reducer
+            w.average_with(reducer)

@@ -10,6 +10,7 @@ import pytest
 from conftest import QUICK, ROOT, check_png, mpirun, run_plot
 
 from petra_mpi import trace
+from petra_mpi.schedule import Action, Kind
 
 MICROBATCHES = 6
 SHORT = QUICK + ["--set", f"train.limit_batches={MICROBATCHES}", "--set",
@@ -112,7 +113,7 @@ def test_null_tracer_allocates_nothing():
     """Off costs a method call and a shared null context per operation: the same objects."""
     t = trace.NULL_TRACER
     assert t.span("forward", 3) is t.span("backward", 4)
-    ops = [("forward", 0)]
-    assert t.plan(0, ops) is ops
+    actions = [Action(Kind.FORWARD, 0, 0)]
+    assert t.plan(0, actions) is actions
     fn = print
     assert t.wrap_callback("log", fn) is fn

@@ -61,7 +61,7 @@ def main():
                               on_update=on_update if lr0 else None)
     engine = MPIEngine(worker, method, world, dtype, (3, 16, 16), 4)
     if "noreduce" in flags:
-        worker.reducer = None
+        worker.average_with(None)
     first = world.stage == 0
     for seed in (1, 2):  # two segments
         data = share(global_batches(R * n, seed, dtype), world.replica, R)

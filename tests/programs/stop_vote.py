@@ -11,27 +11,28 @@ import torch
 
 from equivalence import batches
 from petra_mpi.engine.build import build_stages, build_workers
+from petra_mpi.engine.worker import WorkerHooks
 from petra_mpi.mpi.engine import MPIEngine
 from petra_mpi.mpi.world import World
 from petra_mpi.optim import LRSchedule
+from petra_mpi.schedule import Kind
+from petra_mpi.stopping import agree
 
 
-class StopAtTick:
-    """A stop request that turns on once this rank's engine reaches tick `tick` (stage s runs the
+class StopAtTick(WorkerHooks):
+    """A stop request that turns on once this rank's worker reaches tick `tick` (stage s runs the
     forward of micro-batch b at tick b + s), on the chosen rank only; the engine reads
-    `requested` as it reads a signal handler's flag."""
+    `requested` as it reads a signal handler's flag. A worker hook: it looks before the real
+    forward runs."""
 
-    def __init__(self, worker, tick, active):
+    def __init__(self, tick, active):
         self.requested = False
-        for name in ("forward", "forward_backward"):
-            original = getattr(worker, name)
+        self.tick, self.active = tick, active
 
-            def watched(b, *args, original=original):
-                if active and b + worker.index >= tick:
-                    self.requested = True
-                return original(b, *args)
-
-            setattr(worker, name, watched)  # the real operation still runs, after the check
+    def before(self, worker, action, x=None, labels=None):
+        forwards = action.kind in (Kind.FORWARD, Kind.FORWARD_BACKWARD)
+        if forwards and self.active and action.microbatch + worker.index >= self.tick:
+            self.requested = True
 
 
 def main():
@@ -40,12 +41,12 @@ def main():
     torch.use_deterministic_algorithms(True)
     world = World.from_environment()
     stages = build_stages("revnet18", 4, 10, world.size, seed=0, only=world.rank)
+    stop = StopAtTick(stop_tick, world.rank == stop_rank)
     (worker,) = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), 2,
-                              weight_decay=5e-4)
+                              weight_decay=5e-4, hooks=[stop])
     engine = MPIEngine(worker, "petra", world, torch.float32, (3, 16, 16), 4)
-    stop = StopAtTick(worker, stop_tick, world.rank == stop_rank)
     trained = engine.train_segment(batches(n) if world.rank == 0 else None, n, stop=stop)
-    state = {"trained": trained, "any_stop": engine.any_stop(stop),
+    state = {"trained": trained, "any_stop": bool(agree(world, stop)),
              "params": [p.detach() for p in worker.stage.parameters()],
              "buffers": [b.detach() for b in worker.stage.buffers()]}
     torch.save(state, f"{out}/rank{world.rank}.pt")

@@ -115,7 +115,8 @@ def test_first_block_is_costed_as_stage_0_runs_it():
 
 
 def equal_stages(J, c=1.0, nbytes=0):
-    return [perfmodel.StageCosts(forward=c / 4, backward=3 * c / 4, fused=c, step=0.0,
+    return [perfmodel.StageCosts(forward=c / 4, backward=3 * c / 4, forward_backward=c,
+                                 step=0.0,
                                  out_bytes=nbytes, down_bytes=2 * nbytes) for _ in range(J)]
 
 

@@ -78,9 +78,10 @@ def test_diagnostics_rebuild_error_in_bf16():
     from petra_mpi.engine.local import LocalEngine
     from petra_mpi.optim import LRSchedule
     stages = build_stages("revnet18", 4, 10, 10, seed=0, precision="bf16")
-    workers = build_workers(stages, LRSchedule(0.0, 10), 1)
     records = []
-    engine = Diagnostics(LocalEngine(workers, "petra"), 1, emit=records.append)
+    diagnostics = Diagnostics(1, 1, emit=records.append)
+    engine = LocalEngine(build_workers(stages, LRSchedule(0.0, 10), 1, hooks=[diagnostics]),
+                         "petra")
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g))
                for _ in range(3)]

@@ -3,8 +3,8 @@ from collections import Counter
 
 import pytest
 
-from petra_mpi.schedule import (backward_microbatch, delay, forward_microbatch, num_ticks,
-                                tick_ops, updates_after)
+from petra_mpi.schedule import (Action, Kind, backward_microbatch, delay, forward_microbatch,
+                                main, num_ticks, schedule_for, updates_after)
 
 
 @pytest.mark.parametrize("J", list(range(1, 19)))
@@ -60,17 +60,73 @@ def test_backprop_one_stage_busy_at_a_time(J):
 
 
 def stage_ops(method, J, stage, n):
-    return [op for t in range(num_ticks(method, J, n)) for op in tick_ops(method, J, stage, t, n)]
+    """The stage's forward/backward actions as (kind name, micro-batch), steps left out."""
+    return [(a.kind.value, a.microbatch) for tick in schedule_for(method, J).stage_actions(stage, n)
+            for a in tick if a.kind is not Kind.STEP]
 
 
 def test_stage_ops_interleave_forward_and_backward():
     ops = list(stage_ops("petra", 3, 0, 4))
-    # stage 0 of 3: delay 4, so backward of b comes right after the forward of b + 4 (fill, steady, drain)
+    # stage 0 of 3: delay 4, so backward of b comes in the tick of the forward of b + 4 (fill,
+    # steady, drain)
     assert ops == [("forward", 0), ("forward", 1), ("forward", 2), ("forward", 3),
                    ("backward", 0), ("backward", 1), ("backward", 2), ("backward", 3)]
     assert list(stage_ops("petra", 3, 2, 2)) == [("forward_backward", 0), ("forward_backward", 1)]
     ops = list(stage_ops("petra", 2, 0, 5))
-    assert ops[:4] == [("forward", 0), ("forward", 1), ("forward", 2), ("backward", 0)]
+    # backward first within a tick: tick 2 runs the backward of 0, then the forward of 2
+    assert ops[:4] == [("forward", 0), ("forward", 1), ("backward", 0), ("forward", 2)]
+
+
+def test_within_a_tick_backward_then_forward_then_step():
+    s = schedule_for("petra", 3, accumulation=1)
+    assert s.actions(0, 5, 8) == [Action(Kind.BACKWARD, 0, 1), Action(Kind.FORWARD, 0, 5),
+                                  Action(Kind.STEP, 0, 1)]
+    assert s.actions(2, 3, 8) == [Action(Kind.FORWARD_BACKWARD, 2, 1), Action(Kind.STEP, 2, 1)]
+    assert [a.label for a in s.actions(1, 4, 8)] == ["B1", "F3", "S"]
+
+
+@pytest.mark.parametrize("method", ["petra", "delayed", "backprop"])
+@pytest.mark.parametrize("J,n,k", [(1, 5, 2), (4, 8, 2), (3, 7, 3), (5, 2, 4)])
+def test_the_grid_runs_everything_once_and_steps_every_k_and_at_the_drain(method, J, n, k):
+    schedule = schedule_for(method, J, k)
+    for s in range(J):
+        actions = [a for tick in schedule.stage_actions(s, n) for a in tick]
+        assert all(a.stage == s for a in actions)
+        kinds = [Kind.FORWARD_BACKWARD] if s == J - 1 else [Kind.FORWARD, Kind.BACKWARD]
+        for kind in kinds:  # every micro-batch once per stage, in order
+            assert [a.microbatch for a in actions if a.kind is kind] == list(range(n))
+        assert not [a for a in actions if a.kind not in (*kinds, Kind.STEP)]
+        # a step right after every k-th backward and after the last one, nowhere else
+        last_kind = kinds[-1]
+        steps = [i for i, a in enumerate(actions) if a.kind is Kind.STEP]
+        backwards = [a.microbatch for a in actions if a.kind is last_kind]
+        assert [actions[i].microbatch for i in steps] == \
+            [b for b in backwards if (b + 1) % k == 0 or b == n - 1]
+        for i in steps:  # the step closes its tick, after the backward it follows
+            before = [a for a in actions[:i] if a.kind is last_kind]
+            assert before[-1].microbatch == actions[i].microbatch
+        for tick in schedule.stage_actions(s, n):
+            assert all(a.kind is not Kind.STEP for a in tick[:-1])
+            assert [a.kind for a in tick if a.kind is not Kind.STEP] in (
+                [], [Kind.FORWARD], [Kind.BACKWARD], [Kind.BACKWARD, Kind.FORWARD],
+                [Kind.FORWARD_BACKWARD])
+
+
+def test_the_grid_cli(capsys):
+    main(["--method", "petra", "--stages", "4", "--microbatches", "8", "--accumulation", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("petra: 4 stages, 8 micro-batches, accumulation 2, 14 ticks")
+    assert lines[1].startswith("legend:") and "S optimizer step" in lines[1]
+    assert lines[2].split() == ["tick", *map(str, range(14))]
+    rows = [line.split() for line in lines[3:]]
+    assert [r[:2] for r in rows] == [["rank", str(s)] for s in range(4)]
+    # rank 0 at tick 6 (the 7th cell): backward 0, forward 6, backward 1 and forward 7 only
+    # at tick 7 with the step of the second backward
+    text = {s: " ".join(r[2:]) for s, r in enumerate(rows)}
+    assert text[0] == "F0 F1 F2 F3 F4 F5 B0 F6 B1 F7 S B2 B3 S B4 B5 S B6 B7 S"
+    assert text[3] == ". . . FB0 FB1 S FB2 FB3 S FB4 FB5 S FB6 FB7 S . . ."
+    with pytest.raises(SystemExit):
+        main(["--stages", "0"])
 
 
 @pytest.mark.parametrize("n,k", [(10, 1), (10, 3), (9, 3), (2, 5)])
@@ -79,3 +135,28 @@ def test_updates_every_k_and_at_the_drain(n, k):
     assert steps[-1] == n - 1
     assert len(steps) == -(-n // k)
     assert all((b + 1) % k == 0 for b in steps[:-1])
+
+
+def test_the_grid_cli_as_a_module():
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "petra_mpi.schedule", "--method", "backprop",
+                           "--stages", "2", "--microbatches", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split()[2:] for line in proc.stdout.splitlines()[3:]]
+    assert rows == [["F0", ".", "B0", "S", "F1", ".", "B1", "S"],
+                    [".", "FB0", "S", ".", ".", "FB1", "S", "."]]
+
+
+@pytest.mark.parametrize("arch,J", [("resnet18", 3), ("revnet18", 4)])
+def test_backward_first_a_stage_holds_its_delay_in_fifo_entries(arch, J):
+    """The backward of a tick pops its FIFO entry before the forward pushes the next one, so a
+    buffered stage s holds delay(J, s) inputs at its peak, not one more (the last stage, delay 0,
+    holds the one its forward_backward uses)."""
+    from helpers import make_batches, run_engine
+    one = run_engine(arch, J, 1, make_batches(1))
+    many = run_engine(arch, J, 1, make_batches(3 * J))
+    for s, (a, b) in enumerate(zip(one, many)):
+        if a.peak_fifo_bytes:  # a stage with buffered blocks: one micro-batch's inputs
+            assert b.peak_fifo_bytes == max(delay(J, s), 1) * a.peak_fifo_bytes, s
