@@ -7,14 +7,14 @@ file, raised before any work starts.
 import dataclasses
 import typing
 from dataclasses import dataclass, field
+from typing import Literal
 from pathlib import Path
 
 import yaml
 
-from .models import ARCH_NAMES, num_blocks
-from .models.vit import VIT_ARCHS, default_heads
-from .optim import OPTIMIZERS
-from .schedule import METHODS
+# No torch here (nor through these imports): every rank checks its config and the world size
+# before it loads torch, which takes seconds per rank on a crowded node.
+from .archs import Arch, VIT_ARCHS, default_heads, num_blocks
 
 
 class ConfigError(ValueError):
@@ -27,11 +27,11 @@ class RunConfig:
     """Directory for metrics.jsonl, summary.json and checkpoints/."""
     seed: int = 0
     """Seed of the weights, the sampler and the augmentation."""
-    device: str = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto (cuda when available), cpu or cuda."""
-    dtype: str = "float32"
+    dtype: Literal["float32", "float64"] = "float32"
     """float32 or float64 (float64 for exactness checks)."""
-    precision: str = "fp32"
+    precision: Literal["fp32", "bf16"] = "fp32"
     """fp32, or bf16: each block computes under bfloat16 autocast while the tensors between
     blocks and both coupling streams stay float32 (so rebuilding a reversible stage's input
     still cancels to float32 rounding); needs run.dtype float32."""
@@ -64,7 +64,7 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    arch: str = "revnet18"
+    arch: Arch = "revnet18"
     """revnet18, revnet34, revnet50, resnet18, resnet34, resnet50, revvit (reversible vision
     transformer) or vit (its non-reversible twin)."""
     width: int = 64
@@ -78,7 +78,7 @@ class ModelConfig:
     """revvit/vit: patch side in pixels; must divide the image side."""
     num_classes: int = 10
     """Classes of the head; must match the dataset."""
-    stem: str = "cifar"
+    stem: Literal["cifar", "imagenet"] = "cifar"
     """cifar (3x3 conv) or imagenet (7x7 stride-2 conv and max-pool)."""
     stages: int = 0
     """Number of stages J; 0: the MPI world size, or in one process the paper's split (one stage
@@ -86,7 +86,7 @@ class ModelConfig:
     partition: typing.Optional[list[int]] = None
     """Blocks per stage, e.g. [3, 3, 4]; default: one block per stage when the stage count equals
     the block count, else contiguous stages balanced as model.balance says."""
-    balance: str = "measure"
+    balance: Literal["measure", "estimate"] = "measure"
     """How contiguous stages are balanced when J is smaller than the block count: measure (rank 0
     times every block at start-up on the run's device, dtype and batch, then the split minimises
     the slowest stage; a resumed run keeps its checkpoint's split) or estimate (a deterministic
@@ -116,13 +116,13 @@ class DataConfig:
     """JPEG decode workers of the reader (full-size ImageNet on the CPU); 0: the rank's CPU
     share, as its torch threads get (run.threads, else its affinity set divided among the ranks
     of its node that share it; under srun the task's --cpus-per-task)."""
-    decode_pool: str = "thread"
+    decode_pool: Literal["thread", "process"] = "thread"
     """thread or process: what runs the JPEG decode workers (see docs/gpu.md for figures)."""
 
 
 @dataclass
 class TrainConfig:
-    method: str = "petra"
+    method: Literal["petra", "backprop", "delayed"] = "petra"
     """petra, backprop (no delay, one stage busy at a time) or delayed (with the buffers below)."""
     epochs: int = 1
     """Passes over the training split."""
@@ -166,11 +166,11 @@ class OptimConfig:
     """Epochs at which the learning rate is multiplied by gamma."""
     gamma: float = 0.1
     """Step-decay factor."""
-    name: str = "sgd"
+    name: Literal["sgd", "adamw"] = "sgd"
     """sgd (Nesterov momentum, the paper's) or adamw (decoupled weight decay; for transformers)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """adamw: the two moment decay rates."""
-    schedule: str = "step"
+    schedule: Literal["step", "cosine"] = "step"
     """step (decays at the milestones) or cosine (after warm-up, from the peak down to 0 at the
     end of the run; milestones are then unused)."""
 
@@ -257,6 +257,10 @@ def _build(raw: dict, where: str) -> Config:
 
 def _check_type(value, hint, what):
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:  # a choice among fixed values
+        if value not in args:
+            raise ConfigError(f"{what}: must be one of {', '.join(map(str, args))}, got {value!r}")
+        return value
     if origin is typing.Union:  # Optional[...]
         if value is None:
             return None
@@ -285,9 +289,6 @@ def validate(cfg: Config, world_size: int | None = None):
         if not ok:
             raise ConfigError(f"{w}: {key}: {msg}")
 
-    need(cfg.run.device in ("auto", "cpu", "cuda"), "run.device", "must be auto, cpu or cuda")
-    need(cfg.run.dtype in ("float32", "float64"), "run.dtype", "must be float32 or float64")
-    need(cfg.run.precision in ("fp32", "bf16"), "run.precision", "must be fp32 or bf16")
     need(cfg.run.precision == "fp32" or cfg.run.dtype == "float32", "run.precision",
          "bf16 needs run.dtype float32 (the storage dtype of the tensors between blocks)")
     need(cfg.run.threads >= 0, "run.threads", "must be >= 0")
@@ -301,12 +302,8 @@ def validate(cfg: Config, world_size: int | None = None):
     need(cfg.train.replicas >= 0, "train.replicas", "must be >= 0 (0: automatic)")
     need(cfg.train.replicas <= 1 or not cfg.train.diag_every, "train.diag_every",
          "the diagnostics need a single replica: drop train.replicas")
-    need(cfg.model.arch in ARCH_NAMES, "model.arch", f"must be one of {', '.join(ARCH_NAMES)}")
     need(cfg.model.width > 0, "model.width", "must be > 0")
     need(cfg.model.num_classes >= 2, "model.num_classes", "must be >= 2")
-    need(cfg.model.stem in ("cifar", "imagenet"), "model.stem", "must be cifar or imagenet")
-    need(cfg.model.balance in ("measure", "estimate"), "model.balance",
-         "must be measure or estimate")
     if cfg.model.arch in VIT_ARCHS:
         need(cfg.model.depth >= 1, "model.depth", "must be >= 1")
         need(cfg.model.heads >= 0, "model.heads", "must be >= 0 (0: one per 64 features)")
@@ -328,9 +325,6 @@ def validate(cfg: Config, world_size: int | None = None):
          "synthetic split sizes must be >= 1")
     need(cfg.data.crop >= 1 and cfg.data.prefetch >= 0, "data.crop", "crop >= 1, prefetch >= 0")
     need(cfg.data.decode_workers >= 0, "data.decode_workers", "must be >= 0")
-    need(cfg.data.decode_pool in ("thread", "process"), "data.decode_pool",
-         "must be thread or process")
-    need(cfg.train.method in METHODS, "train.method", f"must be one of {', '.join(METHODS)}")
     need(cfg.train.epochs >= 1, "train.epochs", "must be >= 1")
     need(cfg.train.accumulation >= 1, "train.accumulation", "k must be >= 1")
     need(cfg.run.checkpoint_every_microbatches % cfg.train.accumulation == 0,
@@ -345,10 +339,8 @@ def validate(cfg: Config, world_size: int | None = None):
     need(cfg.optim.momentum >= 0, "optim.momentum", "must be >= 0")
     need(cfg.optim.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     need(cfg.optim.warmup_epochs >= 0, "optim.warmup_epochs", "must be >= 0")
-    need(cfg.optim.name in OPTIMIZERS, "optim.name", f"must be one of {', '.join(OPTIMIZERS)}")
     need(len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas), "optim.betas",
          "must be two numbers in [0, 1)")
-    need(cfg.optim.schedule in ("step", "cosine"), "optim.schedule", "must be step or cosine")
     if world_size is not None and world_size > 1:
         need(not cfg.train.diag_every, "train.diag_every",
              "the diagnostics need every stage in one process: run them without mpirun")
