@@ -40,6 +40,13 @@ def split_for(a, world, device):
 
 
 def main(argv):
+    a = parse_args(argv)
+    result = run(a)
+    if result is not None:  # rank 0 reports
+        report(a, result)
+
+
+def parse_args(argv):
     p = argparse.ArgumentParser(prog="mpirun -n J python -m petra_mpi.bench pipeline",
                                 description=__doc__)
     p.add_argument("--arch", default="revnet18")
@@ -59,7 +66,11 @@ def main(argv):
                    help="as run.precision: bf16 autocast inside the blocks")
     p.add_argument("--trace", metavar="FILE",
                    help="write the Chrome-trace timeline of the last timed PETRA segment")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def start_world(a):
+    """The MPI world and this rank's device, bound as training binds it."""
     if a.device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no CUDA device is visible")
@@ -68,39 +79,49 @@ def main(argv):
     if world is None:
         raise SystemExit("run under mpirun with at least 2 ranks")
     torch.set_num_threads(a.threads or world.thread_share())
-    comm, J = world.comm, world.size
     device = torch.device("cpu")
     if a.device == "cuda":
         device = bound_cuda_device(world.local_rank)
         table = rank_map(world, device)
         if table:
             print(table, flush=True)
-    sizes = split_for(a, world, device)
-    stages = build_stages(a.arch, a.width, 10, J, seed=0, only=world.rank, partition=sizes,
-                          device=device, precision=a.precision)
-    (worker,) = build_workers(stages, LRSchedule(0.01, 10**6))
-    engines = {m: MPIEngine(worker, m, world, torch.float32, (3, 32, 32), a.batch)
-               for m in ("petra", "backprop")}
-    g = torch.Generator().manual_seed(0)
-    data = [(torch.randn(a.batch, 3, 32, 32, generator=g).to(device),
-             torch.randint(0, 10, (a.batch,), generator=g).to(device)) for _ in range(4)]
+    return world, device
 
-    def segment(method, n, traced=False):
+
+class Segments:
+    """This rank's stage under both methods, and timed segments of either."""
+
+    def __init__(self, a, world, device):
+        self.a, self.world, self.device = a, world, device
+        sizes = split_for(a, world, device)
+        self.stages = build_stages(a.arch, a.width, 10, world.size, seed=0, only=world.rank,
+                                   partition=sizes, device=device, precision=a.precision)
+        (self.worker,) = build_workers(self.stages, LRSchedule(0.01, 10**6))
+        self.engines = {m: MPIEngine(self.worker, m, world, torch.float32, (3, 32, 32), a.batch)
+                        for m in ("petra", "backprop")}
+        g = torch.Generator().manual_seed(0)
+        self.data = [(torch.randn(a.batch, 3, 32, 32, generator=g).to(device),
+                      torch.randint(0, 10, (a.batch,), generator=g).to(device))
+                     for _ in range(4)]
+
+    def time(self, method, n, traced=False):
+        """(wall, MPI wait, compute) seconds of one segment of n micro-batches."""
+        a, world, worker, data = self.a, self.world, self.worker, self.data
         batches = (data[i % len(data)] for i in range(n)) if world.rank == 0 else None
-        engine = engines[method]
+        engine = self.engines[method]
         if a.no_poll:
             engine.transport.boxes = []  # poll() then does nothing
         if traced:  # this segment only: the other ones keep the untraced NULL_TRACER
             (worker.tracer,) = trace.start(True, world, [world.rank],
                                            next(worker.stage.parameters()).device)
             worker.tracer.wrap_boxes(engine)
-        synchronize(device)
-        comm.Barrier()
+        synchronize(self.device)
+        world.comm.Barrier()
         start, waited, computed = (time.perf_counter(), engine.wait_seconds(),
                                    engine.compute_seconds)
         engine.train_segment(batches, n)
-        synchronize(device)  # the segment ends when this rank's GPU work has
-        comm.Barrier()
+        synchronize(self.device)  # the segment ends when this rank's GPU work has
+        world.comm.Barrier()
         result = (time.perf_counter() - start, engine.wait_seconds() - waited,
                   engine.compute_seconds - computed)
         if traced:
@@ -111,13 +132,19 @@ def main(argv):
             worker.tracer = trace.NULL_TRACER
         return result
 
-    for m in engines:  # warm-up
-        segment(m, J + 2)
-    results = {m: [] for m in engines}
+
+def run(a):
+    """Alternate timed segments of both methods; the JSON figures on rank 0, None elsewhere."""
+    world, device = start_world(a)
+    comm, J = world.comm, world.size
+    segments = Segments(a, world, device)
+    for m in segments.engines:  # warm-up
+        segments.time(m, J + 2)
+    results = {m: [] for m in segments.engines}
     for r in range(a.rounds):
-        for m in engines:
+        for m in segments.engines:
             traced = bool(a.trace) and m == "petra" and r == a.rounds - 1
-            results[m].append(segment(m, a.microbatches, traced))
+            results[m].append(segments.time(m, a.microbatches, traced))
     rows = {}
     for m, runs in results.items():
         wall = statistics.median(r[0] for r in runs)
@@ -128,27 +155,34 @@ def main(argv):
                    "compute_ms_per_tick": comm.gather(1e3 * sum(r[2] for r in runs) / ticks,
                                                       root=0),
                    "wall_ms_per_tick": 1e3 * total / ticks}
-    if world.rank == 0:
-        speedup = rows["petra"]["images_per_s"] / rows["backprop"]["images_per_s"]
-        where = (f"{torch.cuda.get_device_name(device)}, {a.precision}" if device.type == "cuda"
-                 else f"{torch.get_num_threads()} threads")
-        print(f"{a.arch} width {a.width}, batch {a.batch}, {J} ranks x {where}, "
-              f"split {stages[0].partition}, {a.microbatches} micro-batches per segment (fill "
-              f"and drain included), median of {a.rounds} alternated rounds"
-              + (", no polling" if a.no_poll else ""))
-        print(f"{'method':<10} {'images/s':>9} {'wall ms/tick':>13}  per rank: MPI wait fraction "
-              f"| compute ms/tick")
-        for m, r in rows.items():
-            fr = " ".join(f"{f:.2f}" for f in r["wait_fraction"])
-            ct = " ".join(f"{c:.0f}" for c in r["compute_ms_per_tick"])
-            print(f"{m:<10} {r['images_per_s']:>9.1f} {r['wall_ms_per_tick']:>13.0f}  {fr} | {ct}")
-        print(f"speed-up PETRA / backprop: {speedup:.2f} (ideal {J}.0)")
-        sys.stdout.flush()
-        emit({"bench": "pipeline", "arch": a.arch, "width": a.width, "batch": a.batch,
-              "ranks": J, "device": str(device), "precision": a.precision,
-              "transport": engines["petra"].transport.mode,
-              "split": stages[0].partition, "poll": not a.no_poll,
-              "petra_images_per_s": rows["petra"]["images_per_s"],
-              "backprop_images_per_s": rows["backprop"]["images_per_s"], "speedup": speedup,
-              **{f"{m}_{k}": rows[m][k] for m in rows
-                 for k in ("wait_fraction", "compute_ms_per_tick", "wall_ms_per_tick")}})
+    if world.rank != 0:
+        return None
+    return {"bench": "pipeline", "arch": a.arch, "width": a.width, "batch": a.batch,
+            "ranks": J, "device": str(device), "precision": a.precision,
+            "transport": segments.engines["petra"].transport.mode,
+            "split": segments.stages[0].partition, "poll": not a.no_poll,
+            "petra_images_per_s": rows["petra"]["images_per_s"],
+            "backprop_images_per_s": rows["backprop"]["images_per_s"],
+            "speedup": rows["petra"]["images_per_s"] / rows["backprop"]["images_per_s"],
+            **{f"{m}_{k}": rows[m][k] for m in rows
+               for k in ("wait_fraction", "compute_ms_per_tick", "wall_ms_per_tick")}}
+
+
+def report(a, r: dict):
+    device = torch.device(r["device"])
+    where = (f"{torch.cuda.get_device_name(device)}, {a.precision}" if device.type == "cuda"
+             else f"{torch.get_num_threads()} threads")
+    print(f"{a.arch} width {a.width}, batch {a.batch}, {r['ranks']} ranks x {where}, "
+          f"split {r['split']}, {a.microbatches} micro-batches per segment (fill "
+          f"and drain included), median of {a.rounds} alternated rounds"
+          + (", no polling" if a.no_poll else ""))
+    print(f"{'method':<10} {'images/s':>9} {'wall ms/tick':>13}  per rank: MPI wait fraction "
+          f"| compute ms/tick")
+    for m in ("petra", "backprop"):
+        fr = " ".join(f"{f:.2f}" for f in r[f"{m}_wait_fraction"])
+        ct = " ".join(f"{c:.0f}" for c in r[f"{m}_compute_ms_per_tick"])
+        print(f"{m:<10} {r[f'{m}_images_per_s']:>9.1f} {r[f'{m}_wall_ms_per_tick']:>13.0f}  "
+              f"{fr} | {ct}")
+    print(f"speed-up PETRA / backprop: {r['speedup']:.2f} (ideal {r['ranks']}.0)")
+    sys.stdout.flush()
+    emit(r)
