@@ -86,6 +86,13 @@ def measured_images_per_s(a, world, J, sizes, method, data):
 
 
 def main(argv):
+    a = parse_args(argv)
+    result = run(a)
+    if result is not None:  # rank 0 reports
+        report(a, result)
+
+
+def parse_args(argv):
     p = argparse.ArgumentParser(prog="[mpirun -n P] python -m petra_mpi.bench scaling",
                                 description=__doc__)
     p.add_argument("--arch", default="revnet18", help="revnet18/34/50 (1F1B runs the ResNet twin)")
@@ -98,7 +105,11 @@ def main(argv):
     p.add_argument("--rounds", type=int, default=3, help="timed segments per measured point")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: share)")
     p.add_argument("--png", default="runs/bench/scaling.png", help="'' to skip the figure")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def run(a):
+    """Measure, predict every J and validate; the JSON figures on rank 0, None elsewhere."""
     world = World.from_environment()
     P = world.size if world else 1
     rank = world.rank if world else 0
@@ -116,29 +127,44 @@ def main(argv):
     # 2. The link between the actual ranks.
     link = (measure_link(world.comm, max(costs.output_bytes)) if world
             else perfmodel.Link(0.0, float("inf")))
+    # 3. Predictions for every J; 4. validation at every J the ranks allow.
+    predictions = [predict(a, J, blocks, plain, costs, plain_costs, link)
+                   for J in range(1, len(blocks) + 1)]
+    validation = validate(a, world, min(P, len(blocks)), predictions)
+    if rank != 0:
+        return None
+    return {"bench": "scaling", "arch": a.arch, "width": a.width, "batch": a.batch, "ranks": P,
+            "threads": torch.get_num_threads(),
+            "link": {"latency_s": link.latency, "bandwidth_bytes_per_s": link.bandwidth},
+            "block_costs": costs.to_dict(), "predictions": predictions, "validation": validation,
+            "paper_table5": PAPER_TABLE5}
 
-    # 3. Predictions for every J.
-    predictions = []
-    for J in range(1, len(blocks) + 1):
-        sizes = resolve_partition(blocks, J, costs=costs)
-        sc = perfmodel.stage_costs(costs, sizes)
-        plain_sizes = resolve_partition(plain, J, costs=plain_costs)
-        pc = perfmodel.stage_costs(plain_costs, plain_sizes, rebuilt_down=[False] * J)
-        row = {"ranks": J, "split": sizes,
-               "petra": perfmodel.predict_images_per_s("petra", sc, link, a.microbatches, a.batch),
-               "backprop": perfmodel.predict_images_per_s("backprop", sc, link, a.microbatches,
-                                                          a.batch),
-               "1f1b": perfmodel.predict_images_per_s("1f1b", pc, link,
-                                                      max(a.pt_microbatches, J), a.batch)}
-        row["speedup"] = row["petra"] / row["backprop"]
-        predictions.append(row)
 
-    # 4. Validation at every J the ranks allow, alternating the two methods.
+def predict(a, J, blocks, plain, costs, plain_costs, link) -> dict:
+    """Predicted images/s of PETRA, backprop and 1F1B (on the ResNet twin) on J stages."""
+    sizes = resolve_partition(blocks, J, costs=costs)
+    sc = perfmodel.stage_costs(costs, sizes)
+    plain_sizes = resolve_partition(plain, J, costs=plain_costs)
+    pc = perfmodel.stage_costs(plain_costs, plain_sizes, rebuilt_down=[False] * J)
+    row = {"ranks": J, "split": sizes,
+           "petra": perfmodel.predict_images_per_s("petra", sc, link, a.microbatches, a.batch),
+           "backprop": perfmodel.predict_images_per_s("backprop", sc, link, a.microbatches,
+                                                      a.batch),
+           "1f1b": perfmodel.predict_images_per_s("1f1b", pc, link,
+                                                  max(a.pt_microbatches, J), a.batch)}
+    row["speedup"] = row["petra"] / row["backprop"]
+    return row
+
+
+def validate(a, world, max_ranks, predictions) -> list:
+    """Measured against predicted images/s at J = 1 .. max_ranks, alternating the two methods
+    (the rows on rank 0; every rank takes part)."""
+    rank = world.rank if world else 0
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(a.batch, 3, 32, 32, generator=g),
              torch.randint(0, 10, (a.batch,), generator=g)) for _ in range(4)]
     validation = []
-    for J in range(1, min(P, len(blocks)) + 1):
+    for J in range(1, max_ranks + 1):
         for method in ("petra", "backprop"):
             measured = measured_images_per_s(a, world, J, predictions[J - 1]["split"], method, data)
             if world:
@@ -148,32 +174,30 @@ def main(argv):
                 validation.append({"ranks": J, "method": method, "predicted": predicted,
                                    "measured": measured,
                                    "error": predicted / measured - 1})
+    return validation
 
-    if rank != 0:
-        return
-    print(f"{a.arch} width {a.width}, batch {a.batch}, {torch.get_num_threads()} threads per "
-          f"rank; link latency {1e6 * link.latency:.1f} us, bandwidth "
-          f"{link.bandwidth / 1e9:.2f} GB/s; PETRA/backprop segments of {a.microbatches} "
-          f"micro-batches, 1F1B steps of max({a.pt_microbatches}, J)")
+
+def report(a, r: dict):
+    link = r["link"]
+    print(f"{a.arch} width {a.width}, batch {a.batch}, {r['threads']} threads per "
+          f"rank; link latency {1e6 * link['latency_s']:.1f} us, bandwidth "
+          f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; PETRA/backprop segments of "
+          f"{a.microbatches} micro-batches, 1F1B steps of max({a.pt_microbatches}, J)")
     print(f"{'J':>3} {'split':<32} {'petra':>8} {'backprop':>9} {'1f1b':>8} {'speed-up':>9}  "
           f"(predicted images/s)")
-    for r in predictions:
+    for p in r["predictions"]:
         paper = [f"paper Table 5: {v['speedup']}x ({name}, {v['gpus']} GPUs)"
-                 for name, v in PAPER_TABLE5.items() if v["gpus"] == r["ranks"]]
-        print(f"{r['ranks']:>3} {str(r['split']):<32} {r['petra']:>8.1f} {r['backprop']:>9.1f} "
-              f"{r['1f1b']:>8.1f} {r['speedup']:>8.2f}x  {' '.join(paper)}")
+                 for name, v in PAPER_TABLE5.items() if v["gpus"] == p["ranks"]]
+        print(f"{p['ranks']:>3} {str(p['split']):<32} {p['petra']:>8.1f} {p['backprop']:>9.1f} "
+              f"{p['1f1b']:>8.1f} {p['speedup']:>8.2f}x  {' '.join(paper)}")
     print(f"{'J':>3} {'method':<9} {'predicted':>10} {'measured':>9} {'error':>7}")
-    for v in validation:
+    for v in r["validation"]:
         print(f"{v['ranks']:>3} {v['method']:<9} {v['predicted']:>10.1f} {v['measured']:>9.1f} "
               f"{100 * v['error']:>+6.1f}%")
     if a.png:
-        _plot(a, predictions, validation)
+        _plot(a, r["predictions"], r["validation"])
     sys.stdout.flush()
-    emit({"bench": "scaling", "arch": a.arch, "width": a.width, "batch": a.batch, "ranks": P,
-          "threads": torch.get_num_threads(),
-          "link": {"latency_s": link.latency, "bandwidth_bytes_per_s": link.bandwidth},
-          "block_costs": costs.to_dict(), "predictions": predictions, "validation": validation,
-          "paper_table5": PAPER_TABLE5})
+    emit(r)
 
 
 def _plot(a, predictions, validation):
