@@ -255,6 +255,15 @@ class PTContender:
 # ---------------------------------------------------------------------------------------------
 
 def main(argv):
+    a = parse_args(argv)
+    result = run(a)
+    if result is not None:  # rank 0 reports
+        report(a, result)
+    import torch.distributed as dist
+    dist.destroy_process_group()
+
+
+def parse_args(argv):
     p = argparse.ArgumentParser(prog="mpirun -n J python -m petra_mpi.bench peers",
                                 description=__doc__)
     p.add_argument("--width", type=int, default=32)
@@ -272,33 +281,29 @@ def main(argv):
     a = p.parse_args(argv)
     if a.accumulation < 1:
         p.error("--accumulation must be at least 1")
-    world = World.from_environment()
-    if world is None:
-        raise SystemExit("run under mpirun with at least 2 ranks")
-    torch.set_num_threads(a.threads or world.thread_share())
-    comm, r, J = world.comm, world.rank, world.size
-    M = a.pt_microbatches = a.pt_microbatches or max(a.accumulation, J)
-    init_gloo(world)
-    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleavedZeroBubble)
+    return a
 
-    # Each net split by its own measured block costs, as a user would balance it (training's
-    # default for RevNet18; for ResNet18 the autograd costs that pipelining runs).
+
+def measured_splits(a, world):
+    """(RevNet18 split, ResNet18 split), each net split by its own measured block costs, as a
+    user would balance it (training's default for RevNet18; for ResNet18 the autograd costs
+    that pipelining runs); (None, None) with one block per rank."""
     measured = None
-    if r == 0 and J < 10:
+    if world.rank == 0 and world.size < 10:
         from ..blockcost import measure_autograd_costs, measured_partition
-        petra_split, _ = measured_partition("revnet18", a.width, 10, J, (3, 32, 32), a.batch)
+        petra_split, _ = measured_partition("revnet18", a.width, 10, world.size, (3, 32, 32),
+                                            a.batch)
         plain = build_blocks("resnet18", a.width, 10)
         measured = (petra_split, resolve_partition(
-            plain, J, costs=measure_autograd_costs(plain, (3, 32, 32), a.batch, 10)))
-    petra_split, pt_split = comm.bcast(measured, root=0) or (None, None)
-    (stage,) = build_stages("revnet18", a.width, 10, J, seed=0, only=r, partition=petra_split)
-    sizes = stage.partition
-    pt_sizes = pt_split or resolve_partition(build_blocks("resnet18", a.width, 10), J)
-    (worker,) = build_workers([stage], LRSchedule(LR, 10**6), a.accumulation, momentum=MOMENTUM)
-    engines = {m: MPIEngine(worker, m, world, torch.float32, (3, 32, 32), a.batch)
-               for m in ("petra", "backprop")}
+            plain, world.size, costs=measure_autograd_costs(plain, (3, 32, 32), a.batch, 10)))
+    return world.comm.bcast(measured, root=0) or (None, None)
 
+
+def pt_contenders(a, world, pt_sizes):
+    """The torch.distributed.pipelining contenders that every rank could build, and why the
+    others were skipped."""
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleavedZeroBubble)
     specs = [("gpipe", ScheduleGPipe, False, False), ("1f1b", Schedule1F1B, False, False),
              ("1f1b_checkpointed", Schedule1F1B, False, True)]
     if not a.no_zero_bubble:
@@ -311,31 +316,15 @@ def main(argv):
             err = None
         except Exception as e:  # noqa: BLE001 - reported, the others still run
             err = f"{type(e).__name__}: {e}".splitlines()[0]
-        errors = [e for e in comm.allgather(err) if e]
+        errors = [e for e in world.comm.allgather(err) if e]
         if errors:  # every rank drops it, so no rank waits on a schedule the others skip
             pts.pop(name, None)
             skipped[name] = errors[0]
+    return pts, skipped
 
-    g = torch.Generator().manual_seed(0)
-    data = [(torch.randn(a.batch, 3, 32, 32, generator=g),
-             torch.randint(0, 10, (a.batch,), generator=g)) for _ in range(max(4, M))]
-    full_x = torch.cat([d[0] for d in data[:M]])
-    full_y = torch.cat([d[1] for d in data[:M]])
-    pt_steps = max(1, round(a.microbatches / M))
 
-    def petra_run(method, n):
-        batches = (data[i % len(data)] for i in range(n)) if r == 0 else None
-        engines[method].train_segment(batches, n)
-        return n * a.batch
-
-    def pt_run(name, steps):
-        for _ in range(steps):
-            pts[name].step(full_x, full_y)
-        return steps * M * a.batch
-
-    runs = {m: (lambda m=m: petra_run(m, a.microbatches)) for m in engines}
-    runs.update({n: (lambda n=n: pt_run(n, pt_steps)) for n in pts})
-
+def images_per_s_of(runs, comm, rounds):
+    """Median images/s of each run over `rounds` alternated rounds."""
     def timed(fn):
         comm.Barrier()
         start = time.perf_counter()
@@ -343,19 +332,15 @@ def main(argv):
         comm.Barrier()
         return images / (time.perf_counter() - start)
 
-    # Warm-up (a failing zero-bubble step would leave the other ranks waiting in gloo, so a
-    # schedule that raises here ends the run with its error).
-    for m in engines:
-        petra_run(m, J + 2)
-    for n in list(pts):
-        pt_run(n, 1)
     speeds = {name: [] for name in runs}
-    for _ in range(a.rounds):
+    for _ in range(rounds):
         for name, fn in runs.items():
             speeds[name].append(timed(fn))
-    images_per_s = {name: statistics.median(v) for name, v in speeds.items()}
+    return {name: statistics.median(v) for name, v in speeds.items()}
 
-    # Memory: one untimed pass each, hooks on.
+
+def measure_peaks(engines, stage, worker, pts, petra_run, comm, a, full_x, full_y):
+    """Peak activation bytes of this rank under each contender: one untimed pass each."""
     peaks = {}
     for m, engine in engines.items():
         meter = ActivationMeter(stage, lambda: (t for f in stage.fifos for t in f))
@@ -376,35 +361,86 @@ def main(argv):
     for n, c in pts.items():
         comm.Barrier()
         peaks[n] = c.measure(full_x, full_y)
+    return peaks
+
+
+def run(a):
+    """Time every contender and measure its activation memory; the JSON figures on rank 0, None
+    elsewhere."""
+    world = World.from_environment()
+    if world is None:
+        raise SystemExit("run under mpirun with at least 2 ranks")
+    torch.set_num_threads(a.threads or world.thread_share())
+    comm, r, J = world.comm, world.rank, world.size
+    M = a.pt_microbatches = a.pt_microbatches or max(a.accumulation, J)
+    init_gloo(world)
+    petra_split, pt_split = measured_splits(a, world)
+    (stage,) = build_stages("revnet18", a.width, 10, J, seed=0, only=r, partition=petra_split)
+    pt_sizes = pt_split or resolve_partition(build_blocks("resnet18", a.width, 10), J)
+    (worker,) = build_workers([stage], LRSchedule(LR, 10**6), a.accumulation, momentum=MOMENTUM)
+    engines = {m: MPIEngine(worker, m, world, torch.float32, (3, 32, 32), a.batch)
+               for m in ("petra", "backprop")}
+    pts, skipped = pt_contenders(a, world, pt_sizes)
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(a.batch, 3, 32, 32, generator=g),
+             torch.randint(0, 10, (a.batch,), generator=g)) for _ in range(max(4, M))]
+    full_x = torch.cat([d[0] for d in data[:M]])
+    full_y = torch.cat([d[1] for d in data[:M]])
+    pt_steps = max(1, round(a.microbatches / M))
+
+    def petra_run(method, n):
+        batches = (data[i % len(data)] for i in range(n)) if r == 0 else None
+        engines[method].train_segment(batches, n)
+        return n * a.batch
+
+    def pt_run(name, steps):
+        for _ in range(steps):
+            pts[name].step(full_x, full_y)
+        return steps * M * a.batch
+
+    runs = {m: (lambda m=m: petra_run(m, a.microbatches)) for m in engines}
+    runs.update({n: (lambda n=n: pt_run(n, pt_steps)) for n in pts})
+    # Warm-up (a failing zero-bubble step would leave the other ranks waiting in gloo, so a
+    # schedule that raises here ends the run with its error).
+    for m in engines:
+        petra_run(m, J + 2)
+    for n in list(pts):
+        pt_run(n, 1)
+    images_per_s = images_per_s_of(runs, comm, a.rounds)
+    peaks = measure_peaks(engines, stage, worker, pts, petra_run, comm, a, full_x, full_y)
     peak_bytes = {name: comm.gather(peaks[name], root=0) for name in runs}
+    if r != 0:
+        return None
+    record = {"bench": "peers", "ranks": J, "threads": torch.get_num_threads(),
+              "batch": a.batch, "width": a.width, "microbatches": a.microbatches,
+              "accumulation": a.accumulation, "pt_microbatches": M, "partition": stage.partition,
+              "pt_partition": pt_sizes, "images_per_s": images_per_s,
+              "peak_activation_bytes": peak_bytes}
+    for other in ("1f1b", "1f1b_checkpointed"):
+        if other in images_per_s:
+            record[f"petra_vs_{other}"] = images_per_s["petra"] / images_per_s[other]
+    if skipped:
+        record["skipped"] = skipped
+    return record
 
-    if r == 0:
-        mib = 2.0 ** 20
-        print(f"width {a.width}, micro-batch {a.batch}, {J} ranks x {torch.get_num_threads()} "
-              f"threads, median of {a.rounds} alternated rounds")
-        print(f"petra/backprop: RevNet18, {a.microbatches} micro-batches per timed segment (fill "
-              f"and drain included), k = {a.accumulation}; pipelining: ResNet18, {M} micro-batches "
-              f"per step, {pt_steps} step(s) per timed segment; blocks per stage: RevNet18 "
-              f"{sizes}, ResNet18 {pt_sizes}")
-        print(f"{'contender':<18} {'images/s':>9}  peak activation MiB per rank")
-        for name in runs:
-            per_rank = " ".join(f"{b / mib:8.2f}" for b in peak_bytes[name])
-            print(f"{name:<18} {images_per_s[name]:>9.1f}  {per_rank}")
-        for name, why in skipped.items():
-            print(f"{name:<18} did not run: {why}")
-        record = {"bench": "peers", "ranks": J, "threads": torch.get_num_threads(),
-                  "batch": a.batch, "width": a.width, "microbatches": a.microbatches,
-                  "accumulation": a.accumulation, "pt_microbatches": M, "partition": sizes,
-                  "pt_partition": pt_sizes, "images_per_s": images_per_s,
-                  "peak_activation_bytes": peak_bytes}
-        for other in ("1f1b", "1f1b_checkpointed"):
-            if other in images_per_s:
-                ratio = images_per_s["petra"] / images_per_s[other]
-                record[f"petra_vs_{other}"] = ratio
-                print(f"PETRA / {other}: {ratio:.2f} images/s")
-        if skipped:
-            record["skipped"] = skipped
-        emit(record)
-    import torch.distributed as dist
-    dist.destroy_process_group()
 
+def report(a, r: dict):
+    mib, M = 2.0 ** 20, r["pt_microbatches"]
+    pt_steps = max(1, round(a.microbatches / M))
+    print(f"width {a.width}, micro-batch {a.batch}, {r['ranks']} ranks x {r['threads']} "
+          f"threads, median of {a.rounds} alternated rounds")
+    print(f"petra/backprop: RevNet18, {a.microbatches} micro-batches per timed segment (fill "
+          f"and drain included), k = {a.accumulation}; pipelining: ResNet18, {M} micro-batches "
+          f"per step, {pt_steps} step(s) per timed segment; blocks per stage: RevNet18 "
+          f"{r['partition']}, ResNet18 {r['pt_partition']}")
+    print(f"{'contender':<18} {'images/s':>9}  peak activation MiB per rank")
+    for name, speed in r["images_per_s"].items():
+        per_rank = " ".join(f"{b / mib:8.2f}" for b in r["peak_activation_bytes"][name])
+        print(f"{name:<18} {speed:>9.1f}  {per_rank}")
+    for name, why in r.get("skipped", {}).items():
+        print(f"{name:<18} did not run: {why}")
+    for other in ("1f1b", "1f1b_checkpointed"):
+        if f"petra_vs_{other}" in r:
+            print(f"PETRA / {other}: {r[f'petra_vs_{other}']:.2f} images/s")
+    emit(r)
