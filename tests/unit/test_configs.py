@@ -248,3 +248,19 @@ def test_literal_choices_are_what_the_code_implements():
     assert choices["train.method"] == METHODS
     assert choices["optim.name"] == OPTIMIZERS
     assert set(choices["run.precision"]) == set(PRECISIONS)
+
+
+def test_bounds_are_annotations_checked_by_the_loader():
+    bounded = {}
+    for section in dataclasses.fields(Config):
+        if section.name == "source":
+            continue
+        for name, hint in typing.get_type_hints(section.type, include_extras=True).items():
+            if typing.get_origin(hint) is typing.Annotated:
+                bounded[f"{section.name}.{name}"] = hint.__metadata__[0].low
+    assert {"train.epochs", "train.accumulation", "data.batch_size", "model.width",
+            "model.num_classes", "optim.lr", "run.keep_checkpoints"} <= bounded.keys()
+    for key, low in bounded.items():
+        cfg_of("quickstart.yaml", [f"{key}={low}"])  # the bound itself loads
+        with pytest.raises(ConfigError, match=rf"{key}: must be >= {low}, got -?[0-9.]+"):
+            cfg_of("quickstart.yaml", [f"{key}={low - 1}"])
