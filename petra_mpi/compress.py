@@ -18,12 +18,15 @@ Everything runs on the tensor's device with no host synchronisation (no .item())
 travel with the codes (mpi/transport.py puts them in front of the codes, in the same message).
 """
 import hashlib
+import typing
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
 
-FORMATS = ("none", "bf16", "fp16", "int8", "int8_channel")
+from .config import CommFormat
+
+FORMATS = typing.get_args(CommFormat)  # what config.CommConfig accepts
 DIRECTIONS = ("forward", "rebuilt", "gradient", "buffers")
 _FLOAT16 = {"bf16": torch.bfloat16, "fp16": torch.float16}
 INT8_MAX = 127  # symmetric codes: -127 is kept off -128 so that the scale maps both signs alike

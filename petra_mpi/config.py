@@ -7,19 +7,24 @@ file, raised before any work starts.
 import dataclasses
 import typing
 from dataclasses import dataclass, field
+from typing import Annotated, Literal
 from pathlib import Path
 
 import yaml
 
-from .compress import DIRECTIONS, FORMATS
-from .models import ARCH_NAMES, num_blocks
-from .models.vit import VIT_ARCHS, default_heads
-from .optim import OPTIMIZERS
-from .schedule import METHODS
+# No torch here (nor through these imports): every rank checks its config and the world size
+# before it loads torch, which takes seconds per rank on a crowded node.
+from .archs import Arch, VIT_ARCHS, default_heads, num_blocks
 
 
 class ConfigError(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class AtLeast:
+    """Annotated[int or float, AtLeast(n)]: the loader rejects a value below n."""
+    low: int
 
 
 @dataclass
@@ -28,37 +33,37 @@ class RunConfig:
     """Directory for metrics.jsonl, summary.json and checkpoints/."""
     seed: int = 0
     """Seed of the weights, the sampler and the augmentation."""
-    device: str = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto (cuda when available), cpu or cuda."""
-    dtype: str = "float32"
+    dtype: Literal["float32", "float64"] = "float32"
     """float32 or float64 (float64 for exactness checks)."""
-    precision: str = "fp32"
+    precision: Literal["fp32", "bf16"] = "fp32"
     """fp32, or bf16: each block computes under bfloat16 autocast while the tensors between
     blocks and both coupling streams stay float32 (so rebuilding a reversible stage's input
     still cancels to float32 rounding); needs run.dtype float32."""
-    threads: int = 0
+    threads: Annotated[int, AtLeast(0)] = 0
     """torch CPU threads per rank; 0 gives each rank its share of the node's cores."""
     progress: bool = True
     """Progress bar on the rank that computes the loss (one line per epoch when off)."""
-    log_every: int = 10
+    log_every: Annotated[int, AtLeast(1)] = 10
     """Write a train line to metrics.jsonl every this many optimizer steps."""
     tensorboard: bool = False
     """Also write TensorBoard events (when the tensorboard package is installed)."""
     resume: str = "auto"
     """auto (the newest complete checkpoint in out_dir/checkpoints, or a fresh start), none (a
     fresh start; an error if out_dir already holds checkpoints) or a checkpoint directory."""
-    checkpoint_every: int = 1
+    checkpoint_every: Annotated[int, AtLeast(0)] = 1
     """Checkpoint every this many epochs (0: only at the end and on SIGUSR1/SIGTERM)."""
-    checkpoint_every_microbatches: int = 0
+    checkpoint_every_microbatches: Annotated[int, AtLeast(0)] = 0
     """Also drain and checkpoint every this many micro-batches within an epoch (0: never); for
     epochs that outlast a job's time limit."""
-    checkpoint_every_minutes: float = 0.0
+    checkpoint_every_minutes: Annotated[float, AtLeast(0)] = 0.0
     """Also drain and checkpoint when this many minutes of wall time have passed since the last
     checkpoint (0: never), so that a lost node or a preemption without warning costs at most
     that much training; rank 0's clock decides, through the stop vote."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: Annotated[int, AtLeast(1)] = 2
     """Complete checkpoints kept; older ones are deleted."""
-    watchdog_s: typing.Optional[float] = None
+    watchdog_s: typing.Optional[Annotated[float, AtLeast(0)]] = None
     """Under MPI: a rank that makes no progress (no scheduled action starts) for this many seconds
     prints its last action and pending messages and ends the job with exit status 5 (a lost node
     or a hang; docs/running.md). None: 20 times the slowest gap between two actions so far, at
@@ -70,11 +75,11 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    arch: str = "revnet18"
+    arch: Arch = "revnet18"
     """revnet18, revnet34, revnet50, resnet18, resnet34, resnet50, irevnet18, irevnet34, irevnet50
     (fully invertible RevNets: invertible downsampling, only the stem buffers its input), revvit
     (reversible vision transformer) or vit (its non-reversible twin)."""
-    width: int = 64
+    width: Annotated[int, AtLeast(1)] = 64
     """Base channels per stream (64 in the paper); for revvit/vit the token features per stream
     (192 for a tiny ViT)."""
     depth: int = 8
@@ -83,17 +88,17 @@ class ModelConfig:
     """revvit/vit: attention heads, dividing model.width; 0: one per 64 features (at least 1)."""
     patch: int = 4
     """revvit/vit: patch side in pixels; must divide the image side."""
-    num_classes: int = 10
+    num_classes: Annotated[int, AtLeast(2)] = 10
     """Classes of the head; must match the dataset."""
-    stem: str = "cifar"
+    stem: Literal["cifar", "imagenet"] = "cifar"
     """cifar (3x3 conv) or imagenet (7x7 stride-2 conv and max-pool)."""
-    stages: int = 0
+    stages: Annotated[int, AtLeast(0)] = 0
     """Number of stages J; 0: the MPI world size, or in one process the paper's split (one stage
     per block)."""
     partition: typing.Optional[list[int]] = None
     """Blocks per stage, e.g. [3, 3, 4]; default: one block per stage when the stage count equals
     the block count, else contiguous stages balanced as model.balance says."""
-    balance: str = "measure"
+    balance: Literal["measure", "estimate"] = "measure"
     """How contiguous stages are balanced when J is smaller than the block count: measure (rank 0
     times every block at start-up on the run's device, dtype and batch, then the split minimises
     the slowest stage; a resumed run keeps its checkpoint's split) or estimate (a deterministic
@@ -104,49 +109,49 @@ class ModelConfig:
 class DataConfig:
     path: str = "synthetic"
     """An HDF5 file in the schema of docs/design.md §2 (both splits), or `synthetic`."""
-    batch_size: int = 64
+    batch_size: Annotated[int, AtLeast(1)] = 64
     """Images per micro-batch."""
-    synthetic_train: int = 10000
+    synthetic_train: Annotated[int, AtLeast(1)] = 10000
     """Training images of the built-in synthetic set."""
-    synthetic_val: int = 2000
+    synthetic_val: Annotated[int, AtLeast(1)] = 2000
     """Validation images of the built-in synthetic set."""
     synthetic_seed: int = 0
     """Seed of the synthetic set (train uses it, val uses it + 1), apart from run.seed so that
     runs with different seeds see the same data."""
     augment: bool = True
     """Random crop and flip on the training split."""
-    crop: int = 224
+    crop: Annotated[int, AtLeast(1)] = 224
     """Crop size for full-size (JPEG) ImageNet."""
-    prefetch: int = 2
+    prefetch: Annotated[int, AtLeast(0)] = 2
     """Batches read ahead in the background."""
-    decode_workers: int = 0
+    decode_workers: Annotated[int, AtLeast(0)] = 0
     """JPEG decode workers of the reader (full-size ImageNet on the CPU); 0: the rank's CPU
     share, as its torch threads get (run.threads, else its affinity set divided among the ranks
     of its node that share it; under srun the task's --cpus-per-task)."""
-    decode_pool: str = "thread"
+    decode_pool: Literal["thread", "process"] = "thread"
     """thread or process: what runs the JPEG decode workers (see docs/gpu.md for figures)."""
 
 
 @dataclass
 class TrainConfig:
-    method: str = "petra"
+    method: Literal["petra", "backprop", "delayed"] = "petra"
     """petra, backprop (no delay, one stage busy at a time) or delayed (with the buffers below)."""
-    epochs: int = 1
+    epochs: Annotated[int, AtLeast(1)] = 1
     """Passes over the training split."""
-    accumulation: int = 1
+    accumulation: Annotated[int, AtLeast(1)] = 1
     """k: micro-batches whose averaged gradients make one optimizer step."""
     buffer_inputs: bool = False
     """delayed: reversible stages keep their input instead of rebuilding it."""
     stash_weights: bool = False
     """delayed: each in-flight micro-batch keeps the weights of its forward."""
-    limit_batches: int = 0
+    limit_batches: Annotated[int, AtLeast(0)] = 0
     """Train on at most this many micro-batches per epoch and replica (0: all); for smoke runs."""
-    limit_eval_batches: int = 0
+    limit_eval_batches: Annotated[int, AtLeast(0)] = 0
     """Evaluate on at most this many batches (0: all)."""
-    diag_every: int = 0
+    diag_every: Annotated[int, AtLeast(0)] = 0
     """Every this many optimizer steps, log gradient-quality diagnostics per stage (cosine and
     norm ratio of PETRA, delayed and end-to-end gradients, rebuild error); 0: off."""
-    replicas: int = 0
+    replicas: Annotated[int, AtLeast(0)] = 0
     """R: data-parallel replicas of the J-stage pipeline (rank = replica · J + stage). Each
     replica's stage 0 reads its own share of every epoch, each stage averages its gradients over
     the replicas at every optimizer step, and the learning-rate rule uses the effective batch
@@ -157,42 +162,45 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 0.1
+    lr: Annotated[float, AtLeast(0)] = 0.1
     """Base learning rate; with scale_lr the peak is lr · batch_size · accumulation / 256."""
     scale_lr: bool = True
     """Apply the paper's rule lr = base · batch · k / 256."""
-    momentum: float = 0.9
+    momentum: Annotated[float, AtLeast(0)] = 0.9
     """SGD momentum (Nesterov)."""
     nesterov: bool = True
     """Nesterov momentum."""
-    weight_decay: float = 5e-4
+    weight_decay: Annotated[float, AtLeast(0)] = 5e-4
     """L2 weight decay, never on batch-norm parameters and biases."""
-    warmup_epochs: float = 5.0
+    warmup_epochs: Annotated[float, AtLeast(0)] = 5.0
     """Linear warm-up from 0 to the peak learning rate over this many epochs."""
     milestones: list[int] = field(default_factory=list)
     """Epochs at which the learning rate is multiplied by gamma."""
     gamma: float = 0.1
     """Step-decay factor."""
-    name: str = "sgd"
+    name: Literal["sgd", "adamw"] = "sgd"
     """sgd (Nesterov momentum, the paper's) or adamw (decoupled weight decay; for transformers)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """adamw: the two moment decay rates."""
-    schedule: str = "step"
+    schedule: Literal["step", "cosine"] = "step"
     """step (decays at the milestones) or cosine (after warm-up, from the peak down to 0 at the
     end of the run; milestones are then unused)."""
+
+
+CommFormat = Literal["none", "bf16", "fp16", "int8", "int8_channel"]  # compress.py
 
 
 @dataclass
 class CommConfig:
     """Compression of what the stages send and store (docs/design.md, "Compressed messages").
     Formats: none, bf16, fp16, int8 (one scale per tensor) or int8_channel (one per channel)."""
-    forward: str = "none"
+    forward: CommFormat = "none"
     """Activations sent forward, to the next stage."""
-    rebuilt: str = "none"
+    rebuilt: CommFormat = "none"
     """Rebuilt inputs x̃ sent backward (only to stages that use them)."""
-    gradient: str = "none"
+    gradient: CommFormat = "none"
     """Input gradients δ sent backward."""
-    buffers: str = "none"
+    buffers: CommFormat = "none"
     """Inputs that buffered blocks (stem, downsampling, ResNet blocks) keep for their backward."""
     stochastic: bool = False
     """Round at random, unbiased, instead of to the nearest (training only; evaluation rounds to
@@ -271,7 +279,7 @@ def _build(raw: dict, where: str) -> Config:
         if not isinstance(values, dict):
             raise ConfigError(f"{where}: section {name!r} must be a mapping")
         cls = SECTIONS[name]
-        hints = typing.get_type_hints(cls)
+        hints = typing.get_type_hints(cls, include_extras=True)
         for key, value in values.items():
             if key not in hints:
                 raise ConfigError(f"{where}: unknown key {name}.{key}; known: {', '.join(hints)}")
@@ -282,6 +290,16 @@ def _build(raw: dict, where: str) -> Config:
 
 def _check_type(value, hint, what):
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:  # a type and its bounds
+        value = _check_type(value, args[0], what)
+        for bound in hint.__metadata__:
+            if value < bound.low:
+                raise ConfigError(f"{what}: must be >= {bound.low}, got {value!r}")
+        return value
+    if origin is Literal:  # a choice among fixed values
+        if value not in args:
+            raise ConfigError(f"{what}: must be one of {', '.join(map(str, args))}, got {value!r}")
+        return value
     if origin is typing.Union:  # Optional[...]
         if value is None:
             return None
@@ -303,36 +321,18 @@ def _check_type(value, hint, what):
 
 
 def validate(cfg: Config, world_size: int | None = None):
-    """Check values that types cannot; `world_size` (the stage count) when known."""
+    """The checks that involve several fields (the loader has checked each field's type, choices
+    and bounds); `world_size` (the ranks) when known."""
     w = cfg.source
 
     def need(ok, key, msg):
         if not ok:
             raise ConfigError(f"{w}: {key}: {msg}")
 
-    need(cfg.run.device in ("auto", "cpu", "cuda"), "run.device", "must be auto, cpu or cuda")
-    need(cfg.run.dtype in ("float32", "float64"), "run.dtype", "must be float32 or float64")
-    need(cfg.run.precision in ("fp32", "bf16"), "run.precision", "must be fp32 or bf16")
     need(cfg.run.precision == "fp32" or cfg.run.dtype == "float32", "run.precision",
          "bf16 needs run.dtype float32 (the storage dtype of the tensors between blocks)")
-    need(cfg.run.threads >= 0, "run.threads", "must be >= 0")
-    need(cfg.run.log_every >= 1, "run.log_every", "must be >= 1")
-    need(cfg.run.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0")
-    need(cfg.run.checkpoint_every_minutes >= 0, "run.checkpoint_every_minutes", "must be >= 0")
-    need(cfg.run.checkpoint_every_microbatches >= 0, "run.checkpoint_every_microbatches",
-         "must be >= 0")
-    need(cfg.run.watchdog_s is None or cfg.run.watchdog_s >= 0, "run.watchdog_s", "must be >= 0")
-    need(cfg.run.keep_checkpoints >= 1, "run.keep_checkpoints", "must be >= 1")
-    need(cfg.train.diag_every >= 0, "train.diag_every", "must be >= 0")
-    need(cfg.train.replicas >= 0, "train.replicas", "must be >= 0 (0: automatic)")
     need(cfg.train.replicas <= 1 or not cfg.train.diag_every, "train.diag_every",
          "the diagnostics need a single replica: drop train.replicas")
-    need(cfg.model.arch in ARCH_NAMES, "model.arch", f"must be one of {', '.join(ARCH_NAMES)}")
-    need(cfg.model.width > 0, "model.width", "must be > 0")
-    need(cfg.model.num_classes >= 2, "model.num_classes", "must be >= 2")
-    need(cfg.model.stem in ("cifar", "imagenet"), "model.stem", "must be cifar or imagenet")
-    need(cfg.model.balance in ("measure", "estimate"), "model.balance",
-         "must be measure or estimate")
     if cfg.model.arch in VIT_ARCHS:
         need(cfg.model.depth >= 1, "model.depth", "must be >= 1")
         need(cfg.model.heads >= 0, "model.heads", "must be >= 0 (0: one per 64 features)")
@@ -349,34 +349,14 @@ def validate(cfg: Config, world_size: int | None = None):
              f"needs positive block counts summing to {blocks} ({cfg.model.arch}), got {p}")
         need(cfg.model.stages in (0, len(p)), "model.partition",
              f"has {len(p)} stages but model.stages is {cfg.model.stages}")
-    need(cfg.data.batch_size >= 1, "data.batch_size", "must be >= 1")
-    need(cfg.data.synthetic_train >= 1 and cfg.data.synthetic_val >= 1, "data.synthetic_train",
-         "synthetic split sizes must be >= 1")
-    need(cfg.data.crop >= 1 and cfg.data.prefetch >= 0, "data.crop", "crop >= 1, prefetch >= 0")
-    need(cfg.data.decode_workers >= 0, "data.decode_workers", "must be >= 0")
-    need(cfg.data.decode_pool in ("thread", "process"), "data.decode_pool",
-         "must be thread or process")
-    need(cfg.train.method in METHODS, "train.method", f"must be one of {', '.join(METHODS)}")
-    need(cfg.train.epochs >= 1, "train.epochs", "must be >= 1")
-    need(cfg.train.accumulation >= 1, "train.accumulation", "k must be >= 1")
     need(cfg.run.checkpoint_every_microbatches % cfg.train.accumulation == 0,
          "run.checkpoint_every_microbatches", "must be a multiple of train.accumulation (a "
          "checkpoint drains the pipeline and flushes the accumulated gradients)")
-    need(cfg.train.limit_batches >= 0, "train.limit_batches", "must be >= 0")
-    need(cfg.train.limit_eval_batches >= 0, "train.limit_eval_batches", "must be >= 0")
     if cfg.train.method != "delayed":
         need(not (cfg.train.buffer_inputs or cfg.train.stash_weights), "train.buffer_inputs",
              "buffer_inputs and stash_weights belong to method delayed")
-    need(cfg.optim.lr >= 0, "optim.lr", "must be >= 0")
-    need(cfg.optim.momentum >= 0, "optim.momentum", "must be >= 0")
-    need(cfg.optim.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
-    need(cfg.optim.warmup_epochs >= 0, "optim.warmup_epochs", "must be >= 0")
-    need(cfg.optim.name in OPTIMIZERS, "optim.name", f"must be one of {', '.join(OPTIMIZERS)}")
     need(len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas), "optim.betas",
          "must be two numbers in [0, 1)")
-    need(cfg.optim.schedule in ("step", "cosine"), "optim.schedule", "must be step or cosine")
-    for d in DIRECTIONS:
-        need(getattr(cfg.comm, d) in FORMATS, f"comm.{d}", f"must be one of {', '.join(FORMATS)}")
     if world_size is not None and world_size > 1:
         need(not cfg.train.diag_every, "train.diag_every",
              "the diagnostics need every stage in one process: run them without mpirun")

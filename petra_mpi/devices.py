@@ -4,7 +4,7 @@ CUDA-aware MPI libraries (UCX, MVAPICH2, Cray MPICH) pick the GPU their communic
 IPC handles live on when MPI_Init runs, so each rank binds its GPU first: `bind_early` runs in
 train.main before World.from_environment imports mpi4py. The binding rule is a pure function of
 the environment and of how many GPUs this process sees (`gpu_index`), so it is unit-tested without
-CUDA; pick_device in train.py applies the same rule, so the two always agree.
+CUDA; pick_device in trainer.py applies the same rule, so the two always agree.
 
 Rule (first that applies):
 - no visible GPU: no binding (the run uses the CPU, or fails if run.device is cuda);

@@ -2,39 +2,18 @@
 
 Without MPI (or with one rank) every stage runs in this process; under mpirun rank r runs stage r,
 or with R data-parallel replicas (train.replicas, or a world size that is a multiple of
-model.stages) rank replica · J + stage. The training loop below is the same for both engines:
-every replica's stage 0 reads its share of the data, the last stage computes the loss, and
-replica 0's last stage (World.writer_rank) writes every run output: metrics.jsonl, summary.json,
-trace.json and the checkpoint manifests.
+model.stages) rank replica · J + stage. trainer.py does the training.
+
+This module imports no torch: every rank checks the config and the world size first, so a wrong
+`mpirun -n` is reported at once instead of after every rank has loaded torch (seconds each on a
+crowded node). torch loads with the trainer, once the run is known to be valid.
 """
 import argparse
-import dataclasses
 import faulthandler
-import itertools
-import json
-import math
-import os
 import sys
-import time
 
-import torch
-
-from .checkpoint import (LAYOUT_FREE, MANIFEST, CheckpointError, block_files, checkpoint_dir,
-                         find_resume, invalidate, load_blocks, load_stage, prune, read_manifest,
-                         save_blocks, write_manifest)
-from .config import ConfigError, load_config, model_kwargs, num_replicas, num_stages, validate
-from .compress import Compression
-from .engine.build import build_stages, build_workers
-from .engine.evaluation import correct
-from .metrics import MetricsWriter, Progress, fmt_time, stage_memory, write_json_atomic
-from .models import num_blocks
-from .optim import LRSchedule, peak_lr
-from .stopping import EVAL_CHECK_BATCHES, EXIT_REQUEUE, STOP, Interrupts, StopRequest, agree
-from . import trace
-
-
-class TrainingError(RuntimeError):
-    """A run that cannot go on (bad data, non-finite loss): reported as one line, exit status 1."""
+from .config import ConfigError, load_config, validate
+from .stopping import StopRequest
 
 
 def parse_args(argv):
@@ -50,510 +29,57 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def pick_device(cfg, local_rank: int = 0) -> torch.device:
-    """The device of this process: the GPU devices.gpu_index picks from the launcher's
-    environment (the one devices.bind_early bound before MPI started), else by `local_rank`."""
-    if cfg.run.device == "cpu" or (cfg.run.device == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise TrainingError("run.device is cuda but CUDA is not available")
-    from .devices import bound_cuda_device
-    return bound_cuda_device(local_rank)
-
-
-def lr_schedule(cfg, steps_per_epoch: int, replicas: int = 1) -> LRSchedule:
-    # the paper's rule on the effective batch: R replicas each accumulate k micro-batches a step
-    peak = peak_lr(cfg.optim.lr, cfg.data.batch_size * replicas, cfg.train.accumulation,
-                   cfg.optim.scale_lr)
-    return LRSchedule(peak, steps_per_epoch, cfg.optim.warmup_epochs, tuple(cfg.optim.milestones),
-                      cfg.optim.gamma, kind=cfg.optim.schedule,
-                      total_steps=steps_per_epoch * cfg.train.epochs)
-
-
-def cpu_threads(cfg, world) -> int:
-    """CPU threads this process may keep busy: run.threads, else under MPI the rank's share of
-    its node's CPUs (World.thread_share: its CPU set divided among the ranks that share it), else
-    torch's default."""
-    return cfg.run.threads or (world.thread_share() if world else max(1, torch.get_num_threads()))
-
-
-def decode_threads(cfg, share: int, loaders: int = 1) -> int:
-    """JPEG decode workers of each data loader: data.decode_workers, else the process's CPU share
-    (what its torch threads get) divided among the training loaders it runs at once (R in one
-    process, one per stage-0 rank under MPI). Not the affinity set: R stage-0 ranks sharing a
-    node's CPUs would each start one thread per CPU."""
-    return cfg.data.decode_workers or max(1, share // loaders)
-
-
-def open_data(cfg, device, shard=(0, 1), decoders=1):
-    """Training and validation loaders (only processes holding a stage 0 call this). shard:
-    (replica, R): the training loader hands out this replica's share of every epoch. decoders:
-    JPEG decode workers per loader (decode_threads)."""
-    from .data import BatchLoader, open_split
-    sizes = (cfg.data.synthetic_train, cfg.data.synthetic_val)
+def checked_config(args, rank, size):
+    """The config, validated for `size` ranks; None after saying why on rank 0."""
+    if args.profile and not args.dry_run:
+        if rank == 0:
+            print("error: --profile goes with --dry-run", file=sys.stderr)
+        return None
     try:
-        train = open_split(cfg.data.path, "train", synthetic_sizes=sizes, seed=cfg.data.synthetic_seed)
-        val = open_split(cfg.data.path, "val", synthetic_sizes=sizes, seed=cfg.data.synthetic_seed)
-    except (OSError, ValueError) as e:
-        raise TrainingError(f"data.path {cfg.data.path}: {e}") from None
-    if train.num_classes != cfg.model.num_classes:
-        raise TrainingError(f"data.path {cfg.data.path} has {train.num_classes} classes but "
-                            f"model.num_classes is {cfg.model.num_classes}")
-    jpeg = train.kind == "jpeg"
-    if jpeg:
-        from .data.augment import has_gpu_decode
-        warning = decode_cpu_warning(cfg, len(os.sched_getaffinity(0)), has_gpu_decode(device))
-        if warning:
-            print(warning, file=sys.stderr, flush=True)
-    common = dict(seed=cfg.run.seed, device=device, crop=cfg.data.crop if jpeg else None,
-                  prefetch=cfg.data.prefetch, decode_threads=decoders,
-                  decode_pool=cfg.data.decode_pool)
-    side = cfg.data.crop if jpeg else train.image_size
-    return (BatchLoader(train, cfg.data.batch_size, train=True, augment=cfg.data.augment,
-                        shard=shard, **common),
-            BatchLoader(val, cfg.data.batch_size, train=False, augment=False, **common),
-            (3, side, side))
-
-
-# CPUs a stage-0 rank decoding full-size JPEGs on the CPU should have when data.decode_workers
-# leaves it to the rank's CPU set: what the ImageNet batch scripts give each rank.
-MIN_DECODE_CPUS = 8
-
-
-def decode_cpu_warning(cfg, cpus: int, gpu_decode: bool):
-    """A warning when this stage-0 rank has fewer CPUs than the config's JPEG decode needs (a
-    launcher that binds each rank to one CPU starves the whole pipeline of data), else None."""
-    needed = cfg.data.decode_workers or MIN_DECODE_CPUS
-    if gpu_decode or cpus >= needed:
+        cfg = load_config(args.config, args.set)
+        validate(cfg, size)
+    except ConfigError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
         return None
-    wanted = ("data.decode_workers asks for" if cfg.data.decode_workers else
-              "full-size ImageNet wants")
-    return (f"petra_mpi: warning: stage 0 decodes JPEGs on {cpus} CPU(s), fewer than the "
-            f"{needed} that {wanted}: the pipeline will wait for data. Under SLURM give the "
-            f"job --cpus-per-task={needed} and pass it to srun (slurm/common.sh does); the rank "
-            f"map shows each rank's CPUs")
-
-
-def evaluate_in_pieces(engine, batches, m, world, interrupts):
-    """The evaluation of m batches in pieces of EVAL_CHECK_BATCHES, every rank agreeing after
-    each whether to stop, so a stop request need not wait for a whole evaluation (a due
-    wall-time checkpoint does wait). Returns (totals, stopped); totals: the summed EvalTotals
-    where the loss is computed, None elsewhere and when stopped."""
-    totals, done = None, 0
-    while True:
-        piece = min(EVAL_CHECK_BATCHES, m - done)
-        part = engine.evaluate(None if batches is None else itertools.islice(batches, piece),
-                               piece)
-        if totals is None:
-            totals = part
-        elif part is not None:
-            for f in dataclasses.fields(totals):
-                setattr(totals, f.name, getattr(totals, f.name) + getattr(part, f.name))
-        done += piece
-        if done >= m:
-            return totals, False
-        if agree(world, interrupts) == STOP:
-            return None, True
-
-
-def choose_partition(cfg, J, world, device, dtype, input_shape, resume):
-    """Blocks per stage, the same on every rank: the config's; the checkpoint's when resuming
-    (a measured split may come out differently on another start); else None (one block per
-    stage, or the estimate) unless model.balance is measure, when rank 0 times every block on
-    this run's device, dtype and batch and tells the others the balanced split."""
-    blocks_total = num_blocks(cfg.model.arch, cfg.model.depth)
-    if cfg.model.partition or J == blocks_total:
-        return cfg.model.partition
-    if resume:
-        with open(os.path.join(resume, MANIFEST)) as f:
-            manifest = json.load(f)
-        # A layout-free checkpoint written with other stages is split afresh below.
-        if manifest.get("format") != LAYOUT_FREE or manifest.get("stages") == J:
-            return manifest.get("partition")
-    if cfg.model.balance != "measure":
-        return None
-    sizes = None
-    if world is None or world.rank == 0:
-        from .blockcost import measured_partition_for
-        start = time.perf_counter()
-        sizes, costs = measured_partition_for(cfg, J, input_shape, device, dtype)
-        per_stage = " ".join(f"{1e3 * c:.0f}" for c in costs.stage_seconds(sizes))
-        print(f"petra_mpi: stages balanced by measured cost ({time.perf_counter() - start:.1f} s "
-              f"to time {blocks_total} blocks): blocks per stage {sizes}, ms per micro-batch "
-              f"{per_stage}", file=sys.stderr, flush=True)
-    return world.comm.bcast(sizes, root=0) if world else sizes
-
-
-def resume_from(path, identity, layout, workers, device):
-    """Load the checkpoint at `path` into the workers. Returns the trainer state, with the data
-    position and the optimizer step counter carried over to this run's layout, and the list of
-    layout changes that alter the learning dynamics (empty on the checkpoint's own layout)."""
-    manifest = read_manifest(path, identity, layout)
-    state = manifest["trainer"]
-    if manifest.get("format") != LAYOUT_FREE:  # the first format: on its own layout only
-        for w in workers:
-            load_stage(path, w, device)
-        return state, []
-    for w in workers:
-        load_blocks(path, manifest, w, device)
-    old = {k: manifest.get(k) for k in layout}
-    carry_over(state, workers, old, layout)
-    return state, layout_changes(old, layout)
-
-
-def carry_over(state, workers, old, new):
-    """Map the checkpoint's progress onto this layout. The data position counts each replica's
-    micro-batches: replica r's batch i is batch i·R + r of the epoch, so p batches on R replicas
-    are p·R of the epoch, p·R // R' on R' (the same batches when R' divides p·R). The learning-
-    rate schedule is a function of the optimizer step and the steps per epoch (which depend on
-    R): the step counter is rescaled so the schedule keeps its place in the run, in epochs."""
-    n0, n1 = old["microbatches_per_epoch"], new["microbatches_per_epoch"]
-    if (n0, old["replicas"]) != (n1, new["replicas"]):
-        p = state["position"]
-        state["position"] = n1 if p == n0 else min(n1, p * old["replicas"] // new["replicas"])
-    s0, s1 = old["steps_per_epoch"], new["steps_per_epoch"]
-    if s0 != s1:
-        for w in workers:
-            w.optimizer.steps = round(w.optimizer.steps * s1 / s0)
-
-
-def layout_changes(old, new) -> list[str]:
-    """Each difference between the checkpoint's layout and this run's, said with what it does
-    to training."""
-    changes = []
-    if old["stages"] != new["stages"]:
-        changes.append(f"stages {old['stages']} -> {new['stages']} (the gradient delays "
-                       f"2(J-1-s) change with J)")
-    elif old["partition"] != new["partition"]:
-        changes.append(f"split {old['partition']} -> {new['partition']} (the delay each block "
-                       f"sees changes)")
-    if old["replicas"] != new["replicas"]:
-        changes.append(f"replicas {old['replicas']} -> {new['replicas']} (effective batch, peak "
-                       f"lr {old['peak_lr']:g} -> {new['peak_lr']:g} and batch-norm batches "
-                       f"change; steps per epoch {old['steps_per_epoch']} -> "
-                       f"{new['steps_per_epoch']}, the step counter rescaled to keep the "
-                       f"schedule's place)")
-    elif old["microbatches_per_epoch"] != new["microbatches_per_epoch"]:
-        changes.append(f"micro-batches per epoch {old['microbatches_per_epoch']} -> "
-                       f"{new['microbatches_per_epoch']}")
-    for key in ("device", "dtype", "precision"):
-        if old[key] != new[key]:
-            changes.append(f"{key} {old[key]} -> {new[key]} (rounding differs)")
-    return changes
-
-
-def segment_lengths(cfg, train_batches: int, val_batches: int):
-    n = train_batches if not cfg.train.limit_batches else min(train_batches, cfg.train.limit_batches)
-    m = val_batches if not cfg.train.limit_eval_batches else min(val_batches,
-                                                                cfg.train.limit_eval_batches)
-    if n < 1:
-        raise TrainingError(f"data.path {cfg.data.path}: fewer training images than one batch of "
-                            f"{cfg.data.batch_size}")
-    return n, m
-
-
-class TrainLog:
-    """Loss bookkeeping on the process of the last stage."""
-
-    def __init__(self, cfg, worker, writer, n, epoch, position=0, replicas=1):
-        """Losses and accuracies are replica 0's (a sample of the global batch); images and
-        images/s count every replica's (they advance in step: the averages synchronise them)."""
-        self.cfg, self.worker, self.writer, self.n, self.epoch = cfg, worker, writer, n, epoch
-        self.replicas = replicas
-        self.loss_sum = self.correct = self.count = 0
-        self.seen = position
-        self.epoch_loss = self.epoch_correct = self.epoch_count = 0
-        self.start = self.mark = time.perf_counter()
-        self.last_logged_step = worker.optimizer.steps
-        self.progress = Progress(n, f"epoch {epoch + 1}/{cfg.train.epochs}",
-                                 enabled=cfg.run.progress)
-
-    def __call__(self, b, loss, logits, labels):
-        loss = loss.item()
-        step = self.worker.optimizer.steps
-        if not math.isfinite(loss):
-            why = (f"non-finite loss ({loss}) at step {step} (epoch {self.epoch}, micro-batch {b}): "
-                   f"stopping; lower optim.lr or check the data")
-            self.writer.write("error", step=step, epoch=self.epoch, message=why)  # kept on disk
-            raise TrainingError(why)
-        hits = correct(logits, labels)
-        self.loss_sum += loss * len(labels)
-        self.correct += hits
-        self.count += len(labels)
-        self.epoch_loss += loss * len(labels)
-        self.epoch_correct += hits
-        self.epoch_count += len(labels)
-        self.seen += 1
-        now = time.perf_counter()
-        rate = self.replicas * self.epoch_count / max(now - self.start, 1e-9)
-        self.progress.update(self.seen, loss=self.loss_sum / self.count, img_s=round(rate))
-        if step - self.last_logged_step >= self.cfg.run.log_every or self.seen == self.n:
-            self.writer.write("train", step=step, epoch=self.epoch, loss=self.loss_sum / self.count,
-                              acc=self.correct / self.count, lr=self.worker.optimizer.last_lr,
-                              images_per_s=self.replicas * self.count / max(now - self.mark,
-                                                                            1e-9))
-            self.loss_sum = self.correct = self.count = 0
-            self.mark, self.last_logged_step = now, step
-
-    def finish(self):
-        self.progress.close()
-        seconds = time.perf_counter() - self.start
-        images = self.replicas * self.epoch_count
-        return {"train_loss": self.epoch_loss / max(1, self.epoch_count),
-                "train_acc": self.epoch_correct / max(1, self.epoch_count),
-                "images": images, "seconds": seconds,
-                "images_per_s": images / max(seconds, 1e-9)}
+    return cfg
 
 
 def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
-    """Train on this process's stages; `world` is the MPI context (None in one process);
-    `stop` is set by SIGUSR1/SIGTERM; `profile` (with dry_run) measures the blocks' costs."""
+    """Train on this process's stages (trainer.run); `world` is the MPI context (None in one
+    process); `stop` is set by SIGUSR1/SIGTERM; `profile` (with dry_run) measures the blocks'
+    costs. Returns the exit status."""
+    from .trainer import run as train_run
+    return train_run(cfg, world, dry_run, stop, profile)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    stop = StopRequest().install()  # first: a signal during start-up still means "stop cleanly"
+    from .mpi.world import LaunchError, World, launcher_rank_and_size
+    launched = launcher_rank_and_size()
+    if launched and checked_config(args, *launched) is None:  # before torch loads (bind_early)
+        return 2
+    _bind_gpu_before_mpi(args)
+    try:
+        world = World.from_environment()
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     rank, size = (world.rank, world.size) if world else (0, 1)
-    J, R = num_stages(cfg, size), num_replicas(cfg, size)
-    if world:
-        world.split(J)  # rank = replica · J + stage
-    stage, replica = (world.stage, world.replica) if world else (0, 0)
-    device = pick_device(cfg, world.local_rank if world else 0)
-    if world:
-        from .devices import rank_map
-        table = rank_map(world, device)
-        if table:
-            print(table, file=sys.stderr, flush=True)
-    dtype = getattr(torch, cfg.run.dtype)
-    # every replica's stage 0 reads; one rank writes every output (World.writer_rank)
-    reads_data, writes = stage == 0, (world.is_writer if world else True)
-    threads = cpu_threads(cfg, world)
-    torch.set_num_threads(threads)
-    if dry_run:
-        from .dryrun import report
-        return report(cfg, J, world, device=device, dtype=dtype, profile=profile)
-
-    train_loaders, val_loader = [], None
-    if reads_data:
-        shards = [(replica, R)] if world else [(r, R) for r in range(R)]
-        for shard in shards:
-            train_loader, val, input_shape = open_data(cfg, device, shard,
-                                                       decode_threads(cfg, threads, len(shards)))
-            train_loaders.append(train_loader)
-            if val_loader is None:
-                val_loader = val
-            else:
-                val.close()
-        lengths = (len(train_loaders[0]), len(val_loader), input_shape)
-    if world:
-        lengths = world.share_lengths(lengths if reads_data else None)
-    n, m = segment_lengths(cfg, *lengths[:2])
-    resume = find_resume(cfg.run.out_dir, cfg.run.resume) if rank == 0 else None
-    if world:
-        resume = world.comm.bcast(resume, root=0)
-    partition = choose_partition(cfg, J, world, device, dtype, lengths[2], resume)
-    compression = Compression.from_config(cfg.comm, cfg.run.seed)
-    stages = []
-    for _ in range(1 if world else R):  # in one process: R identical replicas, in rank order
-        stages += build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, J,
-                               seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
-                               partition=partition, buffer_inputs=cfg.train.buffer_inputs,
-                               stash_weights=cfg.train.stash_weights, device=device, dtype=dtype,
-                               image_size=lengths[2][-1],  # the side the data loader delivers
-                               only=stage if world else None, model_kw=model_kwargs(cfg),
-                               precision=cfg.run.precision, compression=compression)
-    steps_per_epoch = -(-n // cfg.train.accumulation)
-    schedule = lr_schedule(cfg, steps_per_epoch, R)
-    # Collective (a Barrier fixes the common time origin); NULL_TRACERs when run.trace is off.
-    tracers = trace.start(cfg.run.trace, world, [rank] if world else list(range(len(stages))),
-                          device)
-    tracer = tracers[0]  # this process's eval and checkpoint spans
-    writer = MetricsWriter(cfg.run.out_dir, cfg.run.tensorboard) if writes else None
-    hooks = []
-    if cfg.train.diag_every:
-        from .diagnostics import Diagnostics
-        hooks.append(Diagnostics(cfg.train.diag_every, cfg.train.accumulation,
-                                 emit=lambda record: writer.write(
-                                     "diag", step=own[-1].optimizer.steps,
-                                     epoch=current_epoch[0], **record)))
-    workers = build_workers(stages, schedule, cfg.train.accumulation,
-                            cfg.optim.momentum, cfg.optim.nesterov, cfg.optim.weight_decay,
-                            optimizer=cfg.optim.name, betas=tuple(cfg.optim.betas),
-                            tracers=tracers, hooks=hooks)
-    own = workers[:J]  # replica 0's: what checkpoints hold (replicas are identical)
-    if world:
-        from .mpi.engine import MPIEngine
-        engine = MPIEngine(workers[0], cfg.train.method, world, dtype, lengths[2],
-                           cfg.data.batch_size, compression)  # its start-up line shows it
-        from .watchdog import start_watchdog
-        engine.watchdog = start_watchdog(cfg, world, engine)  # ends a rank that hangs
-    else:
-        from .engine.local import LocalEngine
-        engine = LocalEngine(workers, cfg.train.method, R, compression)
-        if compression.active:
-            print(f"petra_mpi: {compression.describe()}", file=sys.stderr, flush=True)
-
-    # What a checkpoint must share with this run: the model, the data and the recipe (the
-    # sampler position and the learning-rate schedule depend on the batch size, k and the seed).
-    identity = {"arch": cfg.model.arch, "width": cfg.model.width,
-                "num_classes": cfg.model.num_classes, "stem": cfg.model.stem,
-                "method": cfg.train.method, "buffer_inputs": cfg.train.buffer_inputs,
-                "stash_weights": cfg.train.stash_weights, "batch_size": cfg.data.batch_size,
-                "accumulation": cfg.train.accumulation, "seed": cfg.run.seed,
-                "data": cfg.data.path, "optimizer": cfg.optim.name,
-                "lr_schedule": cfg.optim.schedule, **model_kwargs(cfg)}
-    # What it may differ in: reported at start-up when it does.
-    layout = {"stages": J, "partition": stages[0].partition, "replicas": R,
-              "microbatches_per_epoch": n, "steps_per_epoch": steps_per_epoch,
-              "peak_lr": schedule.peak, "device": device.type, "dtype": cfg.run.dtype,
-              "precision": cfg.run.precision}
-    # The arguments of models.build_network: the plain model an export builds.
-    network = {"arch": cfg.model.arch, "width": cfg.model.width,
-               "num_classes": cfg.model.num_classes, "imagenet_stem": cfg.model.stem == "imagenet",
-               "image_size": lengths[2][-1], **model_kwargs(cfg)}
-    manifest_head = {**identity, **layout, "format": LAYOUT_FREE, "network": network,
-                     "block_files": block_files(stages[0].partition), "config": cfg.to_dict()}
-    state = {"epoch": 0, "position": 0, "best_val_acc": None, "history": [], "wall_time_s": 0.0}
-    changes = []
-    if resume:
-        state, changes = resume_from(resume, identity, layout, workers, device)
-    if writer:
-        writer.write("resume" if resume else "start", stages=J, replicas=R, writer_rank=rank,
-                     method=cfg.train.method, arch=cfg.model.arch, config=cfg.to_dict(),
-                     microbatches_per_epoch=n, placement=world.placement if world else None,
-                     **({"from": resume, "epoch": state["epoch"], "position": state["position"],
-                         "layout_changes": changes} if resume else {}))
-        if resume:
-            print(f"resumed from {resume} (epoch {state['epoch'] + 1}, micro-batch "
-                  f"{state['position']})", file=sys.stderr, flush=True)
-        if changes:
-            print("petra_mpi: resumed on another layout, which changes the learning dynamics: "
-                  + "; ".join(changes), file=sys.stderr, flush=True)
-
-    def checkpoint(epoch, position):
-        with tracer.span(trace.CHECKPOINT):
-            save_checkpoint(epoch, position)
-        interrupts.restart()  # the wall-time cadence counts from the last checkpoint
-
-    def save_checkpoint(epoch, position):
-        path = checkpoint_dir(cfg.run.out_dir, epoch, position)
-        if rank == 0:
-            invalidate(path)
-        if world:
-            world.comm.Barrier()
-        files = [save_blocks(path, w) for w in own] if replica == 0 else []
-        if world:
-            files = world.gather_to_writer(files)  # also: every stage file is in place
-        state.update(epoch=epoch, position=position)
-        if writes:
-            write_manifest(path, manifest_head, {**state, "wall_time_s": prior_wall +
-                                            time.perf_counter() - start}, dict(files))
-            prune(cfg.run.out_dir, cfg.run.keep_checkpoints)
-            writer.write("checkpoint", path=path, epoch=epoch, position=position)
-        if world:
-            world.comm.Barrier()  # the checkpoint is complete when any rank returns
-
-    cadence = cfg.run.checkpoint_every_microbatches
-    interrupts = Interrupts(stop, cfg.run.checkpoint_every_minutes, keeps_clock=rank == 0)
-    prior_wall = state["wall_time_s"]  # of the jobs before a resume
-    start = time.perf_counter()
-    stopping = False
-    current_epoch = [state["epoch"]]  # for the diagnostics records
-    for epoch in range(state["epoch"], cfg.train.epochs):
-        current_epoch[0] = epoch
-        position = state["position"] if epoch == state["epoch"] else 0
-        batches = None
-        if reads_data:
-            feeds = []
-            for loader in train_loaders:  # each replica's share is at the same position
-                loader.load_state_dict({"epoch": epoch, "position": position})
-                feeds.append(_as_dtype(iter(loader), dtype))
-            batches = feeds if len(feeds) > 1 else feeds[0]
-        log = TrainLog(cfg, own[-1], writer, n, epoch, position, R) if writes else None
-        on_loss = own[-1].tracer.wrap_callback(trace.LOG, log)  # log itself when off
-        while position < n and not stopping:
-            length = n - position if not cadence else min(n - position, cadence - position % cadence)
-            position += engine.train_segment(batches, length, on_loss=on_loss, stop=interrupts)
-            level = agree(world, interrupts)  # a stop, or a due wall-time checkpoint
-            stopping = level == STOP
-            if position < n and (level or (cadence and position % cadence == 0)):
-                checkpoint(epoch, position)
-        if position < n:
-            break  # stopped mid-epoch, checkpointed above
-        train_stats = log.finish() if writes else None
-        if writes and "epoch_train" in state:  # resumed into this epoch's evaluation
-            train_stats = state.pop("epoch_train")
-        if not stopping:
-            val_batches = None
-            if reads_data:
-                val_loader.load_state_dict({"epoch": 0, "position": 0})
-                val_batches = _as_dtype(itertools.islice(iter(val_loader), m), dtype)
-            with tracer.span(trace.EVAL):
-                totals, stopping = evaluate_in_pieces(engine, val_batches, m, world, interrupts)
-        if stopping:  # before or during the evaluation: the resumed run evaluates this epoch
-            if writes:
-                state["epoch_train"] = train_stats
-            checkpoint(epoch, n)
-            break
-        if writes:
-            log_epoch(cfg, writer, state, epoch, own[-1].optimizer.steps, train_stats,
-                      totals.result())
-        level = agree(world, interrupts)
-        stopping = level == STOP
-        every = cfg.run.checkpoint_every
-        if (every and (epoch + 1) % every == 0) or epoch + 1 == cfg.train.epochs or level:
-            checkpoint(epoch + 1, 0)
-        if stopping:
-            break
-    memory = [stage_memory(w.stage, w.optimizer) for w in own] if replica == 0 else []
-    if world:
-        memory = world.gather_to_writer(memory)
-    for loader in train_loaders + ([val_loader] if val_loader else []):
-        loader.close()
-    trace.finish(tracers, world, os.path.join(cfg.run.out_dir, "trace.json"),
-                 {"method": cfg.train.method, "arch": cfg.model.arch, "stages": J,
-                  "batch_size": cfg.data.batch_size, "accumulation": cfg.train.accumulation})
-    if stopping and state["epoch"] < cfg.train.epochs:
-        if writes:
-            writer.write("stop", epoch=state["epoch"], position=state["position"],
-                         exit_status=EXIT_REQUEUE)
-            writer.close()
-            print(f"stopped on request at epoch {state['epoch'] + 1}, micro-batch "
-                  f"{state['position']}: checkpoint complete, exit status {EXIT_REQUEUE} "
-                  f"(requeue to resume with run.resume=auto)", file=sys.stderr, flush=True)
-        return EXIT_REQUEUE
-    if writes:
-        write_summary(cfg, state, J, R, n, memory, prior_wall + time.perf_counter() - start, rank)
-        writer.close()
-    return 0
-
-
-def log_epoch(cfg, writer, state, epoch, step, train_stats, result):
-    best = state["best_val_acc"]
-    state["best_val_acc"] = result["val_acc"] if best is None else max(best, result["val_acc"])
-    writer.write("eval", epoch=epoch, step=step, **result)
-    state["history"].append({"epoch": epoch, **result, **train_stats})
-    print(f"epoch {epoch + 1}/{cfg.train.epochs}: train loss {train_stats['train_loss']:.4f} "
-          f"acc {train_stats['train_acc']:.3f} | val loss {result['val_loss']:.4f} "
-          f"acc {result['val_acc']:.3f} top5 {result['val_top5']:.3f} | "
-          f"{train_stats['images_per_s']:.0f} img/s", file=sys.stderr, flush=True)
-
-
-def write_summary(cfg, state, J, R, n, memory, wall, writer_rank=0):
-    history = state["history"]
-    trained = sum(h["images"] for h in history)
-    summary = {"val_acc": history[-1]["val_acc"], "best_val_acc": state["best_val_acc"],
-               "val_top5": history[-1]["val_top5"], "val_loss": history[-1]["val_loss"],
-               "epochs": cfg.train.epochs, "wall_time_s": wall,
-               "images_per_s": trained / max(sum(h["seconds"] for h in history), 1e-9),
-               "stages": J, "replicas": R, "method": cfg.train.method, "arch": cfg.model.arch,
-               "microbatches_per_epoch": n,  # per replica: an epoch is R times as many
-               "history": history, "memory": memory,
-               "writer_rank": writer_rank}  # the rank that wrote every output of the run
-    write_json_atomic(os.path.join(cfg.run.out_dir, "summary.json"), summary)
-    print(f"done in {fmt_time(wall)}: val acc {summary['val_acc']:.4f} "
-          f"(best {summary['best_val_acc']:.4f}); outputs in {cfg.run.out_dir}", file=sys.stderr)
-
-
-def _as_dtype(batches, dtype):
-    if dtype == torch.float32:
-        return batches
-    return ((x.to(dtype), y) for x, y in batches)
+    cfg = checked_config(args, rank, size)  # MPI's world size: a launcher not known above
+    if cfg is None:
+        return 2
+    from .checkpoint import CheckpointError
+    from .trainer import TrainingError
+    if world is None:
+        try:
+            return run(cfg, None, args.dry_run, stop, args.profile)
+        except (TrainingError, CheckpointError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    return world.run_guarded(lambda: run(cfg, world, args.dry_run, stop, args.profile),
+                             (TrainingError, CheckpointError))
 
 
 def _bind_gpu_before_mpi(args):
@@ -565,38 +91,6 @@ def _bind_gpu_before_mpi(args):
         return
     from .devices import bind_early
     bind_early(device)
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    stop = StopRequest().install()  # first: a signal during start-up still means "stop cleanly"
-    _bind_gpu_before_mpi(args)
-    from .mpi.world import LaunchError, World
-    try:
-        world = World.from_environment()
-    except LaunchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    rank, size = (world.rank, world.size) if world else (0, 1)
-    if args.profile and not args.dry_run:
-        if rank == 0:
-            print("error: --profile goes with --dry-run", file=sys.stderr)
-        return 2
-    try:
-        cfg = load_config(args.config, args.set)
-        validate(cfg, size)
-    except ConfigError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    if world is None:
-        try:
-            return run(cfg, None, args.dry_run, stop, args.profile)
-        except (TrainingError, CheckpointError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-    return world.run_guarded(lambda: run(cfg, world, args.dry_run, stop, args.profile),
-                             (TrainingError, CheckpointError))
 
 
 if __name__ == "__main__":

@@ -184,6 +184,11 @@ def _pipeline_rate(arch, width, stages, side, num_classes, batch, device, imagen
 
 
 def main(argv):
+    a = parse_args(argv)
+    report(a, run(a))
+
+
+def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m petra_mpi.bench data", description=__doc__.split("\n")[0])
     p.add_argument("file", help="an HDF5 dataset file, or 'synthetic'")
     p.add_argument("--batch", type=int, default=64)
@@ -204,91 +209,128 @@ def main(argv):
     p.add_argument("--device", default="cpu",
                    help="where the loaders deliver (cuda: JPEG decoded by nvJPEG when "
                         "torchvision has it, augmentation on the GPU)")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+class Measurements:
+    """The figures (the JSON line) and the table rows of a run, filled measurement by
+    measurement."""
+
+    def __init__(self, seconds, figures):
+        self.seconds, self.figures, self.rows, self.notes = seconds, figures, [], []
+
+    def measure(self, name, step, key=None):
+        ips, cpu_ips, per_call = _timed(step, self.seconds)
+        if key:
+            self.figures[key] = round(ips, 1)
+            if cpu_ips is not None:
+                self.figures[key.replace("images_per_s", "images_per_cpu_s")] = round(cpu_ips, 1)
+        self.rows.append((name, ips, cpu_ips, per_call))
+
+
+def run(a) -> dict:
+    """Time every reader and loader the data allows; {"figures": the JSON line's object,
+    "rows": (name, images/s, images/CPU-s or None, s/batch) of the table, "notes": lines}."""
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible")
-
     torch.set_num_threads(a.threads)
     cores = _pin_cores(a.threads)
-    fig = {"bench": "data", "file": a.file, "batch": a.batch, "threads": a.threads,
-           "cores": cores, "device": str(device)}
-
-    def measure(name, step, key=None):
-        ips, cpu_ips, per_call = _timed(step, a.seconds)
-        if key:
-            fig[key] = round(ips, 1)
-            if cpu_ips is not None:
-                fig[key.replace("images_per_s", "images_per_cpu_s")] = round(cpu_ips, 1)
-        cpu = "-" if cpu_ips is None else f"{cpu_ips:.0f}"
-        print(f"  {name:<46s} {ips:>9.0f} {cpu:>9s} {per_call * 1e3:9.2f}", flush=True)
-
+    m = Measurements(a.seconds, {"bench": "data", "file": a.file, "batch": a.batch,
+                                 "threads": a.threads, "cores": cores, "device": str(device)})
     with tempfile.TemporaryDirectory() as tmp:
-        print(f"data bench: {a.file}, batch {a.batch}, {a.threads} core(s) {cores}, "
-              f"{a.seconds:g} s per row, loaders deliver to {device}")
-        print(f"  {'':<46s} {'images/s':>9s} {'img/cpu-s':>9s} {'ms/batch':>9s}")
         src = open_split(a.file, "train", synthetic_sizes=(a.synthetic_n, a.synthetic_n // 5))
-        streams = []  # (label, source) of 32x32 data
-        if src.kind == "array":
-            if a.file == "synthetic":
-                copy = os.path.join(tmp, "synthetic.h5")
-                _write_h5_copy(src, copy)
-                streams = [("memory", src), ("hdf5", open_split(copy, "train", in_memory=False))]
-            else:  # as opened (loaded whole when small), and streamed from the file
-                streams = [("memory", src)] if src.in_memory else []
-                streams.append(("hdf5", open_split(a.file, "train", in_memory=False)))
-        for label, s in streams:
-            key = "" if label == "hdf5" else "memory_"
-            probe = BatchLoader(s, a.batch, train=True, seed=0)
-            measure(f"[{label}] reader only (take of a sorted batch)", _reader_step(s, probe),
-                    f"{key}reader_images_per_s")
-            for name, kw, k in [("train loader: read+crop+flip+normalise", dict(train=True), "images_per_s"),
-                                ("train loader, no prefetch thread", dict(train=True, prefetch=0), "noprefetch_images_per_s"),
-                                ("eval loader: read+normalise", dict(train=False), "eval_images_per_s")]:
-                ld = BatchLoader(s, a.batch, seed=0, device=device, **kw)
-                measure(f"[{label}] {name}", _loader_step(ld), key + k)
-                ld.close()
-
+        for label, s in _array_streams(a, src, tmp):
+            _time_array_loaders(a, m, label, s, device)
         jpeg_src = src if src.kind == "jpeg" else None
         if jpeg_src is None and a.jpeg_demo:
             path = os.path.join(tmp, "jpeg_demo.h5")
             kb = _write_jpeg_demo(path) / 1024
-            print(f"  (jpeg demo: 256 generated JPEGs, shorter side 256, {kb:.0f} KiB each)")
+            m.notes.append(f"(jpeg demo: 256 generated JPEGs, shorter side 256, {kb:.0f} KiB "
+                           f"each)")
             jpeg_src = open_split(path, "train")
         if jpeg_src is not None:
-            gpu_decode = A.has_gpu_decode(device)  # as the loader decides (BatchLoader)
-            fig["jpeg_gpu_decode"] = gpu_decode
-            workers = a.decode_workers or a.threads
-            pools = ["thread", "process"] if a.decode_pool == "both" else [a.decode_pool]
-            for train, what, k in [(True, f"random-resized-crop {a.crop}", "jpeg"),
-                                   (False, f"centre crop {a.crop}", "jpeg_eval")]:
-                for pool in pools:
-                    tag = "" if pool == "thread" else "process_"
-                    ld = BatchLoader(jpeg_src, min(a.batch, len(jpeg_src)), train=train, seed=0,
-                                     crop=a.crop, decode_threads=workers, decode_pool=pool,
-                                     device=device)
-                    measure(f"[jpeg] read + decode + {what} ({workers} {pool} workers)", _load_step(ld),
-                            f"{k}_{tag}decode_images_per_s")
-                    measure(f"[jpeg]   loader: + flip + normalise ({device}, {pool} pool"
-                            + (", nvJPEG decode)" if gpu_decode else ")"),
-                            _loader_step(ld), f"{k}_{tag}images_per_s")
-                    ld.close()
-            fig["jpeg_crop"] = a.crop
-            fig["decode_workers"] = workers
+            _time_jpeg_loaders(a, m, jpeg_src, device)
         if a.pipeline:
-            # the training path's whole loader: JPEG when there is one, else the 32x32 reader
-            jpeg = jpeg_src is not None
-            fed = jpeg_src if jpeg else src
-            side = a.crop if jpeg else src.image_size
-            keys = ("jpeg_images_per_s", "jpeg_process_images_per_s") if jpeg else ("images_per_s",)
-            delivered = max(fig[k] for k in keys if k in fig)  # the faster decode pool
-            rate, sizes = _pipeline_rate(a.pipeline, a.pipeline_width, a.pipeline_stages, side,
-                                         fed.num_classes, a.batch, device, imagenet_stem=jpeg)
-            rate = round(rate, 1)
-            fig.update(pipeline=a.pipeline, pipeline_split=sizes, pipeline_images_per_s=rate,
-                       loader_over_pipeline=delivered / rate)
-            print(f"  pipeline {a.pipeline} width {a.pipeline_width}, {len(sizes)} stages "
-                  f"{sizes}, micro-batch {a.batch}, {side}x{side} on {device}: consumes "
-                  f"{rate:.0f} images/s; the loader delivers {delivered:.0f} "
-                  f"({delivered / rate:.2f}x)")
+            _time_pipeline(a, m, src, jpeg_src, device)
+    return {"figures": m.figures, "rows": m.rows, "notes": m.notes}
+
+
+def _array_streams(a, src, tmp):
+    """(label, source) of the 32x32 data to time: in memory and streamed from HDF5."""
+    if src.kind != "array":
+        return []
+    if a.file == "synthetic":
+        copy = os.path.join(tmp, "synthetic.h5")
+        _write_h5_copy(src, copy)
+        return [("memory", src), ("hdf5", open_split(copy, "train", in_memory=False))]
+    # as opened (loaded whole when small), and streamed from the file
+    streams = [("memory", src)] if src.in_memory else []
+    return streams + [("hdf5", open_split(a.file, "train", in_memory=False))]
+
+
+def _time_array_loaders(a, m, label, s, device):
+    key = "" if label == "hdf5" else "memory_"
+    probe = BatchLoader(s, a.batch, train=True, seed=0)
+    m.measure(f"[{label}] reader only (take of a sorted batch)", _reader_step(s, probe),
+              f"{key}reader_images_per_s")
+    for name, kw, k in [("train loader: read+crop+flip+normalise", dict(train=True), "images_per_s"),
+                        ("train loader, no prefetch thread", dict(train=True, prefetch=0), "noprefetch_images_per_s"),
+                        ("eval loader: read+normalise", dict(train=False), "eval_images_per_s")]:
+        ld = BatchLoader(s, a.batch, seed=0, device=device, **kw)
+        m.measure(f"[{label}] {name}", _loader_step(ld), key + k)
+        ld.close()
+
+
+def _time_jpeg_loaders(a, m, jpeg_src, device):
+    gpu_decode = A.has_gpu_decode(device)  # as the loader decides (BatchLoader)
+    m.figures["jpeg_gpu_decode"] = gpu_decode
+    workers = a.decode_workers or a.threads
+    pools = ["thread", "process"] if a.decode_pool == "both" else [a.decode_pool]
+    for train, what, k in [(True, f"random-resized-crop {a.crop}", "jpeg"),
+                           (False, f"centre crop {a.crop}", "jpeg_eval")]:
+        for pool in pools:
+            tag = "" if pool == "thread" else "process_"
+            ld = BatchLoader(jpeg_src, min(a.batch, len(jpeg_src)), train=train, seed=0,
+                             crop=a.crop, decode_threads=workers, decode_pool=pool,
+                             device=device)
+            m.measure(f"[jpeg] read + decode + {what} ({workers} {pool} workers)", _load_step(ld),
+                      f"{k}_{tag}decode_images_per_s")
+            m.measure(f"[jpeg]   loader: + flip + normalise ({device}, {pool} pool"
+                      + (", nvJPEG decode)" if gpu_decode else ")"),
+                      _loader_step(ld), f"{k}_{tag}images_per_s")
+            ld.close()
+    m.figures["jpeg_crop"] = a.crop
+    m.figures["decode_workers"] = workers
+
+
+def _time_pipeline(a, m, src, jpeg_src, device):
+    """What the pipeline consumes next to what the training path's whole loader delivers: JPEG
+    when there is one, else the 32x32 reader."""
+    jpeg = jpeg_src is not None
+    fed = jpeg_src if jpeg else src
+    side = a.crop if jpeg else src.image_size
+    keys = ("jpeg_images_per_s", "jpeg_process_images_per_s") if jpeg else ("images_per_s",)
+    delivered = max(m.figures[k] for k in keys if k in m.figures)  # the faster decode pool
+    rate, sizes = _pipeline_rate(a.pipeline, a.pipeline_width, a.pipeline_stages, side,
+                                 fed.num_classes, a.batch, device, imagenet_stem=jpeg)
+    rate = round(rate, 1)
+    m.figures.update(pipeline=a.pipeline, pipeline_split=sizes, pipeline_images_per_s=rate,
+                     loader_over_pipeline=delivered / rate)
+    m.notes.append(f"pipeline {a.pipeline} width {a.pipeline_width}, {len(sizes)} stages "
+                   f"{sizes}, micro-batch {a.batch}, {side}x{side} on {device}: consumes "
+                   f"{rate:.0f} images/s; the loader delivers {delivered:.0f} "
+                   f"({delivered / rate:.2f}x)")
+
+
+def report(a, r: dict):
+    fig = r["figures"]
+    print(f"data bench: {a.file}, batch {a.batch}, {a.threads} core(s) {fig['cores']}, "
+          f"{a.seconds:g} s per row, loaders deliver to {fig['device']}")
+    print(f"  {'':<46s} {'images/s':>9s} {'img/cpu-s':>9s} {'ms/batch':>9s}")
+    for name, ips, cpu_ips, per_call in r["rows"]:
+        cpu = "-" if cpu_ips is None else f"{cpu_ips:.0f}"
+        print(f"  {name:<46s} {ips:>9.0f} {cpu:>9s} {per_call * 1e3:9.2f}")
+    for note in r["notes"]:
+        print(f"  {note}")
     print(json.dumps(fig))

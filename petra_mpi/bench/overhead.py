@@ -18,6 +18,11 @@ from .common import alternate, emit
 
 
 def main(argv):
+    a = parse_args(argv)
+    report(a, run(a))
+
+
+def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m petra_mpi.bench overhead", description=__doc__)
     p.add_argument("--arch", default="revnet18")
     p.add_argument("--width", type=int, default=64)
@@ -30,7 +35,11 @@ def main(argv):
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def run(a) -> dict:
+    """Time the tick and the plain step; the figures of the JSON line."""
     if a.threads:
         torch.set_num_threads(a.threads)
     device = torch.device(a.device)
@@ -77,15 +86,18 @@ def main(argv):
 
     alternate({"petra": petra_tick, "plain": plain_step}, 1, sync)  # warm-up
     med = alternate({"petra": petra_tick, "plain": plain_step}, a.repeats, sync)
-    ratio = med["petra"] / med["plain"]
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"cpu, {torch.get_num_threads()} threads")
-    print(f"{a.arch} width {a.width}, batch {a.batch}, {J} stages, {a.precision}, {where}, "
-          f"median of {a.repeats} alternated runs")
-    print(f"  PETRA tick over all stages : {med['petra'] * 1e3:9.1f} ms")
-    print(f"  plain autograd step        : {med['plain'] * 1e3:9.1f} ms")
-    print(f"  ratio                      : {ratio:9.3f}   (ideal 4/3 = 1.333, target <= 1.45)")
-    emit({"bench": "overhead", "arch": a.arch, "width": a.width, "batch": a.batch, "stages": J,
-          "threads": torch.get_num_threads(), "device": where, "precision": a.precision,
-          "petra_tick_s": med["petra"],
-          "plain_step_s": med["plain"], "ratio": ratio})
+    return {"bench": "overhead", "arch": a.arch, "width": a.width, "batch": a.batch, "stages": J,
+            "threads": torch.get_num_threads(), "device": where, "precision": a.precision,
+            "petra_tick_s": med["petra"],
+            "plain_step_s": med["plain"], "ratio": med["petra"] / med["plain"]}
+
+
+def report(a, r: dict):
+    print(f"{r['arch']} width {r['width']}, batch {r['batch']}, {r['stages']} stages, "
+          f"{r['precision']}, {r['device']}, median of {a.repeats} alternated runs")
+    print(f"  PETRA tick over all stages : {r['petra_tick_s'] * 1e3:9.1f} ms")
+    print(f"  plain autograd step        : {r['plain_step_s'] * 1e3:9.1f} ms")
+    print(f"  ratio                      : {r['ratio']:9.3f}   (ideal 4/3 = 1.333, target <= 1.45)")
+    emit(r)

@@ -6,31 +6,11 @@ one for the head (10 stages for the 18-layer nets, 18 for the 34/50-layer nets).
 """
 from torch import nn
 
+from ..archs import ARCH_NAMES, ARCHS, INVERTIBLE_ARCHS, VIT_ARCHS, num_blocks  # noqa: F401
 from .blocks import (DownsampleBlock, Head, PadShortcut, ResidualBlock, ReversibleBlock, Stem,
                      basic_branch, bottleneck_branch, conv_bn)
-from .invertible import INVERTIBLE_ARCHS, build_invertible_blocks
-from .vit import VIT_ARCHS, build_vit_blocks, vit_num_blocks
-
-ARCHS = {  # name: (reversible, bottleneck, blocks per layer)
-    "resnet18": (False, False, (2, 2, 2, 2)),
-    "resnet34": (False, False, (3, 4, 6, 3)),
-    "resnet50": (False, True, (3, 4, 6, 3)),
-    "revnet18": (True, False, (2, 2, 2, 2)),
-    "revnet34": (True, False, (3, 4, 6, 3)),
-    "revnet50": (True, True, (3, 4, 6, 3)),
-}
-# every model.arch: the CNNs above, the fully invertible RevNets and the transformers (vit.py)
-ARCH_NAMES = (*ARCHS, *INVERTIBLE_ARCHS, *VIT_ARCHS)
-
-
-def num_blocks(arch: str, depth: int = 0) -> int:
-    """Number of blocks (stem + residual or transformer blocks + head): the most stages the net can
-    be split into. `depth`: transformer blocks of revvit/vit (0: the default)."""
-    if arch in VIT_ARCHS:
-        return vit_num_blocks(depth)
-    if arch in INVERTIBLE_ARCHS:
-        return sum(INVERTIBLE_ARCHS[arch][1]) + 2
-    return sum(ARCHS[arch][2]) + 2
+from .invertible import build_invertible_blocks
+from .vit import build_vit_blocks
 
 
 def build_blocks(arch: str, width: int = 64, num_classes: int = 10, imagenet_stem: bool = False,

@@ -19,13 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..archs import INVERTIBLE_ARCHS
 from .blocks import BatchNorm2d, Head, ReversibleBlock, Stem, conv_bn
 
-INVERTIBLE_ARCHS = {  # name: (bottleneck branches, blocks per layer), the RevNets' layouts
-    "irevnet18": (False, (2, 2, 2, 2)),
-    "irevnet34": (False, (3, 4, 6, 3)),
-    "irevnet50": (True, (3, 4, 6, 3)),
-}
 
 
 def squeeze(x):

@@ -16,15 +16,9 @@ import math
 import torch
 from torch import nn
 
+from ..archs import DEFAULT_DEPTH, VIT_ARCHS, default_heads  # noqa: F401 (VIT_ARCHS re-exported)
 from .blocks import MixedPrecision
 
-VIT_ARCHS = ("revvit", "vit")
-DEFAULT_DEPTH = 8
-
-
-def default_heads(width: int) -> int:
-    """model.heads = 0: one head per 64 features (at least one), as in ViT/DeiT."""
-    return max(1, width // 64)
 
 
 class AttentionCore(nn.Module):
@@ -167,10 +161,6 @@ class ViTHead(MixedPrecision, nn.Module):
         if self.streams > 1:
             x = sum(x.chunk(self.streams, dim=-1)) / self.streams
         return self.sub(lambda t: self.fc(self.norm(t).mean(dim=1)), x)
-
-
-def vit_num_blocks(depth: int) -> int:
-    return (depth or DEFAULT_DEPTH) + 2
 
 
 def build_vit_blocks(arch: str, width: int, num_classes: int, *, image_size: int = 32,

@@ -170,7 +170,7 @@ class MPIEngine:
     def train_segment(self, batches, n, on_loss=None, stop=None) -> int:
         """Algorithm 1 for this rank over a segment of n micro-batches (fill to drain); a stop
         request agreed by all ranks ends it early. Returns the micro-batches trained."""
-        w, J = self.w, self.world.stages
+        w = self.w
         w.begin_segment(n)
         # Large messages move only while MPI is called: poll between blocks (docs/performance.md).
         w.stage.between_blocks = self.transport.poll

@@ -30,6 +30,24 @@ def _srun_step_tasks() -> int:
         return 1
 
 
+def launcher_rank_and_size(env=None):
+    """(rank, world size) from the launcher's environment, read before MPI starts (and before
+    torch loads), so a config that does not fit the world size fails at once on every rank;
+    None when no known launcher started this process."""
+    env = os.environ if env is None else env
+    for rank_var, size_var in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),  # Open MPI
+                               ("PMI_RANK", "PMI_SIZE"),  # MPICH Hydra, Intel MPI, PMI-1/2
+                               ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE")):  # MVAPICH2
+        rank, size = env.get(rank_var, "").strip(), env.get(size_var, "").strip()
+        if rank.isdigit() and size.isdigit():
+            return int(rank), int(size)
+    step = env.get("SLURM_STEP_ID", "")
+    rank, size = env.get("SLURM_PROCID", ""), env.get("SLURM_STEP_NUM_TASKS", "")
+    if step.isdigit() and int(step) < 0xFFFFFFF0 and rank.isdigit() and size.isdigit():
+        return int(rank), int(size)  # an srun step (not the batch step a script's mpirun is in)
+    return None
+
+
 def _affinity() -> set:
     try:
         return set(os.sched_getaffinity(0))
@@ -57,7 +75,7 @@ class World:
         self.node_cpus = node.allgather(sorted(_affinity()))  # CPU sets of this node's ranks
         node.Free()
         self.placement = None  # rank -> host, stage and replica, once devices.rank_map ran
-        self.split(self.size)  # one pipeline over every rank until train.py says otherwise
+        self.split(self.size)  # one pipeline over every rank until the trainer says otherwise
 
     def split(self, stages: int):
         """Lay the ranks out as R = size / stages replicas of a `stages`-rank pipeline, rank =

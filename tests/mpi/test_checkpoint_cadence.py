@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from petra_mpi import stopping, train
+from petra_mpi import stopping, train, trainer
 from petra_mpi.config import load_config, validate
 from petra_mpi.engine.local import LocalEngine
 from petra_mpi.engine.evaluation import EvalTotals
@@ -80,7 +80,7 @@ def test_wall_time_checkpoints_in_one_process(tmp_path, monkeypatch, one_thread)
 def test_stop_during_evaluation_resumes_into_it(tmp_path, monkeypatch, one_thread):
     """A stop request during the first evaluation ends it after its first piece; the resumed run
     evaluates that epoch and goes on, ending where an uninterrupted run ends."""
-    monkeypatch.setattr(train, "EVAL_CHECK_BATCHES", 2)
+    monkeypatch.setattr(trainer, "EVAL_CHECK_BATCHES", 2)
     stop = StopRequest()
     evaluate = LocalEngine.evaluate
 
@@ -124,7 +124,7 @@ def test_evaluation_pieces_add_up():
     whole = EvalTotals()
     for logits, labels in data:
         whole.add(logits, labels)
-    totals, stopped = train.evaluate_in_pieces(Engine(), iter(data), 600, None,
+    totals, stopped = trainer.evaluate_in_pieces(Engine(), iter(data), 600, None,
                                                Interrupts(StopRequest()))
     assert calls == [256, 256, 88] and not stopped
     assert (totals.top1, totals.top5, totals.count) == (whole.top1, whole.top5, whole.count)
@@ -146,10 +146,10 @@ def test_ranks_agree_on_rank0_clock(tmp_path):
 
 def test_decode_cpu_warning():
     cfg = config("/tmp/unused")
-    assert "fewer than the 8" in train.decode_cpu_warning(cfg, 1, gpu_decode=False)
-    assert train.decode_cpu_warning(cfg, 8, gpu_decode=False) is None
-    assert train.decode_cpu_warning(cfg, 1, gpu_decode=True) is None  # nvJPEG decodes
+    assert "fewer than the 8" in trainer.decode_cpu_warning(cfg, 1, gpu_decode=False)
+    assert trainer.decode_cpu_warning(cfg, 8, gpu_decode=False) is None
+    assert trainer.decode_cpu_warning(cfg, 1, gpu_decode=True) is None  # nvJPEG decodes
     cfg.data.decode_workers = 2
-    assert train.decode_cpu_warning(cfg, 2, gpu_decode=False) is None
-    assert "--cpus-per-task=3" in train.decode_cpu_warning(
+    assert trainer.decode_cpu_warning(cfg, 2, gpu_decode=False) is None
+    assert "--cpus-per-task=3" in trainer.decode_cpu_warning(
         config("/tmp/unused", "--set", "data.decode_workers=3"), 2, gpu_decode=False)

@@ -196,6 +196,23 @@ def test_wrong_world_size_is_an_error_before_training(tmp_path, n, sets, expect)
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_wrong_world_size_is_reported_before_torch_loads(tmp_path):
+    """Each rank checks the config against the launcher's world size before importing torch
+    (the trainer and the GPU binding load it): the wrong -n costs no torch import per rank."""
+    code = ("import sys\n"
+            "from petra_mpi.train import main\n"
+            "status = main(sys.argv[1:])\n"
+            "print('torch loaded:', 'torch' in sys.modules)\n"
+            "sys.exit(status)\n")
+    proc = mpirun(3, ["-c", code, "configs/quickstart.yaml", "--set", f"run.out_dir={tmp_path}",
+                      *QUICK, "--set", "model.stages=4"], timeout=60)
+    assert proc.returncode != 0
+    assert "asks for 4 stages but 3 ranks are running" in proc.stderr
+    assert "run mpirun -n 4" in proc.stderr
+    assert proc.stdout.count("torch loaded: False") == 3, proc.stdout
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 @pytest.mark.extended  # the trainer under mpirun: test_resume.py runs it in the default selection
 def test_quickstart_under_mpirun_4(tmp_path):
     proc = mpirun(4, ["-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",

@@ -150,7 +150,7 @@ def test_another_layout_is_accepted_for_a_layout_free_checkpoint_only(tmp_path):
 def test_a_checkpoint_of_the_first_format_still_resumes_on_its_layout(tmp_path):
     """Stage files with stage-local names and a manifest without "format" (as earlier versions
     wrote them): the trainer's resume path loads them on the same layout."""
-    from petra_mpi.train import resume_from
+    from petra_mpi.trainer import resume_from
     workers = trained_workers([5, 5])
     files = dict(save_stage(str(tmp_path), w) for w in workers)
     identity = {k: v for k, v in IDENTITY.items() if k != "stem"}

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from petra_mpi import train
+from petra_mpi import train, trainer
 from petra_mpi.checkpoint import save_blocks
 from petra_mpi.config import load_config, validate
 from petra_mpi.mpi.world import World
@@ -24,7 +24,7 @@ def main():
     world = World.from_environment()
     cfg = load_config(args.config, args.set)
     validate(cfg, world.size if world else 1)
-    resume_from = train.resume_from
+    resume_from = trainer.resume_from
 
     def resume_and_dump(path, identity, layout, workers, device):
         state, changes = resume_from(path, identity, layout, workers, device)
@@ -37,7 +37,7 @@ def main():
                            "steps": workers[0].optimizer.steps}, f)
         raise Resumed
 
-    train.resume_from = resume_and_dump
+    trainer.resume_from = resume_and_dump  # Trainer looks it up at its start
     try:
         train.run(cfg, world)
     except Resumed:

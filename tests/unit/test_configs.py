@@ -3,13 +3,20 @@
 The dry runs are in-process (`petra_mpi.train.main`) to skip interpreter start-up; each builds the
 full-width model and pushes one image through it.
 """
+import dataclasses
+import subprocess
+import sys
+import typing
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT
-from petra_mpi.config import load_config, num_stages
-from petra_mpi.models import num_blocks
+from petra_mpi.config import Config, ConfigError, load_config, num_stages
+from petra_mpi.models import ARCHS, PRECISIONS, num_blocks
+from petra_mpi.models.vit import VIT_ARCHS
+from petra_mpi.optim import OPTIMIZERS
+from petra_mpi.schedule import METHODS
 from petra_mpi.optim import peak_lr
 from petra_mpi.train import main
 
@@ -200,3 +207,60 @@ def test_mission_command_cifar10_under_mpirun_10(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stages"] == 10 and summary["epochs"] == 1 and summary["method"] == "petra"
     assert len(summary["memory"]) == 10 and 0 <= summary["val_acc"] <= 1
+
+
+def test_loading_and_validating_a_config_does_not_import_torch():
+    """Every rank checks its config (and the world size) before torch loads: 24 ranks loading
+    torch on a small node take minutes just to report a wrong world size."""
+    code = ("import sys\n"
+            "from petra_mpi.config import load_config, validate\n"
+            "from petra_mpi import train\n"
+            "validate(load_config('configs/quickstart.yaml'), 4)\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def literal_fields():
+    for section in dataclasses.fields(Config):
+        if section.name == "source":
+            continue
+        for name, hint in typing.get_type_hints(section.type).items():
+            if typing.get_origin(hint) is typing.Literal:
+                yield f"{section.name}.{name}", typing.get_args(hint)
+
+
+def test_choices_are_literal_types_checked_by_the_loader():
+    choices = dict(literal_fields())
+    assert {"run.device", "run.dtype", "run.precision", "model.arch", "model.stem",
+            "model.balance", "data.decode_pool", "train.method", "optim.name",
+            "optim.schedule"} <= choices.keys()
+    for key, allowed in choices.items():
+        cfg_of("quickstart.yaml", [f"{key}={allowed[-1]}"])  # each choice loads
+        with pytest.raises(ConfigError, match=rf"{key}: must be one of {', '.join(allowed)}"):
+            cfg_of("quickstart.yaml", [f"{key}=bogus"])
+
+
+def test_literal_choices_are_what_the_code_implements():
+    choices = dict(literal_fields())
+    assert set(choices["model.arch"]) == set(ARCHS) | set(VIT_ARCHS)
+    assert choices["train.method"] == METHODS
+    assert choices["optim.name"] == OPTIMIZERS
+    assert set(choices["run.precision"]) == set(PRECISIONS)
+
+
+def test_bounds_are_annotations_checked_by_the_loader():
+    bounded = {}
+    for section in dataclasses.fields(Config):
+        if section.name == "source":
+            continue
+        for name, hint in typing.get_type_hints(section.type, include_extras=True).items():
+            if typing.get_origin(hint) is typing.Annotated:
+                bounded[f"{section.name}.{name}"] = hint.__metadata__[0].low
+    assert {"train.epochs", "train.accumulation", "data.batch_size", "model.width",
+            "model.num_classes", "optim.lr", "run.keep_checkpoints"} <= bounded.keys()
+    for key, low in bounded.items():
+        cfg_of("quickstart.yaml", [f"{key}={low}"])  # the bound itself loads
+        with pytest.raises(ConfigError, match=rf"{key}: must be >= {low}, got -?[0-9.]+"):
+            cfg_of("quickstart.yaml", [f"{key}={low - 1}"])

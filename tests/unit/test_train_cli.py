@@ -192,7 +192,7 @@ def test_decode_workers_default_to_the_ranks_cpu_share():
     """data.decode_workers: 0 sizes each loader's JPEG decode pool from the rank's CPU share, the
     one its torch threads get, not from the whole affinity set that ranks may share."""
     from petra_mpi.mpi.world import cpu_share
-    from petra_mpi.train import cpu_threads, decode_threads, open_data
+    from petra_mpi.trainer import cpu_threads, decode_threads, open_data
 
     class Rank:  # a rank of a node whose ranks' CPU sets are `node`
         def __init__(self, mine, node):

@@ -1,0 +1,47 @@
+"""The model architectures by name and their block counts, without torch: the config checks
+model.arch and model.stages with these before any rank loads torch (models/ builds the nets)."""
+import typing
+
+# Every model.arch: the CNNs of the paper, the fully invertible RevNets (models/invertible.py)
+# and the transformers (models/vit.py).
+Arch = typing.Literal["resnet18", "resnet34", "resnet50", "revnet18", "revnet34", "revnet50",
+                      "irevnet18", "irevnet34", "irevnet50", "revvit", "vit"]
+ARCH_NAMES = typing.get_args(Arch)
+
+ARCHS = {  # name: (reversible, bottleneck, blocks per layer)
+    "resnet18": (False, False, (2, 2, 2, 2)),
+    "resnet34": (False, False, (3, 4, 6, 3)),
+    "resnet50": (False, True, (3, 4, 6, 3)),
+    "revnet18": (True, False, (2, 2, 2, 2)),
+    "revnet34": (True, False, (3, 4, 6, 3)),
+    "revnet50": (True, True, (3, 4, 6, 3)),
+}
+INVERTIBLE_ARCHS = {  # name: (bottleneck branches, blocks per layer), the RevNets' layouts
+    "irevnet18": (False, (2, 2, 2, 2)),
+    "irevnet34": (False, (3, 4, 6, 3)),
+    "irevnet50": (True, (3, 4, 6, 3)),
+}
+VIT_ARCHS = ("revvit", "vit")
+DEFAULT_DEPTH = 8  # transformer blocks of revvit/vit when model.depth is 0
+
+
+def vit_num_blocks(depth: int) -> int:
+    return (depth or DEFAULT_DEPTH) + 2
+
+
+def num_blocks(arch: str, depth: int = 0) -> int:
+    """Number of blocks (stem + residual or transformer blocks + head): the most stages the net can
+    be split into. `depth`: transformer blocks of revvit/vit (0: the default)."""
+    if arch in VIT_ARCHS:
+        return vit_num_blocks(depth)
+    if arch in INVERTIBLE_ARCHS:
+        return sum(INVERTIBLE_ARCHS[arch][1]) + 2
+    return sum(ARCHS[arch][2]) + 2
+
+
+def default_heads(width: int) -> int:
+    """model.heads = 0: one head per 64 features (at least one), as in ViT/DeiT."""
+    return max(1, width // 64)
+
+
+assert set(ARCH_NAMES) == {*ARCHS, *INVERTIBLE_ARCHS, *VIT_ARCHS}, "Arch lists every table"
