@@ -28,6 +28,7 @@ from .metrics import MetricsWriter, Progress, fmt_time, stage_memory, write_json
 from .models import num_blocks
 from .optim import LRSchedule, peak_lr
 from .stopping import EVAL_CHECK_BATCHES, EXIT_REQUEUE, STOP, Interrupts, agree
+from .watchdog import CHECKPOINT_GRACE_S, NoWatchdog
 from . import trace
 
 
@@ -119,11 +120,11 @@ def decode_cpu_warning(cfg, cpus: int, gpu_decode: bool):
             f"map shows each rank's CPUs")
 
 
-def evaluate_in_pieces(engine, batches, m, world, interrupts):
+def evaluate_in_pieces(engine, batches, m, vote):
     """The evaluation of m batches in pieces of EVAL_CHECK_BATCHES, every rank agreeing after
-    each whether to stop, so a stop request need not wait for a whole evaluation (a due
-    wall-time checkpoint does wait). Returns (totals, stopped); totals: the summed EvalTotals
-    where the loss is computed, None elsewhere and when stopped."""
+    each whether to stop (vote(): the agreed level), so a stop request need not wait for a whole
+    evaluation (a due wall-time checkpoint does wait). Returns (totals, stopped); totals: the
+    summed EvalTotals where the loss is computed, None elsewhere and when stopped."""
     totals, done = None, 0
     while True:
         piece = min(EVAL_CHECK_BATCHES, m - done)
@@ -137,7 +138,7 @@ def evaluate_in_pieces(engine, batches, m, world, interrupts):
         done += piece
         if done >= m:
             return totals, False
-        if agree(world, interrupts) == STOP:
+        if vote() == STOP:
             return None, True
 
 
@@ -438,9 +439,11 @@ class Trainer:
                                self.input_shape, cfg.data.batch_size,
                                compression)  # its start-up line shows the compression
             engine.watchdog = start_watchdog(cfg, world, engine)  # ends a rank that hangs
+            self.watchdog = engine.watchdog
         else:
             from .engine.local import LocalEngine
             engine = LocalEngine(workers, cfg.train.method, R, compression)
+            self.watchdog = NoWatchdog()
             if compression.active:
                 print(f"petra_mpi: {compression.describe()}", file=sys.stderr, flush=True)
         self.engine = engine
@@ -507,7 +510,8 @@ class Trainer:
 
     def save_checkpoint(self, epoch: int, position: int):
         """Write the checkpoint of (epoch, position) atomically; collective."""
-        with self.tracer.span(trace.CHECKPOINT):
+        with self.tracer.span(trace.CHECKPOINT), \
+                self.watchdog.collective("checkpoint", CHECKPOINT_GRACE_S):
             self._write_checkpoint(epoch, position)
         self.interrupts.restart()  # the wall-time cadence counts from the last checkpoint
 
@@ -530,6 +534,11 @@ class Trainer:
             world.comm.Barrier()  # the checkpoint is complete when any rank returns
 
     # ------------------------------------------------------------------ the loop
+    def vote(self) -> int:
+        """At a drain point: every rank's stop request, agreed (stopping.agree), watched."""
+        with self.watchdog.collective("stop vote"):
+            return agree(self.world, self.interrupts)
+
     def fit(self):
         """Train from the state's epoch and position to the last epoch, or until a stop."""
         for epoch in range(self.state["epoch"], self.cfg.train.epochs):
@@ -554,7 +563,7 @@ class Trainer:
                                                           cadence - position % cadence)
             position += self.engine.train_segment(batches, length, on_loss=on_loss,
                                                   stop=self.interrupts)
-            level = agree(self.world, self.interrupts)  # a stop, or a due wall-time checkpoint
+            level = self.vote()  # a stop, or a due wall-time checkpoint
             self.stopping = level == STOP
             if position < n and (level or (cadence and position % cadence == 0)):
                 self.save_checkpoint(epoch, position)
@@ -587,7 +596,7 @@ class Trainer:
         if self.writes:
             log_epoch(self.cfg, self.writer, self.state, epoch, self.own[-1].optimizer.steps,
                       train_stats, totals.result())
-        level = agree(self.world, self.interrupts)
+        level = self.vote()
         self.stopping = level == STOP
         every = self.cfg.run.checkpoint_every
         if (every and (epoch + 1) % every == 0) or epoch + 1 == self.cfg.train.epochs or level:
@@ -605,7 +614,7 @@ class Trainer:
                                     self.where.dtype)
         with self.tracer.span(trace.EVAL):
             totals, self.stopping = evaluate_in_pieces(self.engine, val_batches, self.m,
-                                                       self.world, self.interrupts)
+                                                       self.vote)
         return totals
 
     # ------------------------------------------------------------------ the end

@@ -4,9 +4,11 @@ it stands and ends with EXIT_STALLED, instead of waiting forever.
 Why: when a neighbour's node dies, what the survivors see depends on the transport: some MPI
 libraries raise an error, some crash, and MPICH over TCP waits forever on the receive that
 will never complete. The engine calls `beat` before every scheduled action; a thread (which
-never calls MPI) checks the time since the last beat. While the rank is outside the training and
-evaluation loops (start-up, checkpoint writing) the watchdog is idle: those wait on collectives
-of their own and on the file system, not on one neighbour.
+never calls MPI) checks the time since the last beat. Between the loops the trainer wraps its
+collectives (the stop votes, the checkpoint's barriers) in `collective`: a rank lost just before
+one leaves the others waiting there too. A checkpoint gets CHECKPOINT_GRACE_S more, since its
+barriers also wait for the slowest rank's file system. Elsewhere outside the loops (start-up,
+the end) the watchdog is idle.
 
 The report, one block per rank on stderr (the job's log), names the last action (tick, action,
 micro-batch) and every receive and send still pending with the peer rank and its host; its first
@@ -16,11 +18,14 @@ import os
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 EXIT_STALLED = 5  # the trainer's exit status when the watchdog ended it
 # run.watchdog_s unset: max(AUTO_FLOOR_S, AUTO_TICKS x the slowest gap between two actions so far)
 AUTO_FLOOR_S = 120.0
 AUTO_TICKS = 20
+# A checkpoint's collectives may wait this much longer: the other ranks write their stage files.
+CHECKPOINT_GRACE_S = 600.0
 
 
 def auto_limit(slowest_gap_s: float) -> float:
@@ -40,6 +45,7 @@ class Watchdog:
         self.out, self.exit = out, exit
         self.slowest = 0.0
         self.last = None   # (monotonic time, tick, action, micro-batch) of the last beat
+        self.grace = 0.0   # seconds beyond the limit (inside a checkpoint's collectives)
         self.armed = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="petra-watchdog", daemon=True)
@@ -57,8 +63,18 @@ class Watchdog:
         self.armed = True
 
     def idle(self):
-        """Out of the loops until the next beat (checkpoint, evaluation set-up, the end)."""
+        """Out of the loops until the next beat (evaluation set-up, the end)."""
         self.armed = False
+
+    @contextmanager
+    def collective(self, name, grace_s=0.0):
+        """Inside: a collective of every rank named `name` ("stop vote", "checkpoint"), watched
+        with the limit plus grace_s; idle after it (its length is not a gap between actions)."""
+        self.grace, self.last, self.armed = grace_s, (time.monotonic(), None, name, None), True
+        try:
+            yield
+        finally:
+            self.armed, self.grace = False, 0.0
 
     def close(self):
         self._stop.set()
@@ -68,7 +84,7 @@ class Watchdog:
         while not self._stop.is_set():
             limit = self.limit()
             self._stop.wait(min(1.0, limit / 10))
-            last = self.last
+            last, limit = self.last, limit + self.grace
             if self.armed and last is not None and time.monotonic() - last[0] > limit:
                 self._report(limit, last)
                 # Let the other ranks' watchdogs, which stalled within the same second, print
@@ -79,6 +95,12 @@ class Watchdog:
 
     def _report(self, limit, last):
         _, tick, action, microbatch = last
+        if tick is None:  # inside a collective
+            print(f"petra_mpi: watchdog: {self.where}: no progress for {limit:g} s "
+                  f"(run.watchdog_s{' + checkpoint grace' if self.grace else ''}) in the "
+                  f"{action}, a collective of every rank: a rank or its node is lost or "
+                  f"stalled; exit status {EXIT_STALLED}", file=self.out, flush=True)
+            return
         pending = self.pending()
         blocked = [f"{direction} of {stream} {'from' if direction == 'receive' else 'to'} {peer}"
                    for is_blocked, direction, stream, peer, _ in pending if is_blocked]
@@ -101,6 +123,10 @@ class NoWatchdog:
 
     def idle(self):
         pass
+
+    @contextmanager
+    def collective(self, name, grace_s=0.0):
+        yield
 
     def close(self):
         pass

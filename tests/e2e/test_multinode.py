@@ -57,6 +57,18 @@ def cifar(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def cifar_long(tmp_path_factory):
+    """The same format with 1000 training images: epochs of a few seconds, long enough to land a
+    node's death inside one."""
+    folder = tmp_path_factory.mktemp("cifar_long")
+    tarball, _ = make_cifar10(folder, n=200, n_test=16)
+    out = folder / "cifar10.h5"
+    subprocess.run([sys.executable, "-m", "data_prep.cifar", "--source", str(tarball), "--out",
+                    str(out)], check=True, capture_output=True, cwd=ROOT)
+    return out
+
+
 def submit(cluster, tmp_path, out, trainer_args):
     env = {**netns_cluster.MPI_OVER_NETWORK, "OUT_DIR": str(out), "SRUN_MPI": "pmi2",
            "EXTRA_ARGS": " ".join(trainer_args)}
@@ -168,21 +180,27 @@ def test_script_on_three_nodes_places_stages_crosses_the_network_and_matches_one
 
 
 @pytest.mark.parametrize("how", ["killed", "unplugged"])
-def test_a_lost_node_ends_with_one_clear_line_requeues_and_resumes(nodes, cifar, tmp_path, how):
-    """Mid-run, node n3 (ranks 4 and 5) dies (every process of it killed) or loses its link.
+def test_a_lost_node_ends_with_one_clear_line_requeues_and_resumes(nodes, cifar_long, tmp_path,
+                                                                    how):
+    """Mid-epoch, node n3 (ranks 4 and 5) dies (every process of it killed) or loses its link.
     Rank 3, on n2, ends through its watchdog with a line naming rank 4 on n3; the last complete
     checkpoint stays intact; SLURM requeues the job (a node failure of a --requeue job); once the
     node is back the job resumes from that checkpoint and finishes, with the same parameters as
     an uninterrupted run from that checkpoint."""
     out = tmp_path / "run"
-    args = shrink(cifar, "train.epochs=6", "run.watchdog_s=5", "run.keep_checkpoints=20")
+    args = shrink(cifar_long, "train.epochs=6", "run.watchdog_s=5", "run.keep_checkpoints=20",
+                  "run.progress=true")
     jobid = submit(nodes, tmp_path, out, args)
 
-    def two_checkpoints(jobs):
+    def inside_epoch_3(jobs):
+        """Epochs 1 and 2 checkpointed and the last rank's first progress line of epoch 3 out
+        (printed at a tenth of the epoch): the ranks are inside the training loop."""
         assert jobs[0]["JobState"] not in slurm_cluster.TERMINAL, explain(jobs[0], out)
-        return sum(r["event"] == "checkpoint" for r in records(out)) >= 2
+        log = out / "logs" / "train.log"
+        return (sum(r["event"] == "checkpoint" for r in records(out)) >= 2 and log.exists()
+                and re.search(r"^epoch 3/6 \[", log.read_text(), re.M) is not None)
 
-    nodes.wait(jobid, two_checkpoints, timeout=240, what="to write two checkpoints")
+    nodes.wait(jobid, inside_epoch_3, timeout=240, what="to be inside epoch 3")
     died = time.time()
     if how == "killed":
         nodes.kill_node("n3")

@@ -12,7 +12,7 @@ from petra_mpi import stopping, train, trainer
 from petra_mpi.config import load_config, validate
 from petra_mpi.engine.local import LocalEngine
 from petra_mpi.engine.evaluation import EvalTotals
-from petra_mpi.stopping import CHECKPOINT_DUE, EXIT_REQUEUE, STOP, Interrupts, StopRequest
+from petra_mpi.stopping import CHECKPOINT_DUE, EXIT_REQUEUE, STOP, Interrupts, StopRequest, agree
 from conftest import QUICK, mpirun
 
 SMALL = QUICK + ["--set", "train.epochs=2", "--set", "train.limit_batches=16",
@@ -124,8 +124,9 @@ def test_evaluation_pieces_add_up():
     whole = EvalTotals()
     for logits, labels in data:
         whole.add(logits, labels)
-    totals, stopped = trainer.evaluate_in_pieces(Engine(), iter(data), 600, None,
-                                               Interrupts(StopRequest()))
+    interrupts = Interrupts(StopRequest())
+    totals, stopped = trainer.evaluate_in_pieces(Engine(), iter(data), 600,
+                                               lambda: agree(None, interrupts))
     assert calls == [256, 256, 88] and not stopped
     assert (totals.top1, totals.top5, totals.count) == (whole.top1, whole.top5, whole.count)
     assert totals.loss_sum == pytest.approx(whole.loss_sum, rel=1e-12)

@@ -25,3 +25,20 @@ def test_a_stalled_rank_ends_the_job_and_every_rank_reports(tmp_path):
         assert heads[r].endswith(f"exit status {EXIT_STALLED}")
     assert "  waiting: receive activation from rank 1" in out  # rank 2's pending list
 
+
+
+def test_a_rank_lost_before_a_stop_vote_ends_the_job(tmp_path):
+    """Rank 1 never comes to the stop vote at the end of the first segment (it sleeps before
+    it): ranks 0 and 2 wait inside that collective, where no neighbour can be named; their
+    watchdogs say so and the job ends with EXIT_STALLED instead of hanging."""
+    proc = mpirun(3, [PROGRAMS / "faulty_train.py", "stall-vote", 1, 0, "configs/quickstart.yaml",
+                      "--set", f"run.out_dir={tmp_path}", "--set", "run.watchdog_s=3", *QUICK],
+                  timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == EXIT_STALLED, out[-3000:]
+    heads = dict(re.findall(r"petra_mpi: watchdog: rank (\d) \(\S+, stage \d\): (.*)", out))
+    assert sorted(heads) in (["0", "2"], ["0"], ["2"]), out[-3000:]  # the first exit ends the job
+    for head in heads.values():
+        assert head == (f"no progress for 3 s (run.watchdog_s) in the stop vote, a collective of "
+                        f"every rank: a rank or its node is lost or stalled; exit status "
+                        f"{EXIT_STALLED}"), head

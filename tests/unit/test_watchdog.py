@@ -57,3 +57,30 @@ def test_auto_limit_follows_the_slowest_gap():
     assert dog.limit() >= AUTO_TICKS * 30.0 == auto_limit(30.0)
     dog.idle()
     dog.close()
+
+
+def test_a_collective_is_watched_with_its_grace_and_named_in_the_report():
+    rank = FakeRank()
+    dog = Watchdog(0.2, "rank 2 (n1, stage 2)", rank.pending, out=rank.out, exit=rank.exit)
+    with dog.collective("checkpoint", grace_s=1.0):
+        assert not rank.exited.wait(0.6)  # past the limit, within the grace
+        assert rank.exited.wait(30), "the watchdog never fired"
+    dog.close()
+    assert rank.status == EXIT_STALLED
+    assert rank.out.getvalue() == (
+        "petra_mpi: watchdog: rank 2 (n1, stage 2): no progress for 1.2 s (run.watchdog_s + "
+        "checkpoint grace) in the checkpoint, a collective of every rank: a rank or its node is "
+        f"lost or stalled; exit status {EXIT_STALLED}\n")
+
+
+def test_after_a_collective_the_rank_is_idle_and_its_length_is_no_gap():
+    rank = FakeRank()
+    dog = Watchdog(None, "rank 0", rank.pending, out=rank.out, exit=rank.exit)
+    dog.beat(0, "forward", 0)
+    with dog.collective("stop vote"):
+        dog.last = (dog.last[0] - 500.0, *dog.last[1:])  # as if the vote had taken 500 s
+    assert not dog.armed
+    dog.beat(1, "forward", 1)
+    assert dog.limit() == AUTO_FLOOR_S  # the vote's 500 s did not count as a gap
+    dog.close()
+    assert rank.out.getvalue() == ""
