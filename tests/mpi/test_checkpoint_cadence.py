@@ -133,11 +133,11 @@ def test_evaluation_pieces_add_up():
 
 
 def test_ranks_agree_on_rank0_clock(tmp_path):
-    """Under mpirun with a tiny cadence (every vote finds a checkpoint due): only rank 0 keeps
+    """Under mpirun with a cadence of 60 ns (every vote finds a checkpoint due): only rank 0 keeps
     the clock, and every rank drains and checkpoints at the same points (else they would hang
     or fail); the run finishes."""
     cmd = ["-m", "petra_mpi.train", "configs/quickstart.yaml", *SMALL,
-           "--set", f"run.out_dir={tmp_path}", "--set", "run.checkpoint_every_minutes=0.00001"]
+           "--set", f"run.out_dir={tmp_path}", "--set", "run.checkpoint_every_minutes=1e-9"]
     proc = mpirun(3, cmd, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     mid_epoch = [e for e in events(tmp_path, "checkpoint") if 0 < e["position"] < 16]
