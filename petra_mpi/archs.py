@@ -42,6 +42,3 @@ def num_blocks(arch: str, depth: int = 0) -> int:
 def default_heads(width: int) -> int:
     """model.heads = 0: one head per 64 features (at least one), as in ViT/DeiT."""
     return max(1, width // 64)
-
-
-assert set(ARCH_NAMES) == {*ARCHS, *INVERTIBLE_ARCHS, *VIT_ARCHS}, "Arch lists every table"

@@ -68,5 +68,10 @@ def agree(world, interrupts) -> int:
     level = interrupts.requested
     if world is None:
         return level
+    import numpy as np
     from mpi4py import MPI
-    return world.comm.allreduce(level, op=MPI.MAX)
+    # The buffer form: mpi4py's pickle-based allreduce keeps the GIL while it waits, which would
+    # silence the watchdog thread of a rank whose neighbour never comes to the vote.
+    levels = np.array([level], dtype=np.int32)
+    world.comm.Allreduce(MPI.IN_PLACE, levels, op=MPI.MAX)
+    return int(levels[0])

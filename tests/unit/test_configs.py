@@ -15,6 +15,8 @@ from conftest import ROOT
 from petra_mpi.config import Config, ConfigError, load_config, num_stages
 from petra_mpi.models import ARCHS, PRECISIONS, num_blocks
 from petra_mpi.models.vit import VIT_ARCHS
+from petra_mpi.models.invertible import INVERTIBLE_ARCHS
+from petra_mpi.compress import DIRECTIONS, FORMATS
 from petra_mpi.optim import OPTIMIZERS
 from petra_mpi.schedule import METHODS
 from petra_mpi.optim import peak_lr
@@ -235,7 +237,7 @@ def test_choices_are_literal_types_checked_by_the_loader():
     choices = dict(literal_fields())
     assert {"run.device", "run.dtype", "run.precision", "model.arch", "model.stem",
             "model.balance", "data.decode_pool", "train.method", "optim.name",
-            "optim.schedule"} <= choices.keys()
+            "optim.schedule", "comm.forward", "comm.buffers"} <= choices.keys()
     for key, allowed in choices.items():
         cfg_of("quickstart.yaml", [f"{key}={allowed[-1]}"])  # each choice loads
         with pytest.raises(ConfigError, match=rf"{key}: must be one of {', '.join(allowed)}"):
@@ -244,7 +246,9 @@ def test_choices_are_literal_types_checked_by_the_loader():
 
 def test_literal_choices_are_what_the_code_implements():
     choices = dict(literal_fields())
-    assert set(choices["model.arch"]) == set(ARCHS) | set(VIT_ARCHS)
+    assert set(choices["model.arch"]) == set(ARCHS) | set(INVERTIBLE_ARCHS) | set(VIT_ARCHS)
+    for direction in DIRECTIONS:
+        assert choices[f"comm.{direction}"] == FORMATS
     assert choices["train.method"] == METHODS
     assert choices["optim.name"] == OPTIMIZERS
     assert set(choices["run.precision"]) == set(PRECISIONS)
