@@ -90,6 +90,14 @@ def pipelining_orders(schedule, method, J, m):
 
 
 def main(argv):
+    a = parse_args(argv)
+    if a.plot:
+        plot(a.plot, a.png or "runs/bench/emulate.png")
+        return
+    report(a, run(a))
+
+
+def parse_args(argv):
     p = argparse.ArgumentParser(prog="mpirun -n J python -m petra_mpi.bench emulate",
                                 description=__doc__)
     p.add_argument("--arch", default="revnet18", help="revnet18 or revnet34 (the paper's)")
@@ -114,311 +122,411 @@ def main(argv):
     p.add_argument("--png", default="", help="draw this run's images/s per method")
     p.add_argument("--plot", nargs="+", metavar="JSON",
                    help="no run: draw images/s vs J from these files' last JSON lines to --png")
-    a = p.parse_args(argv)
-    if a.plot:
-        return plot(a.plot, a.png or "runs/bench/emulate.png")
-    from ..mpi.world import World
-    world = World.from_environment()
-    if world is None:
-        raise SystemExit("run under mpirun with at least 2 ranks")
-    torch.set_num_threads(1)
-    comm, r, J = world.comm, world.rank, world.size
-    methods = [m for m in a.methods.split(",") if m]
-    unknown = set(methods) - {"petra", *PIPELINING}
-    if unknown:
-        raise SystemExit(f"unknown --methods {sorted(unknown)}")
-    ms = step_counts(a.microbatches, J)
+    return p.parse_args(argv)
 
-    # Costs and shapes: rank 0 builds the profile (measuring takes a while), everyone probes.
+
+def shared_profile(a, comm):
+    """The cost profile, built on rank 0 (measuring takes a while) and sent to every rank."""
     profile = None
-    if r == 0:
+    if comm.rank == 0:
         profile = (paper_profile(a.arch) if a.costs == "paper" else
                    measured_profile(a.arch, a.width, a.batch) if a.costs == "measured" else
                    file_profile(a.costs))
     # the others sleep meanwhile: a rank spinning in MPI's Bcast would take a core from rank 0
     # while it times the blocks
     sleeping_barrier(comm, a.poll_sleep)
-    profile = comm.bcast(profile, root=0)
-    shapes = probe_shapes(profile.arch, a.width)
-    out_bytes = [4 * a.batch * torch.Size(s).numel() for s in shapes.outputs]
-    in_bytes = 4 * a.batch * 3 * 32 * 32
-    petra_bc = profile.petra_costs(out_bytes, in_bytes)
-    plain_bc = profile.plain_costs(out_bytes, in_bytes)
-    blocks = build_blocks(profile.arch, a.width, 10)
-    if J > len(blocks):
-        raise SystemExit(f"{profile.arch} has {len(blocks)} blocks: at most {len(blocks)} ranks")
-    sizes = resolve_partition(blocks, J, costs=petra_bc)
-    plain_sizes = resolve_partition(blocks, J, costs=plain_bc)
-    first = sum(sizes[:r])
-    mine = range(first, first + sizes[r])
-    plain_first = sum(plain_sizes[:r])
-    plain_mine = list(range(plain_first, plain_first + plain_sizes[r]))
+    return comm.bcast(profile, root=0)
 
-    # PETRA and backprop: the real worker and MPI engine on a waiting stage.
-    from ..mpi.engine import MPIEngine
-    clock = Clock()
-    stage = WaitingStage(r, J, shapes, first,
-                         [(petra_bc.forward[b], petra_bc.backward[b], petra_bc.last[b])
-                          for b in mine], a.batch, clock=clock)
-    worker = StageWorker(stage, WaitingOptimizer(sum(petra_bc.step[b] for b in mine), clock))
-    engines = {m: MPIEngine(worker, m, world, torch.float32, (3, 32, 32), a.batch)
-               for m in PETRA_METHODS}
-    for engine in engines.values():
-        engine.transport.poll_sleep = a.poll_sleep
-    x0 = torch.zeros(a.batch, 3, 32, 32)
-    y0 = torch.zeros(a.batch, dtype=torch.int64)
 
-    def petra_run(method, n, k):
-        worker.k = k
-        batches = ((x0, y0) for _ in range(n)) if r == 0 else None
-        stage.forward_starts.clear()
-        engines[method].train_segment(batches, n)
-        return n
+class Emulation:
+    """This rank's waiting stages, the runs (name, method, m) over them, and their timing.
+    PETRA and backprop: the real worker and MPI engine on a waiting stage; pipelining: its
+    schedules on waiting stages of the plain network."""
 
-    runs = []  # (name, method, m, function returning micro-batches done)
-    segment_of = {m: a.segment or max(4 * J, m) for m in ms}
-    if "petra" in methods:
-        runs += [(f"petra m={m}", "petra", m, lambda m=m: petra_run("petra", segment_of[m], m))
-                 for m in ms]
-    if a.backprop_segment:
-        runs.append(("backprop", "backprop", a.backprop_segment,
-                     lambda: petra_run("backprop", a.backprop_segment, a.backprop_segment)))
+    def __init__(self, a, world):
+        self.a, self.world, self.comm = a, world, world.comm
+        r, J = world.rank, world.size
+        self.methods = [m for m in a.methods.split(",") if m]
+        unknown = set(self.methods) - {"petra", *PIPELINING}
+        if unknown:
+            raise SystemExit(f"unknown --methods {sorted(unknown)}")
+        self.ms = step_counts(a.microbatches, J)
+        self.profile = profile = shared_profile(a, self.comm)
+        self.shapes = probe_shapes(profile.arch, a.width)
+        self.out_bytes = [4 * a.batch * torch.Size(s).numel() for s in self.shapes.outputs]
+        in_bytes = 4 * a.batch * 3 * 32 * 32
+        self.petra_bc = profile.petra_costs(self.out_bytes, in_bytes)
+        self.plain_bc = profile.plain_costs(self.out_bytes, in_bytes)
+        blocks = build_blocks(profile.arch, a.width, 10)
+        if J > len(blocks):
+            raise SystemExit(f"{profile.arch} has {len(blocks)} blocks: at most {len(blocks)} "
+                             f"ranks")
+        self.sizes = resolve_partition(blocks, J, costs=self.petra_bc)
+        self.plain_sizes = resolve_partition(blocks, J, costs=self.plain_bc)
+        plain_first = sum(self.plain_sizes[:r])
+        self.plain_mine = list(range(plain_first, plain_first + self.plain_sizes[r]))
+        self.clock = Clock()
+        self.build_petra()
+        self.segment_of = {m: a.segment or max(4 * J, m) for m in self.ms}
+        self.runs = []  # (name, method, m)
+        if "petra" in self.methods:
+            self.runs += [(f"petra m={m}", "petra", m) for m in self.ms]
+        if a.backprop_segment:
+            self.runs.append(("backprop", "backprop", a.backprop_segment))
+        self.pt, self.skipped = {}, {}
+        if set(self.methods) & set(PIPELINING):
+            self.build_pipelining()
+            self.runs += [(name, method, m) for name, (_, _, method, m) in self.pt.items()]
 
-    # torch.distributed.pipelining: its schedules on waiting stages of the plain network.
-    pt = {}
-    skipped = {}
-    if set(methods) & set(PIPELINING):
+    def build_petra(self):
+        from ..mpi.engine import MPIEngine
+        a, r, J, bc = self.a, self.world.rank, self.world.size, self.petra_bc
+        first = sum(self.sizes[:r])
+        mine = range(first, first + self.sizes[r])
+        self.stage = WaitingStage(r, J, self.shapes, first,
+                                  [(bc.forward[b], bc.backward[b], bc.last[b]) for b in mine],
+                                  a.batch, clock=self.clock)
+        self.worker = StageWorker(self.stage,
+                                  WaitingOptimizer(sum(bc.step[b] for b in mine), self.clock))
+        self.engines = {m: MPIEngine(self.worker, m, self.world, torch.float32, (3, 32, 32),
+                                     a.batch) for m in PETRA_METHODS}
+        for engine in self.engines.values():
+            engine.transport.poll_sleep = a.poll_sleep
+        self.x0 = torch.zeros(a.batch, 3, 32, 32)
+        self.y0 = torch.zeros(a.batch, dtype=torch.int64)
+
+    def build_pipelining(self):
+        """One schedule per pipelining method and m; one that fails to build on any rank is
+        dropped on every rank, so no rank waits on a schedule the others skip."""
         from .peers import init_gloo
-        init_gloo(world)
-        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+        init_gloo(self.world)
+        from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleavedZeroBubble)
         classes = {"gpipe": (ScheduleGPipe, False), "1f1b": (Schedule1F1B, False),
                    "zero_bubble": (ScheduleInterleavedZeroBubble, True)}
-        for method in [m for m in methods if m in PIPELINING]:
+        for method in [m for m in self.methods if m in PIPELINING]:
             cls, multi = classes[method]
-            for m in ms:
+            for m in self.ms:
                 name = f"{method} m={m}"
                 err = None
                 try:
-                    weight = [profile.weight[b] if b > 0 else plain_bc.backward[b]
-                              for b in plain_mine]  # stage 0 computes no input gradient
-                    module = WaitingPlainStage(
-                        shapes, plain_mine, sum(plain_bc.forward[b] for b in plain_mine),
-                        sum(plain_bc.backward[b] for b in plain_mine), sum(weight), a.batch, clock)
-                    ps = PipelineStage(
-                        module, r, J, torch.device("cpu"),
-                        input_args=torch.zeros(module.in_shape).requires_grad_(r > 0),
-                        output_args=torch.zeros(module.out_shape).requires_grad_())
-                    schedule = cls([ps] if multi else ps, m, loss_fn=_loss)
+                    module, schedule = self.pipelining_schedule(cls, multi, m)
                 except Exception as e:  # noqa: BLE001 - reported, the others still run
                     err = f"{type(e).__name__}: {e}".splitlines()[0]
-                errors = [e for e in comm.allgather(err) if e]
-                if errors:  # every rank drops it, so no rank waits on a schedule others skip
-                    skipped[name] = errors[0]
+                errors = [e for e in self.comm.allgather(err) if e]
+                if errors:
+                    self.skipped[name] = errors[0]
                     continue
-                pt[name] = (module, schedule, method, m)
-        pt_x = {m: torch.zeros(m * a.batch, 3, 32, 32) for m in ms}
-        pt_y = {m: torch.zeros(m * a.batch, dtype=torch.int64) for m in ms}
+                self.pt[name] = (module, schedule, method, m)
+        self.pt_x = {m: torch.zeros(m * self.a.batch, 3, 32, 32) for m in self.ms}
+        self.pt_y = {m: torch.zeros(m * self.a.batch, dtype=torch.int64) for m in self.ms}
 
-        def pt_run(name):
-            module, schedule, method, m = pt[name]
-            if r == 0:
-                schedule.step(pt_x[m], return_outputs=False)
-            elif r == J - 1:
-                schedule.step(target=pt_y[m], return_outputs=False)
-            else:
-                schedule.step(return_outputs=False)
-            clock.wait(sum(plain_bc.step[b] for b in plain_mine))  # the optimizer step
-            return m
-        runs += [(name, method, m, lambda name=name: pt_run(name))
-                 for name, (_, _, method, m) in pt.items()]
+    def pipelining_schedule(self, cls, multi, m):
+        """(this rank's waiting plain stage, a `cls` schedule of m micro-batches over it)."""
+        from torch.distributed.pipelining import PipelineStage
+        r, J, bc, mine = self.world.rank, self.world.size, self.plain_bc, self.plain_mine
+        weight = [self.profile.weight[b] if b > 0 else bc.backward[b]
+                  for b in mine]  # stage 0 computes no input gradient
+        module = WaitingPlainStage(self.shapes, mine, sum(bc.forward[b] for b in mine),
+                                   sum(bc.backward[b] for b in mine), sum(weight), self.a.batch,
+                                   self.clock)
+        ps = PipelineStage(module, r, J, torch.device("cpu"),
+                           input_args=torch.zeros(module.in_shape).requires_grad_(r > 0),
+                           output_args=torch.zeros(module.out_shape).requires_grad_())
+        return module, cls([ps] if multi else ps, m, loss_fn=_loss)
 
-    def timed(fn):
-        sleeping_barrier(comm, a.poll_sleep)
-        busy, cpu, start = clock.busy, time.process_time(), time.perf_counter()
-        count = fn()
-        busy = clock.busy - busy
-        sleeping_barrier(comm, a.poll_sleep)  # a run ends when its last rank is done
+    def petra_run(self, method, n, k):
+        self.worker.k = k
+        batches = ((self.x0, self.y0) for _ in range(n)) if self.world.rank == 0 else None
+        self.stage.forward_starts.clear()
+        self.engines[method].train_segment(batches, n)
+        return n
+
+    def pt_run(self, name):
+        module, schedule, method, m = self.pt[name]
+        r, J = self.world.rank, self.world.size
+        if r == 0:
+            schedule.step(self.pt_x[m], return_outputs=False)
+        elif r == J - 1:
+            schedule.step(target=self.pt_y[m], return_outputs=False)
+        else:
+            schedule.step(return_outputs=False)
+        self.clock.wait(sum(self.plain_bc.step[b] for b in self.plain_mine))  # optimizer step
+        return m
+
+    def run_once(self, name, method, m):
+        """One step (pipelining) or segment (ours) of a run: the micro-batches it did."""
+        if method == "petra":
+            return self.petra_run("petra", self.segment_of[m], m)
+        if method == "backprop":
+            return self.petra_run("backprop", m, m)
+        return self.pt_run(name)
+
+    def timed(self, fn, *args):
+        """(what fn returned, wall seconds, emulated busy seconds, CPU seconds) of fn(*args)."""
+        sleeping_barrier(self.comm, self.a.poll_sleep)
+        busy, cpu, start = self.clock.busy, time.process_time(), time.perf_counter()
+        count = fn(*args)
+        busy = self.clock.busy - busy
+        sleeping_barrier(self.comm, self.a.poll_sleep)  # a run ends when its last rank is done
         # CPU seconds this process used (every thread): what the emulation itself costs a core
         return count, time.perf_counter() - start, busy, time.process_time() - cpu
 
-    # 1. The same runs at zero cost: the emulation's own overhead, and the frameworks' costs
-    # for the model (warm-up too).
-    clock.scale = 0.0
-    zero = {}
-    for name, method, m, fn in runs:
-        fn()  # warm-up
-        zero[name] = statistics.median(timed(fn)[1] for _ in range(2))
-    clock.scale = 1.0
-    link = measure_link(comm, max(out_bytes), a.poll_sleep)
+    def zero_cost(self) -> dict:
+        """Median wall seconds of every run at zero cost (after a warm-up): the emulation's own
+        overhead, and the frameworks' costs for the model."""
+        self.clock.scale = 0.0
+        zero = {}
+        for run in self.runs:
+            self.run_once(*run)  # warm-up
+            zero[run[0]] = statistics.median(self.timed(self.run_once, *run)[1]
+                                             for _ in range(2))
+        self.clock.scale = 1.0
+        return zero
 
-    # 2. Timed runs, alternated.
-    results = {name: [] for name, *_ in runs}
-    peaks = {name: 0 for name, *_ in runs}
-    steady = {name: [] for name, *_ in runs}
-    for _ in range(a.rounds):
-        for name, method, m, fn in runs:
-            held = pt[name][0] if name in pt else stage
-            held.peak_in_flight = 0
-            results[name].append(timed(fn))
-            peaks[name] = max(peaks[name], held.peak_held_bytes)
-            if method == "petra" and r == 0:
-                steady[name].append(_steady_rate(stage.forward_starts, J))
+    def timed_rounds(self):
+        """(timings per run, peak held bytes per run, PETRA's steady rates on rank 0) of
+        a.rounds rounds of every run, alternated."""
+        results = {name: [] for name, *_ in self.runs}
+        peaks = {name: 0 for name, *_ in self.runs}
+        steady = {name: [] for name, *_ in self.runs}
+        for _ in range(self.a.rounds):
+            for name, method, m in self.runs:
+                held = self.pt[name][0] if name in self.pt else self.stage
+                held.peak_in_flight = 0
+                results[name].append(self.timed(self.run_once, name, method, m))
+                peaks[name] = max(peaks[name], held.peak_held_bytes)
+                if method == "petra" and self.world.rank == 0:
+                    steady[name].append(_steady_rate(self.stage.forward_starts,
+                                                     self.world.size))
+        return results, peaks, steady
 
-    # 3. The real stages (validation of the emulation at small J, measured costs).
-    real = {}
-    if a.real:
+    def real_stages(self, results) -> dict:
+        """Wall seconds of the real stages for our runs (validation of the emulation at small
+        J, measured costs); two more emulated runs of each are added to `results`."""
         from ..engine.build import build_stages, build_workers
+        from ..mpi.engine import MPIEngine
         from ..optim import LRSchedule
-        (real_stage,) = build_stages(profile.arch, a.width, 10, J, seed=0, only=r,
-                                     partition=sizes)
+        a, r, J = self.a, self.world.rank, self.world.size
+        (real_stage,) = build_stages(self.profile.arch, a.width, 10, J, seed=0, only=r,
+                                     partition=self.sizes)
         (real_worker,) = build_workers([real_stage], LRSchedule(0.01, 10**6))
-        real_engines = {m: MPIEngine(real_worker, m, world, torch.float32, (3, 32, 32), a.batch)
-                        for m in PETRA_METHODS}
+        engines = {m: MPIEngine(real_worker, m, self.world, torch.float32, (3, 32, 32), a.batch)
+                   for m in PETRA_METHODS}
         g = torch.Generator().manual_seed(0)
         data = [(torch.randn(a.batch, 3, 32, 32, generator=g),
                  torch.randint(0, 10, (a.batch,), generator=g)) for _ in range(4)]
-        for name, method, m, _ in [x for x in runs if x[1] in PETRA_METHODS]:
-            n = segment_of[m] if method == "petra" else m
+        real = {}
+        for name, method, m in [x for x in self.runs if x[1] in PETRA_METHODS]:
+            n = self.segment_of[m] if method == "petra" else m
             real_worker.k = m
-
-            def real_run(method=method, n=n):
-                batches = (data[i % 4] for i in range(n)) if r == 0 else None
-                real_engines[method].train_segment(batches, n)
-                return n
-            real_run(method, J + 2)
-            real[name] = [timed(real_run)[1] for _ in range(3)]
+            real_segment(engines[method], data, r, J + 2)
+            real[name] = [self.timed(real_segment, engines[method], data, r, n)[1]
+                          for _ in range(3)]
             for _ in range(2):  # the emulation again, alternated with the real runs
-                results[name].append(timed(dict((x[0], x[3]) for x in runs)[name]))
+                results[name].append(self.timed(self.run_once, name, method, m))
+        return real
 
-    # 4. Gather and report.
+    def orders_of(self, name, method, m, zb_orders):
+        """Each rank's operations in one run, for the performance model."""
+        J = self.world.size
+        if method in PETRA_METHODS:
+            n = self.segment_of[m] if method == "petra" else m
+            return perfmodel.petra_orders(method, J, n, m)
+        return zb_orders.get(name) or pipelining_orders(None, method, J, m)
+
+
+def real_segment(engine, data, rank, n):
+    """One segment of n micro-batches of the real stages: the micro-batches done."""
+    batches = (data[i % 4] for i in range(n)) if rank == 0 else None
+    engine.train_segment(batches, n)
+    return n
+
+
+def run(a):
+    """Emulate every run on every rank; the JSON record on rank 0, None elsewhere."""
+    from ..mpi.world import World
+    world = World.from_environment()
+    if world is None:
+        raise SystemExit("run under mpirun with at least 2 ranks")
+    torch.set_num_threads(1)
+    em = Emulation(a, world)
+    comm, J = world.comm, world.size
+    # 1. The same runs at zero cost (warm-up too). 2. Timed runs. 3. The real stages.
+    zero = em.zero_cost()
+    link = measure_link(comm, max(em.out_bytes), a.poll_sleep)
+    results, peaks, steady = em.timed_rounds()
+    real = em.real_stages(results) if a.real else {}
+    # 4. Gather on rank 0.
     busy = {name: comm.gather(sum(v[2] for v in rs) / sum(v[1] for v in rs), root=0)
             for name, rs in results.items()}
     cpu = {name: comm.gather(sum(v[3] for v in rs) / sum(v[1] for v in rs), root=0)
            for name, rs in results.items()}
     peak_bytes = {name: comm.gather(peaks[name], root=0) for name in results}
-    zb_orders = {name: pipelining_orders(pt[name][1], "zero_bubble", J, pt[name][3])
-                 for name in pt if pt[name][2] == "zero_bubble"}
-    if r != 0:
-        return
-    petra_stages = perfmodel.stage_costs(petra_bc, sizes)
-    plain_stages = perfmodel.stage_costs(plain_bc, plain_sizes, rebuilt_down=[False] * J,
-                                         weight=profile.weight)
-    zero_stages = {"petra": [_zero(c) for c in petra_stages],
-                   "plain": [_zero(c) for c in plain_stages]}
+    zb_orders = {name: pipelining_orders(em.pt[name][1], "zero_bubble", J, em.pt[name][3])
+                 for name in em.pt if em.pt[name][2] == "zero_bubble"}
+    if world.rank != 0:
+        return None
+    measured = {"zero": zero, "link": link, "results": results, "steady": steady, "real": real,
+                "busy": busy, "cpu": cpu, "peak_bytes": peak_bytes}
+    return Prediction(a, em, link, zb_orders).record(measured)
 
-    def orders_of(name, method, m, k=1):
-        if method in PETRA_METHODS:
-            n = segment_of[m] if method == "petra" else m
-            return perfmodel.petra_orders(method, J, n, k)
-        return zb_orders.get(name) or pipelining_orders(None, method, J, m)
 
-    frameworks = {}
-    if a.framework:
-        with open(a.framework) as f:
-            given = json.loads(f.read().strip().splitlines()[-1])["framework"]
-        frameworks = {k: perfmodel.Framework(v["per_message_s"], v["per_step_s"])
-                      for k, v in given.items()}
-    for family, names in (("ours", [x for x in runs if x[1] in PETRA_METHODS]),
-                          ("pipelining", [x for x in runs if x[1] in PIPELINING])):
-        if names and family not in frameworks:
-            key = "petra" if family == "ours" else "plain"
-            frameworks[family] = perfmodel.fit_framework(
-                [orders_of(n, mt, m, m) for n, mt, m, _ in names],
-                [zero_stages[key]] * len(names), [link] * len(names),
-                [zero[n] for n, *_ in names])
-    rows = []
-    bound = 1.0 / max(_stage_seconds(c, s, J) for s, c in enumerate(petra_stages))
-    for name, method, m, _ in runs:
-        count = results[name][0][0]
-        wall = statistics.median(v[1] for v in results[name])
+class Prediction:
+    """Rank 0: the performance model fitted to the zero-cost runs (or given frameworks) and
+    its prediction beside each measured run."""
+
+    def __init__(self, a, em, link, zb_orders):
+        self.a, self.em, self.link, self.zb_orders = a, em, link, zb_orders
+        J = em.world.size
+        self.petra_stages = perfmodel.stage_costs(em.petra_bc, em.sizes)
+        self.plain_stages = perfmodel.stage_costs(em.plain_bc, em.plain_sizes,
+                                                  rebuilt_down=[False] * J,
+                                                  weight=em.profile.weight)
+        # PETRA's ticks per second when the slowest stage sets the pace
+        self.bound = 1.0 / max(_stage_seconds(c, s, J) for s, c in enumerate(self.petra_stages))
+
+    def frameworks(self, zero) -> dict:
+        """Each family's framework costs: from --framework, else fitted at zero compute."""
+        frameworks = {}
+        if self.a.framework:
+            with open(self.a.framework) as f:
+                given = json.loads(f.read().strip().splitlines()[-1])["framework"]
+            frameworks = {k: perfmodel.Framework(v["per_message_s"], v["per_step_s"])
+                          for k, v in given.items()}
+        zero_stages = {"petra": [_zero(c) for c in self.petra_stages],
+                       "plain": [_zero(c) for c in self.plain_stages]}
+        runs = self.em.runs
+        for family, names in (("ours", [x for x in runs if x[1] in PETRA_METHODS]),
+                              ("pipelining", [x for x in runs if x[1] in PIPELINING])):
+            if names and family not in frameworks:
+                key = "petra" if family == "ours" else "plain"
+                frameworks[family] = perfmodel.fit_framework(
+                    [self.em.orders_of(n, mt, m, self.zb_orders) for n, mt, m in names],
+                    [zero_stages[key]] * len(names), [self.link] * len(names),
+                    [zero[n] for n, *_ in names])
+        return frameworks
+
+    def row(self, run, measured, frameworks) -> dict:
+        """One run's measured and predicted figures."""
+        a, J, (name, method, m) = self.a, self.em.world.size, run
+        results = measured["results"][name]
+        count = results[0][0]
+        wall = statistics.median(v[1] for v in results)
         family = "ours" if method in PETRA_METHODS else "pipelining"
-        costs = petra_stages if family == "ours" else plain_stages
+        costs = self.petra_stages if family == "ours" else self.plain_stages
         predicted = count * a.batch / perfmodel.simulate(
-            orders_of(name, method, m, m), costs, link, frameworks[family])
+            self.em.orders_of(name, method, m, self.zb_orders), costs, self.link,
+            frameworks[family])
         row = {"name": name, "method": method, "m": m, "microbatches": count,
                "images_per_s": count * a.batch / wall, "predicted_images_per_s": predicted,
                "model_error": predicted / (count * a.batch / wall) - 1,
-               "busy_fraction": busy[name], "cpu_fraction": cpu[name],
-               "peak_held_bytes": peak_bytes[name],
-               "zero_cost_s": zero[name],
-               "walls_s": [v[1] for v in results[name]]}
+               "busy_fraction": measured["busy"][name], "cpu_fraction": measured["cpu"][name],
+               "peak_held_bytes": measured["peak_bytes"][name],
+               "zero_cost_s": measured["zero"][name],
+               "walls_s": [v[1] for v in results]}
         if method == "petra":
             # the model's steady rate: what 4J more micro-batches add to the segment
-            n = segment_of[m]
+            n = self.em.segment_of[m]
             more = perfmodel.simulate(perfmodel.petra_orders("petra", J, n + 4 * J, m), costs,
-                                      link, frameworks[family])
+                                      self.link, frameworks[family])
             row["model_steady_images_per_s"] = 4 * J * a.batch / (
                 more - count * a.batch / predicted)
-            rate = statistics.median(steady[name]) if steady[name] else None
+            steady = measured["steady"][name]
+            rate = statistics.median(steady) if steady else None
             row["steady_images_per_s"] = rate * a.batch if rate else None
-            row["bound_images_per_s"] = bound * a.batch
-            row["of_bound"] = rate / bound if rate else None
-        if name in real:
-            real_rate = count * a.batch / statistics.median(real[name])
+            row["bound_images_per_s"] = self.bound * a.batch
+            row["of_bound"] = rate / self.bound if rate else None
+        if name in measured["real"]:
+            real_rate = count * a.batch / statistics.median(measured["real"][name])
             row["real_images_per_s"] = real_rate
             row["emulation_error"] = row["images_per_s"] / real_rate - 1
-        rows.append(row)
+        return row
 
-    # the emulation's own overhead: PETRA at zero cost, ticks per second
-    petra_zero = [(name, m) for name, method, m, _ in runs if method == "petra"]
-    overhead = None
-    if petra_zero:
-        name, m = petra_zero[0]
+    def overhead(self, zero):
+        """The emulation's own overhead: PETRA at zero cost, ticks per second (None without
+        PETRA runs)."""
+        petra_zero = [(name, m) for name, method, m in self.em.runs if method == "petra"]
+        if not petra_zero:
+            return None
         from ..schedule import num_ticks
-        overhead = {"run": name, "ticks": num_ticks("petra", J, segment_of[m]),
-                    "seconds": zero[name],
-                    "ms_per_tick": 1e3 * zero[name] / num_ticks("petra", J, segment_of[m])}
+        name, m = petra_zero[0]
+        ticks = num_ticks("petra", self.em.world.size, self.em.segment_of[m])
+        return {"run": name, "ticks": ticks, "seconds": zero[name],
+                "ms_per_tick": 1e3 * zero[name] / ticks}
 
-    print(f"emulated {profile.arch}, J = {J} ranks on {os.cpu_count()} cores, costs: "
-          f"{profile.source}; messages of width {a.width}, batch {a.batch}; split {sizes} "
-          f"(plain {plain_sizes}); link {1e6 * link.latency:.0f} us, "
-          f"{link.bandwidth / 1e9:.2f} GB/s; {a.rounds} round(s)")
+    def record(self, measured) -> dict:
+        """The JSON record of the run."""
+        a, em, link = self.a, self.em, self.link
+        frameworks = self.frameworks(measured["zero"])
+        rows = [self.row(run, measured, frameworks) for run in em.runs]
+        cpu_all = [c for row in rows for c in row["cpu_fraction"]]
+        record = {"bench": "emulate", "arch": em.profile.arch, "ranks": em.world.size,
+                  "costs": em.profile.source, "width": a.width, "batch": a.batch,
+                  "split": em.sizes, "plain_split": em.plain_sizes,
+                  "microbatches": em.ms, "rounds": a.rounds, "poll_sleep_s": a.poll_sleep,
+                  "cpus": os.cpu_count(),
+                  "link": {"latency_s": link.latency, "bandwidth_bytes_per_s": link.bandwidth},
+                  "framework": {f: {"per_message_s": fw.per_message, "per_step_s": fw.per_step}
+                                for f, fw in frameworks.items()},
+                  "framework_from": a.framework or "zero-cost runs of this run",
+                  "overhead": self.overhead(measured["zero"]), "rows": rows,
+                  "cpu_fraction_mean": statistics.mean(cpu_all),
+                  "validation": [{"name": row["name"], "model_error": row["model_error"],
+                                  **({"emulation_error": row["emulation_error"]}
+                                     if "emulation_error" in row else {})} for row in rows]}
+        if em.skipped:
+            record["skipped"] = em.skipped
+        return record
+
+
+def report(a, r):
+    """The table on rank 0 (and the figure with --png), then the JSON line."""
+    if r is None:
+        return
+    link = r["link"]
+    print(f"emulated {r['arch']}, J = {r['ranks']} ranks on {r['cpus']} cores, costs: "
+          f"{r['costs']}; messages of width {a.width}, batch {a.batch}; split {r['split']} "
+          f"(plain {r['plain_split']}); link {1e6 * link['latency_s']:.0f} us, "
+          f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; {a.rounds} round(s)")
     origin = f"from {a.framework}" if a.framework else "fitted at zero compute"
-    for family, fw in frameworks.items():
-        print(f"framework costs ({family}, {origin}): "
-              f"{1e6 * fw.per_message:.0f} us per message, {1e3 * fw.per_step:.2f} ms per step")
+    for family, fw in r["framework"].items():
+        print(f"framework costs ({family}, {origin}): {1e6 * fw['per_message_s']:.0f} us per "
+              f"message, {1e3 * fw['per_step_s']:.2f} ms per step")
+    overhead = r["overhead"]
     if overhead:
+        petra_row = next(row for row in r["rows"] if row["method"] == "petra")
+        tick_ms = 1e3 * a.batch / petra_row["bound_images_per_s"]
         print(f"emulation overhead: PETRA at zero cost {overhead['ms_per_tick']:.2f} ms per tick "
-              f"(a tick of the profile costs {1e3 / bound:.1f} ms)")
-    cpu_all = [c for row in rows for c in row["cpu_fraction"]]
+              f"(a tick of the profile costs {tick_ms:.1f} ms)")
+    cpu_all = [c for row in r["rows"] for c in row["cpu_fraction"]]
     print(f"CPU used per rank while emulating: {min(cpu_all):.3f}-{max(cpu_all):.3f} of a core "
-          f"(mean {statistics.mean(cpu_all):.3f})")
+          f"(mean {r['cpu_fraction_mean']:.3f})")
     print(f"{'run':<18} {'images/s':>9} {'model':>8} {'err':>6}  busy fraction per rank | "
           f"peak held MiB per rank")
-    for row in rows:
-        extra = ""
-        if row["method"] == "petra" and row["of_bound"]:
-            extra = (f"  steady {row['steady_images_per_s']:.1f} = {row['of_bound']:.3f} of "
-                     f"bound {row['bound_images_per_s']:.1f}")
-        if "real_images_per_s" in row:
-            extra += (f"  real {row['real_images_per_s']:.1f} "
-                      f"({100 * row['emulation_error']:+.1f}%)")
-        print(f"{row['name']:<18} {row['images_per_s']:>9.1f} "
-              f"{row['predicted_images_per_s']:>8.1f} {100 * row['model_error']:>+5.1f}%  "
-              f"{' '.join(f'{b:.2f}' for b in row['busy_fraction'])} | "
-              f"{' '.join(f'{b / 2**20:.1f}' for b in row['peak_held_bytes'])}{extra}")
-    for name, why in skipped.items():
+    for row in r["rows"]:
+        print(row_line(row))
+    for name, why in r.get("skipped", {}).items():
         print(f"{name:<18} did not run: {why}")
-    record = {"bench": "emulate", "arch": profile.arch, "ranks": J, "costs": profile.source,
-              "width": a.width, "batch": a.batch, "split": sizes, "plain_split": plain_sizes,
-              "microbatches": ms, "rounds": a.rounds, "poll_sleep_s": a.poll_sleep,
-              "cpus": os.cpu_count(),
-              "link": {"latency_s": link.latency, "bandwidth_bytes_per_s": link.bandwidth},
-              "framework": {f: {"per_message_s": fw.per_message, "per_step_s": fw.per_step}
-                            for f, fw in frameworks.items()},
-              "framework_from": a.framework or "zero-cost runs of this run",
-              "overhead": overhead, "rows": rows,
-              "cpu_fraction_mean": statistics.mean(cpu_all),
-              "validation": [{"name": row["name"], "model_error": row["model_error"],
-                              **({"emulation_error": row["emulation_error"]}
-                                 if "emulation_error" in row else {})} for row in rows]}
-    if skipped:
-        record["skipped"] = skipped
     if a.png:
-        plot_record(record, a.png)
+        plot_record(r, a.png)
     sys.stdout.flush()
-    emit(record)
+    emit(r)
+
+
+def row_line(row) -> str:
+    """One run's line of the table."""
+    extra = ""
+    if row["method"] == "petra" and row["of_bound"]:
+        extra = (f"  steady {row['steady_images_per_s']:.1f} = {row['of_bound']:.3f} of "
+                 f"bound {row['bound_images_per_s']:.1f}")
+    if "real_images_per_s" in row:
+        extra += (f"  real {row['real_images_per_s']:.1f} "
+                  f"({100 * row['emulation_error']:+.1f}%)")
+    return (f"{row['name']:<18} {row['images_per_s']:>9.1f} "
+            f"{row['predicted_images_per_s']:>8.1f} {100 * row['model_error']:>+5.1f}%  "
+            f"{' '.join(f'{b:.2f}' for b in row['busy_fraction'])} | "
+            f"{' '.join(f'{b / 2**20:.1f}' for b in row['peak_held_bytes'])}{extra}")
 
 
 def _loss(logits, target):

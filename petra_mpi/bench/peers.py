@@ -266,6 +266,11 @@ class PTContender:
 # ---------------------------------------------------------------------------------------------
 
 def main(argv):
+    a = parse_args(argv)
+    report(a, run(a))
+
+
+def parse_args(argv):
     p = argparse.ArgumentParser(prog="mpirun -n J python -m petra_mpi.bench peers",
                                 description=__doc__)
     p.add_argument("--width", type=int, default=32)
@@ -283,135 +288,180 @@ def main(argv):
     a = p.parse_args(argv)
     if a.accumulation < 1:
         p.error("--accumulation must be at least 1")
-    world = World.from_environment()
-    if world is None:
-        raise SystemExit("run under mpirun with at least 2 ranks")
-    torch.set_num_threads(a.threads or world.thread_share())
-    comm, r, J = world.comm, world.rank, world.size
-    M = a.pt_microbatches = a.pt_microbatches or max(a.accumulation, J)
-    init_gloo(world)
-    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleavedZeroBubble)
+    return a
 
-    # Each net split by its own measured block costs, as a user would balance it (training's
-    # default for RevNet18; for ResNet18 the autograd costs that pipelining runs).
+
+def measured_splits(a, world):
+    """(RevNet18 split, ResNet18 split): each net split by its own measured block costs, as a
+    user would balance it (training's default for RevNet18; for ResNet18 the autograd costs
+    that pipelining runs); None for either when J >= 10 (one block per stage)."""
+    J = world.size
     measured = None
-    if r == 0 and J < 10:
+    if world.rank == 0 and J < 10:
         from ..blockcost import measure_autograd_costs, measured_partition
         petra_split, _ = measured_partition("revnet18", a.width, 10, J, (3, 32, 32), a.batch)
         plain = build_blocks("resnet18", a.width, 10)
         measured = (petra_split, resolve_partition(
             plain, J, costs=measure_autograd_costs(plain, (3, 32, 32), a.batch, 10)))
-    petra_split, pt_split = comm.bcast(measured, root=0) or (None, None)
-    (stage,) = build_stages("revnet18", a.width, 10, J, seed=0, only=r, partition=petra_split)
-    sizes = stage.partition
-    pt_sizes = pt_split or resolve_partition(build_blocks("resnet18", a.width, 10), J)
-    sampler = SampleAfterForward()
-    (worker,) = build_workers([stage], LRSchedule(LR, 10**6), a.accumulation, momentum=MOMENTUM,
-                              hooks=[sampler])
-    engines = {m: MPIEngine(worker, m, world, torch.float32, (3, 32, 32), a.batch)
-               for m in ("petra", "backprop")}
+    return world.comm.bcast(measured, root=0) or (None, None)
 
+
+def pipelining_contenders(a, world, pt_sizes):
+    """({name: PTContender}, {name: why it did not build}); a contender that fails to build on
+    any rank is dropped on every rank, so no rank waits on a schedule the others skip."""
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleavedZeroBubble)
     specs = [("gpipe", ScheduleGPipe, False, False), ("1f1b", Schedule1F1B, False, False),
              ("1f1b_checkpointed", Schedule1F1B, False, True)]
     if not a.no_zero_bubble:
         specs.append((ZERO_BUBBLE, ScheduleInterleavedZeroBubble, True, False))
-    skipped = {}
-    pts = {}
+    pts, skipped = {}, {}
     for name, cls, multi, ckpt in specs:
         try:
             pts[name] = PTContender(name, cls, multi, ckpt, a, world, pt_sizes)
             err = None
         except Exception as e:  # noqa: BLE001 - reported, the others still run
             err = f"{type(e).__name__}: {e}".splitlines()[0]
-        errors = [e for e in comm.allgather(err) if e]
-        if errors:  # every rank drops it, so no rank waits on a schedule the others skip
+        errors = [e for e in world.comm.allgather(err) if e]
+        if errors:
             pts.pop(name, None)
             skipped[name] = errors[0]
+    return pts, skipped
 
-    g = torch.Generator().manual_seed(0)
-    data = [(torch.randn(a.batch, 3, 32, 32, generator=g),
-             torch.randint(0, 10, (a.batch,), generator=g)) for _ in range(max(4, M))]
-    full_x = torch.cat([d[0] for d in data[:M]])
-    full_y = torch.cat([d[1] for d in data[:M]])
-    pt_steps = max(1, round(a.microbatches / M))
 
-    def petra_run(method, n):
-        batches = (data[i % len(data)] for i in range(n)) if r == 0 else None
-        engines[method].train_segment(batches, n)
-        return n * a.batch
+class PeersBench:
+    """Every contender on this rank: PETRA and backprop on one RevNet18 stage, the
+    torch.distributed.pipelining schedules on one ResNet18 stage, and the data they train on."""
 
-    def pt_run(name, steps):
+    def __init__(self, a, world):
+        self.a, self.world = a, world
+        J = world.size
+        self.M = a.pt_microbatches
+        petra_split, pt_split = measured_splits(a, world)
+        (self.stage,) = build_stages("revnet18", a.width, 10, J, seed=0, only=world.rank,
+                                     partition=petra_split)
+        self.sizes = self.stage.partition
+        self.pt_sizes = pt_split or resolve_partition(build_blocks("resnet18", a.width, 10), J)
+        self.sampler = SampleAfterForward()
+        (worker,) = build_workers([self.stage], LRSchedule(LR, 10**6), a.accumulation,
+                                  momentum=MOMENTUM, hooks=[self.sampler])
+        self.engines = {m: MPIEngine(worker, m, world, torch.float32, (3, 32, 32), a.batch)
+                        for m in ("petra", "backprop")}
+        self.pts, self.skipped = pipelining_contenders(a, world, self.pt_sizes)
+        g = torch.Generator().manual_seed(0)
+        self.data = [(torch.randn(a.batch, 3, 32, 32, generator=g),
+                      torch.randint(0, 10, (a.batch,), generator=g))
+                     for _ in range(max(4, self.M))]
+        self.full_x = torch.cat([d[0] for d in self.data[:self.M]])
+        self.full_y = torch.cat([d[1] for d in self.data[:self.M]])
+        self.pt_steps = max(1, round(a.microbatches / self.M))
+
+    def names(self):
+        return [*self.engines, *self.pts]
+
+    def petra_run(self, method, n):
+        """Images trained by one segment of n micro-batches of our engine."""
+        batches = ((self.data[i % len(self.data)] for i in range(n)) if self.world.rank == 0
+                   else None)
+        self.engines[method].train_segment(batches, n)
+        return n * self.a.batch
+
+    def pt_run(self, name, steps):
+        """Images trained by `steps` steps of a pipelining schedule."""
         for _ in range(steps):
-            pts[name].step(full_x, full_y)
-        return steps * M * a.batch
+            self.pts[name].step(self.full_x, self.full_y)
+        return steps * self.M * self.a.batch
 
-    runs = {m: (lambda m=m: petra_run(m, a.microbatches)) for m in engines}
-    runs.update({n: (lambda n=n: pt_run(n, pt_steps)) for n in pts})
-
-    def timed(fn):
-        comm.Barrier()
+    def timed_run(self, name):
+        """images/s of one timed segment of a contender, between barriers."""
+        self.world.comm.Barrier()
         start = time.perf_counter()
-        images = fn()
-        comm.Barrier()
+        if name in self.engines:
+            images = self.petra_run(name, self.a.microbatches)
+        else:
+            images = self.pt_run(name, self.pt_steps)
+        self.world.comm.Barrier()
         return images / (time.perf_counter() - start)
 
-    # Warm-up (a failing zero-bubble step would leave the other ranks waiting in gloo, so a
-    # schedule that raises here ends the run with its error).
-    for m in engines:
-        petra_run(m, J + 2)
-    for n in list(pts):
-        pt_run(n, 1)
-    speeds = {name: [] for name in runs}
-    for _ in range(a.rounds):
-        for name, fn in runs.items():
-            speeds[name].append(timed(fn))
-    images_per_s = {name: statistics.median(v) for name, v in speeds.items()}
+    def images_per_s(self) -> dict:
+        """Median images/s of each contender over a.rounds round-robin rounds, after a warm-up
+        (a failing zero-bubble step would leave the other ranks waiting in gloo, so a schedule
+        that raises here ends the run with its error)."""
+        for m in self.engines:
+            self.petra_run(m, self.world.size + 2)
+        for n in self.pts:
+            self.pt_run(n, 1)
+        speeds = {name: [] for name in self.names()}
+        for _ in range(self.a.rounds):
+            for name in speeds:
+                speeds[name].append(self.timed_run(name))
+        return {name: statistics.median(v) for name, v in speeds.items()}
 
-    # Memory: one untimed pass each, hooks on.
-    peaks = {}
-    for m, engine in engines.items():
-        meter = ActivationMeter(stage, lambda: (t for f in stage.fifos for t in f))
-        sampler.meter = meter
-        try:
-            with meter.hooks():
-                comm.Barrier()
-                petra_run(m, a.microbatches)
-        finally:
-            sampler.meter = None
-        peaks[m] = meter.peak
-    for n, c in pts.items():
-        comm.Barrier()
-        peaks[n] = c.measure(full_x, full_y)
-    peak_bytes = {name: comm.gather(peaks[name], root=0) for name in runs}
+    def peak_bytes(self) -> dict:
+        """Peak activation bytes of each contender from one untimed pass with the hooks on;
+        per rank, gathered on rank 0."""
+        comm, stage, peaks = self.world.comm, self.stage, {}
+        for m in self.engines:
+            meter = ActivationMeter(stage, lambda: (t for f in stage.fifos for t in f))
+            self.sampler.meter = meter
+            try:
+                with meter.hooks():
+                    comm.Barrier()
+                    self.petra_run(m, self.a.microbatches)
+            finally:
+                self.sampler.meter = None
+            peaks[m] = meter.peak
+        for n, c in self.pts.items():
+            comm.Barrier()
+            peaks[n] = c.measure(self.full_x, self.full_y)
+        return {name: comm.gather(peaks[name], root=0) for name in self.names()}
 
-    if r == 0:
-        mib = 2.0 ** 20
-        print(f"width {a.width}, micro-batch {a.batch}, {J} ranks x {torch.get_num_threads()} "
-              f"threads, median of {a.rounds} alternated rounds")
-        print(f"petra/backprop: RevNet18, {a.microbatches} micro-batches per timed segment (fill "
-              f"and drain included), k = {a.accumulation}; pipelining: ResNet18, {M} micro-batches "
-              f"per step, {pt_steps} step(s) per timed segment; blocks per stage: RevNet18 "
-              f"{sizes}, ResNet18 {pt_sizes}")
-        print(f"{'contender':<18} {'images/s':>9}  peak activation MiB per rank")
-        for name in runs:
-            per_rank = " ".join(f"{b / mib:8.2f}" for b in peak_bytes[name])
-            print(f"{name:<18} {images_per_s[name]:>9.1f}  {per_rank}")
-        for name, why in skipped.items():
-            print(f"{name:<18} did not run: {why}")
-        record = {"bench": "peers", "ranks": J, "threads": torch.get_num_threads(),
-                  "batch": a.batch, "width": a.width, "microbatches": a.microbatches,
-                  "accumulation": a.accumulation, "pt_microbatches": M, "partition": sizes,
-                  "pt_partition": pt_sizes, "images_per_s": images_per_s,
-                  "peak_activation_bytes": peak_bytes}
-        for other in ("1f1b", "1f1b_checkpointed"):
-            if other in images_per_s:
-                ratio = images_per_s["petra"] / images_per_s[other]
-                record[f"petra_vs_{other}"] = ratio
-                print(f"PETRA / {other}: {ratio:.2f} images/s")
-        if skipped:
-            record["skipped"] = skipped
-        emit(record)
-    import torch.distributed as dist
+
+def run(a):
+    """Time and measure every contender on every rank; the JSON record on rank 0, else None."""
+    world = World.from_environment()
+    if world is None:
+        raise SystemExit("run under mpirun with at least 2 ranks")
+    torch.set_num_threads(a.threads or world.thread_share())
+    a.pt_microbatches = a.pt_microbatches or max(a.accumulation, world.size)
+    dist = init_gloo(world)
+    bench = PeersBench(a, world)
+    images_per_s = bench.images_per_s()
+    peak_bytes = bench.peak_bytes()
     dist.destroy_process_group()
+    if world.rank != 0:
+        return None
+    record = {"bench": "peers", "ranks": world.size, "threads": torch.get_num_threads(),
+              "batch": a.batch, "width": a.width, "microbatches": a.microbatches,
+              "accumulation": a.accumulation, "pt_microbatches": a.pt_microbatches,
+              "partition": bench.sizes, "pt_partition": bench.pt_sizes,
+              "images_per_s": images_per_s, "peak_activation_bytes": peak_bytes}
+    for other in ("1f1b", "1f1b_checkpointed"):
+        if other in images_per_s:
+            record[f"petra_vs_{other}"] = images_per_s["petra"] / images_per_s[other]
+    if bench.skipped:
+        record["skipped"] = bench.skipped
+    return record
 
+
+def report(a, r):
+    """The table on rank 0, then the JSON line (nothing on the other ranks)."""
+    if r is None:
+        return
+    mib, M = 2.0 ** 20, r["pt_microbatches"]
+    print(f"width {a.width}, micro-batch {a.batch}, {r['ranks']} ranks x {r['threads']} "
+          f"threads, median of {a.rounds} alternated rounds")
+    print(f"petra/backprop: RevNet18, {a.microbatches} micro-batches per timed segment (fill "
+          f"and drain included), k = {a.accumulation}; pipelining: ResNet18, {M} micro-batches "
+          f"per step, {max(1, round(a.microbatches / M))} step(s) per timed segment; blocks per "
+          f"stage: RevNet18 {r['partition']}, ResNet18 {r['pt_partition']}")
+    print(f"{'contender':<18} {'images/s':>9}  peak activation MiB per rank")
+    for name, speed in r["images_per_s"].items():
+        per_rank = " ".join(f"{b / mib:8.2f}" for b in r["peak_activation_bytes"][name])
+        print(f"{name:<18} {speed:>9.1f}  {per_rank}")
+    for name, why in r.get("skipped", {}).items():
+        print(f"{name:<18} did not run: {why}")
+    for other in ("1f1b", "1f1b_checkpointed"):
+        if f"petra_vs_{other}" in r:
+            print(f"PETRA / {other}: {r[f'petra_vs_{other}']:.2f} images/s")
+    emit(r)

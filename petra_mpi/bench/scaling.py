@@ -19,7 +19,7 @@ from ..blockcost import measure_autograd_costs, measure_block_costs
 from ..engine.build import build_stages, build_workers
 from ..engine.local import LocalEngine
 from ..mpi.world import World
-from ..models import build_blocks
+from ..models import ARCHS, build_blocks
 from ..optim import LRSchedule
 from ..partition import resolve_partition
 from .common import emit
@@ -87,9 +87,16 @@ def measured_images_per_s(a, world, J, sizes, method, data):
 
 
 def main(argv):
+    a = parse_args(argv)
+    report(a, run(a))
+
+
+def parse_args(argv):
     p = argparse.ArgumentParser(prog="[mpirun -n P] python -m petra_mpi.bench scaling",
                                 description=__doc__)
-    p.add_argument("--arch", default="revnet18", help="revnet18/34/50 (1F1B runs the ResNet twin)")
+    p.add_argument("--arch", default="revnet18",
+                   help="revnet18/34/50 or irevnet18/34/50 (1F1B runs the ResNet of the same "
+                        "depth)")
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--microbatches", type=int, default=24,
@@ -103,13 +110,35 @@ def main(argv):
                    help="the frameworks' own costs per message and per step, from the last line "
                         "of a `bench emulate` run (else none)")
     a = p.parse_args(argv)
-    ours = pipelining = perfmodel.NO_FRAMEWORK
-    if a.framework:
-        with open(a.framework) as f:
-            fw = json.loads(f.read().strip().splitlines()[-1])["framework"]
-        ours, pipelining = (perfmodel.Framework(fw[k]["per_message_s"], fw[k]["per_step_s"])
-                            if k in fw else perfmodel.NO_FRAMEWORK
-                            for k in ("ours", "pipelining"))
+    a.plain_arch = plain_twin(a.arch)
+    return a
+
+
+def plain_twin(arch: str) -> str:
+    """The non-reversible net 1F1B runs: the plain ResNet of the same depth and width, for a
+    RevNet and a fully invertible RevNet alike (irevnetN has the block layout of revnetN)."""
+    for prefix in ("irevnet", "revnet", "resnet"):
+        depth = arch[len(prefix):]
+        if arch.startswith(prefix) and "resnet" + depth in ARCHS:
+            return "resnet" + depth
+    raise SystemExit(f"bench scaling: --arch {arch} has no plain ResNet twin for 1F1B; "
+                     f"use revnet18/34/50 or irevnet18/34/50")
+
+
+def read_framework(path):
+    """(ours, pipelining): the frameworks' costs from the last line of a `bench emulate` run."""
+    if not path:
+        return perfmodel.NO_FRAMEWORK, perfmodel.NO_FRAMEWORK
+    with open(path) as f:
+        fw = json.loads(f.read().strip().splitlines()[-1])["framework"]
+    return tuple(perfmodel.Framework(fw[k]["per_message_s"], fw[k]["per_step_s"])
+                 if k in fw else perfmodel.NO_FRAMEWORK for k in ("ours", "pipelining"))
+
+
+def run(a):
+    """Measure, predict every J and validate at J = 1 .. P; the JSON record on rank 0, else
+    None."""
+    ours, pipelining = read_framework(a.framework)
     world = World.from_environment()
     P = world.size if world else 1
     rank = world.rank if world else 0
@@ -117,7 +146,7 @@ def main(argv):
 
     # 1. What each block costs, with this rank's threads (rank 0 measures, the others wait).
     blocks = build_blocks(a.arch, a.width, 10)
-    plain = build_blocks(a.arch.replace("revnet", "resnet"), a.width, 10)
+    plain = build_blocks(a.plain_arch, a.width, 10)
     costs = plain_costs = None
     if rank == 0:
         costs = measure_block_costs(blocks, (3, 32, 32), a.batch, 10)
@@ -127,31 +156,47 @@ def main(argv):
     # 2. The link between the actual ranks.
     link = (measure_link(world.comm, max(costs.output_bytes)) if world
             else perfmodel.Link(0.0, float("inf")))
+    # 3. Predictions for every J. 4. Validation at every J the ranks allow.
+    predictions = [predict(a, blocks, costs, plain, plain_costs, link, ours, pipelining, J)
+                   for J in range(1, len(blocks) + 1)]
+    validation = validate(a, world, min(P, len(blocks)), predictions)
+    if rank != 0:
+        return None
+    return {"bench": "scaling", "arch": a.arch, "width": a.width, "batch": a.batch, "ranks": P,
+            "threads": torch.get_num_threads(),
+            "link": {"latency_s": link.latency, "bandwidth_bytes_per_s": link.bandwidth},
+            "block_costs": costs.to_dict(), "predictions": predictions, "validation": validation,
+            "framework": {"ours": vars(ours), "pipelining": vars(pipelining)},
+            "paper_table5": PAPER_TABLE5}
 
-    # 3. Predictions for every J.
-    predictions = []
-    for J in range(1, len(blocks) + 1):
-        sizes = resolve_partition(blocks, J, costs=costs)
-        sc = perfmodel.stage_costs(costs, sizes)
-        plain_sizes = resolve_partition(plain, J, costs=plain_costs)
-        pc = perfmodel.stage_costs(plain_costs, plain_sizes, rebuilt_down=[False] * J)
-        row = {"ranks": J, "split": sizes,
-               "petra": perfmodel.predict_images_per_s("petra", sc, link, a.microbatches, a.batch,
-                                                       framework=ours),
-               "backprop": perfmodel.predict_images_per_s("backprop", sc, link, a.microbatches,
-                                                          a.batch, framework=ours),
-               "1f1b": perfmodel.predict_images_per_s("1f1b", pc, link,
-                                                      max(a.pt_microbatches, J), a.batch,
-                                                      framework=pipelining)}
-        row["speedup"] = row["petra"] / row["backprop"]
-        predictions.append(row)
 
-    # 4. Validation at every J the ranks allow, alternating the two methods.
+def predict(a, blocks, costs, plain, plain_costs, link, ours, pipelining, J) -> dict:
+    """The predicted images/s of the three methods at J stages, with the split PETRA uses."""
+    sizes = resolve_partition(blocks, J, costs=costs)
+    sc = perfmodel.stage_costs(costs, sizes)
+    plain_sizes = resolve_partition(plain, J, costs=plain_costs)
+    pc = perfmodel.stage_costs(plain_costs, plain_sizes, rebuilt_down=[False] * J)
+    row = {"ranks": J, "split": sizes,
+           "petra": perfmodel.predict_images_per_s("petra", sc, link, a.microbatches, a.batch,
+                                                   framework=ours),
+           "backprop": perfmodel.predict_images_per_s("backprop", sc, link, a.microbatches,
+                                                      a.batch, framework=ours),
+           "1f1b": perfmodel.predict_images_per_s("1f1b", pc, link,
+                                                  max(a.pt_microbatches, J), a.batch,
+                                                  framework=pipelining)}
+    row["speedup"] = row["petra"] / row["backprop"]
+    return row
+
+
+def validate(a, world, max_J, predictions) -> list:
+    """Measured against predicted images/s at J = 1 .. max_J, alternating the two methods
+    (every rank takes part; the rows are filled on rank 0 only)."""
+    rank = world.rank if world else 0
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(a.batch, 3, 32, 32, generator=g),
              torch.randint(0, 10, (a.batch,), generator=g)) for _ in range(4)]
     validation = []
-    for J in range(1, min(P, len(blocks)) + 1):
+    for J in range(1, max_J + 1):
         for method in ("petra", "backprop"):
             measured = measured_images_per_s(a, world, J, predictions[J - 1]["split"], method, data)
             if world:
@@ -161,20 +206,26 @@ def main(argv):
                 validation.append({"ranks": J, "method": method, "predicted": predicted,
                                    "measured": measured,
                                    "error": predicted / measured - 1})
+    return validation
 
-    if rank != 0:
+
+def report(a, r):
+    """The tables and the figure on rank 0, then the JSON line (nothing on the other ranks)."""
+    if r is None:
         return
-    print(f"{a.arch} width {a.width}, batch {a.batch}, {torch.get_num_threads()} threads per "
-          f"rank; link latency {1e6 * link.latency:.1f} us, bandwidth "
-          f"{link.bandwidth / 1e9:.2f} GB/s; PETRA/backprop segments of {a.microbatches} "
-          f"micro-batches, 1F1B steps of max({a.pt_microbatches}, J)")
+    link, predictions, validation = r["link"], r["predictions"], r["validation"]
+    print(f"{a.arch} width {a.width}, batch {a.batch}, {r['threads']} threads per "
+          f"rank; link latency {1e6 * link['latency_s']:.1f} us, bandwidth "
+          f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; PETRA/backprop segments of "
+          f"{a.microbatches} micro-batches, 1F1B steps of max({a.pt_microbatches}, J)")
     print(f"{'J':>3} {'split':<32} {'petra':>8} {'backprop':>9} {'1f1b':>8} {'speed-up':>9}  "
           f"(predicted images/s)")
-    for r in predictions:
+    for row in predictions:
         paper = [f"paper Table 5: {v['speedup']}x ({name}, {v['gpus']} GPUs)"
-                 for name, v in PAPER_TABLE5.items() if v["gpus"] == r["ranks"]]
-        print(f"{r['ranks']:>3} {str(r['split']):<32} {r['petra']:>8.1f} {r['backprop']:>9.1f} "
-              f"{r['1f1b']:>8.1f} {r['speedup']:>8.2f}x  {' '.join(paper)}")
+                 for name, v in PAPER_TABLE5.items() if v["gpus"] == row["ranks"]]
+        print(f"{row['ranks']:>3} {str(row['split']):<32} {row['petra']:>8.1f} "
+              f"{row['backprop']:>9.1f} {row['1f1b']:>8.1f} {row['speedup']:>8.2f}x  "
+              f"{' '.join(paper)}")
     print(f"{'J':>3} {'method':<9} {'predicted':>10} {'measured':>9} {'error':>7}")
     for v in validation:
         print(f"{v['ranks']:>3} {v['method']:<9} {v['predicted']:>10.1f} {v['measured']:>9.1f} "
@@ -182,12 +233,7 @@ def main(argv):
     if a.png:
         _plot(a, predictions, validation)
     sys.stdout.flush()
-    emit({"bench": "scaling", "arch": a.arch, "width": a.width, "batch": a.batch, "ranks": P,
-          "threads": torch.get_num_threads(),
-          "link": {"latency_s": link.latency, "bandwidth_bytes_per_s": link.bandwidth},
-          "block_costs": costs.to_dict(), "predictions": predictions, "validation": validation,
-          "framework": {"ours": vars(ours), "pipelining": vars(pipelining)},
-          "paper_table5": PAPER_TABLE5})
+    emit(r)
 
 
 def _plot(a, predictions, validation):

@@ -33,9 +33,6 @@ class MPIEngine:
         self.w, self.method, self.world = worker, method, world
         self.schedule = schedule_for(method, world.stages, worker.k)
         comm, r, J = world.pipe, world.stage, world.stages
-
-        def codec(direction, sender):  # of what `sender` sends; a receiver only decodes with it
-            return compression.codec(direction, sender, world.replica)
         device = next(worker.stage.parameters()).device
         aware, why = cuda_aware_mpi() if device.type == "cuda" else (False, "")
         self.transport = t = Transport(device, aware)
@@ -63,9 +60,26 @@ class MPIEngine:
         wants_rebuilt = comm.sendrecv(worker.stage.needs_rebuilt_input, dest=(r + 1) % J,
                                       source=(r - 1) % J)
         self.send_rebuilt = r > 0 and wants_rebuilt
+        self.streams = self._open_streams(compression, dtype, batch_size, (in_shape, in_fmt),
+                                          (out_shape, out_fmt))
+        self.inboxes = [b for b in self.streams.values() if isinstance(b, Inbox)]
+        self.outboxes = [b for b in self.streams.values() if isinstance(b, Outbox)]
+        if worker.tracer.enabled:
+            worker.tracer.sent_bytes = 0  # the trace's plan spans count the bytes sent per tick
+        self.compute_seconds = 0.0  # in the stage's own work (forward, backward, optimizer step)
+        self.watchdog = NoWatchdog()  # train.py starts the real one (watchdog.start_watchdog)
+
+    def _open_streams(self, compression, dtype, batch_size, in_spec, out_spec) -> dict:
+        """The streams, by the name the trace shows; a stream this rank does not use is absent.
+        in_spec, out_spec: (shape, layout) of this stage's input and output."""
+        world, t, worker = self.world, self.transport, self.w
+        comm, r, J = world.pipe, world.stage, world.stages
+        (in_shape, in_fmt), (out_shape, out_fmt) = in_spec, out_spec
+
+        def codec(direction, sender):  # of what `sender` sends; a receiver only decodes with it
+            return compression.codec(direction, sender, world.replica)
         last = r == J - 1
         rebuilt_in = not last and worker.stage.needs_rebuilt_input
-        # The streams, by the name the trace shows; a stream this rank does not use is absent.
         streams = {
             "activation in": r > 0 and Inbox(comm, t, r - 1, TAG_ACTIVATION, in_shape, dtype,
                                              layout=in_fmt, codec=codec("forward", r - 1)),
@@ -84,13 +98,7 @@ class MPIEngine:
                                              codec=codec("gradient", r)),
             "labels out": r == 0 and J > 1 and Outbox(comm, t, J - 1, TAG_LABELS, depth=J + 2),
         }
-        self.streams = {name: box for name, box in streams.items() if box}
-        self.inboxes = [b for b in self.streams.values() if isinstance(b, Inbox)]
-        self.outboxes = [b for b in self.streams.values() if isinstance(b, Outbox)]
-        if worker.tracer.enabled:
-            worker.tracer.sent_bytes = 0  # the trace's plan spans count the bytes sent per tick
-        self.compute_seconds = 0.0  # in the stage's own work (forward, backward, optimizer step)
-        self.watchdog = NoWatchdog()  # train.py starts the real one (watchdog.start_watchdog)
+        return {name: box for name, box in streams.items() if box}
 
     @torch.no_grad()
     def _output_spec(self, in_shape, in_fmt, device, dtype):
