@@ -167,9 +167,9 @@ def grid(schedule: PetraSchedule, n: int) -> str:
              f"accumulation {schedule.k}, {ticks} ticks",
              "legend: Fb forward of micro-batch b, Bb backward, FBb the last stage's forward, "
              "loss and backward, S optimizer step, . idle; within a tick, left to right",
-             "tick    " + " ".join(str(t).rjust(width) for t in range(ticks))]
-    for s, row in enumerate(cells):
-        lines.append(f"rank {s:<3}" + " ".join(c.rjust(width) for c in row))
+             "tick    | " + " | ".join(str(t).rjust(width) for t in range(ticks))]
+    for s, row in enumerate(cells):  # " | " between ticks: a tick's actions stay together
+        lines.append(f"rank {s:<3}| " + " | ".join(c.rjust(width) for c in row))
     return "\n".join(lines)
 
 
