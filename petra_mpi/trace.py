@@ -109,7 +109,8 @@ class Tracer:
         # serialises host and device at every span (slower, but the spans mean something).
         self.log, self.pid, self.sync = log, pid, sync
         self.tick = self.b = -1  # outside a tick (drain, evaluation): -1, left out of args
-        self.sent_bytes = -1  # bytes the MPI engine sent (it sets 0 to count); -1: not counted
+        self.sent_bytes = 0  # what the MPI engine reported sent (through wait)
+        self.under_mpi = False  # whether an engine reports waits at all (the local one does not)
         log.names[pid] = name
 
     def span(self, kind, b=-1):
@@ -125,7 +126,7 @@ class Tracer:
             self.b = action.microbatch
             yield action
         label = " ".join(a.label for a in actions)
-        nbytes = self.sent_bytes - sent if sent >= 0 else -1
+        nbytes = self.sent_bytes - sent if self.under_mpi else -1
         self.log.add((PLAN, label, self.pid, COMPUTE_TIDS[PLAN], start, time.perf_counter(), -1,
                       tick, nbytes))
         self.tick = self.b = -1
@@ -140,7 +141,8 @@ class Tracer:
         return traced
 
     def wait(self, stream, start, end, nbytes):
-        if stream.endswith(" out") and nbytes > 0 and self.sent_bytes >= 0:
+        self.under_mpi = True
+        if stream.endswith(" out") and nbytes > 0:
             self.sent_bytes += nbytes
         self.log.add((WAIT, stream, self.pid, WAIT_TIDS[stream], start, end, self.b, self.tick,
                       nbytes))

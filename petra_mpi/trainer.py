@@ -434,12 +434,11 @@ class Trainer:
         self.own = workers[:J]  # replica 0's: what checkpoints hold (replicas are identical)
         if world:
             from .mpi.engine import MPIEngine
-            from .watchdog import start_watchdog
             engine = MPIEngine(workers[0], cfg.train.method, world, where.dtype,
                                self.input_shape, cfg.data.batch_size,
-                               compression)  # its start-up line shows the compression
-            engine.watchdog = start_watchdog(cfg, world, engine)  # ends a rank that hangs
-            self.watchdog = engine.watchdog
+                               compression,  # its start-up line shows the compression
+                               watchdog_s=cfg.run.watchdog_s)
+            self.watchdog = engine.watchdog  # the trainer's collectives are watched too
         else:
             from .engine.local import LocalEngine
             engine = LocalEngine(workers, cfg.train.method, R, compression)

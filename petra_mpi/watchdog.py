@@ -132,10 +132,11 @@ class NoWatchdog:
         pass
 
 
-def start_watchdog(cfg, world, engine):
-    """The watchdog of this rank's engine (NoWatchdog when run.watchdog_s is 0)."""
-    if cfg.run.watchdog_s == 0:
+def start_watchdog(limit_s, world, pending):
+    """The watchdog of this rank (NoWatchdog when `limit_s`, run.watchdog_s, is 0; None: the
+    automatic limit); `pending`: see Watchdog."""
+    if limit_s == 0:
         return NoWatchdog()
     me = world.placement[world.rank] if world.placement else None
     where = (f"rank {world.rank}" + (f" ({me['host']}, stage {me['stage']})" if me else ""))
-    return Watchdog(cfg.run.watchdog_s, where, engine.pending_messages)
+    return Watchdog(limit_s, where, pending)

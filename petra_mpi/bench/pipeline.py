@@ -115,7 +115,8 @@ class PipelineBench:
         self.split = stages[0].partition
         (self.worker,) = build_workers(stages, LRSchedule(0.01, 10**6))
         self.engines = {m: MPIEngine(self.worker, m, world, torch.float32, (3, 32, 32), a.batch,
-                                     self.compression) for m in ("petra", "backprop")}
+                                     self.compression, poll_between_blocks=not a.no_poll)
+                        for m in ("petra", "backprop")}
         g = torch.Generator().manual_seed(0)
         self.data = [(torch.randn(a.batch, 3, 32, 32, generator=g).to(self.device),
                       torch.randint(0, 10, (a.batch,), generator=g).to(self.device))
@@ -125,8 +126,6 @@ class PipelineBench:
         """(wall, MPI wait, compute seconds, bytes sent) of one segment of n micro-batches."""
         a, world, engine = self.a, self.world, self.engines[method]
         batches = (self.data[i % len(self.data)] for i in range(n)) if world.rank == 0 else None
-        if a.no_poll:
-            engine.transport.boxes = []  # poll() then does nothing
         if traced:  # this segment only: the other ones keep the untraced NULL_TRACER
             (tracer,) = trace.start(True, world, [world.rank],
                                     next(self.worker.stage.parameters()).device)

@@ -20,7 +20,7 @@ from ..compress import NO_COMPRESSION
 from ..schedule import Kind, schedule_for, stop_count
 from ..stopping import STOP_CHECK_TICKS
 from ..engine.evaluation import EvalTotals
-from ..watchdog import NoWatchdog
+from ..watchdog import start_watchdog
 
 STOP_VOTE = "stop vote"  # what Transport.blocked holds while a rank waits for the vote
 STREAM_NAMES = {TAG_ACTIVATION: "activation", TAG_REBUILT: "rebuilt input",
@@ -29,8 +29,11 @@ STREAM_NAMES = {TAG_ACTIVATION: "activation", TAG_REBUILT: "rebuilt input",
 
 class MPIEngine:
     def __init__(self, worker, method, world, dtype, input_shape, batch_size,
-                 compression=NO_COMPRESSION):
+                 compression=NO_COMPRESSION, watchdog_s=0, poll_between_blocks=True):
+        """watchdog_s: run.watchdog_s (0: none; None: automatic). poll_between_blocks: drive
+        MPI's progress between the blocks of a stage (off only to measure what that brings)."""
         self.w, self.method, self.world = worker, method, world
+        self.poll_between_blocks = poll_between_blocks
         self.schedule = schedule_for(method, world.stages, worker.k)
         comm, r, J = world.pipe, world.stage, world.stages
         device = next(worker.stage.parameters()).device
@@ -64,10 +67,9 @@ class MPIEngine:
                                           (out_shape, out_fmt))
         self.inboxes = [b for b in self.streams.values() if isinstance(b, Inbox)]
         self.outboxes = [b for b in self.streams.values() if isinstance(b, Outbox)]
-        if worker.tracer.enabled:
-            worker.tracer.sent_bytes = 0  # the trace's plan spans count the bytes sent per tick
         self.compute_seconds = 0.0  # in the stage's own work (forward, backward, optimizer step)
-        self.watchdog = NoWatchdog()  # train.py starts the real one (watchdog.start_watchdog)
+        # ends this rank with a report when it hangs (watchdog.py)
+        self.watchdog = start_watchdog(watchdog_s, world, self.pending_messages)
 
     def _open_streams(self, compression, dtype, batch_size, in_spec, out_spec) -> dict:
         """The streams, by the name the trace shows; a stream this rank does not use is absent.
@@ -181,7 +183,7 @@ class MPIEngine:
         w = self.w
         w.begin_segment(n)
         # Large messages move only while MPI is called: poll between blocks (docs/performance.md).
-        w.stage.between_blocks = self.transport.poll
+        w.stage.between_blocks = self.transport.poll if self.poll_between_blocks else None
         self._expect(n)
         self.vote = None
         t = 0
