@@ -45,28 +45,27 @@ def nodes(tmp_path_factory):
     c.stop()
 
 
-@pytest.fixture(scope="module")
-def cifar(tmp_path_factory):
-    """A CIFAR-10 file packed by data_prep.cifar from an upstream-format tarball: 120 training
-    and 16 validation images."""
-    folder = tmp_path_factory.mktemp("cifar")
-    tarball, _ = make_cifar10(folder, n=24, n_test=16)
+def packed_cifar10(folder, per_batch):
+    """A CIFAR-10 file packed by data_prep.cifar from an upstream-format tarball: 5 x per_batch
+    training and 16 validation images."""
+    tarball, _ = make_cifar10(folder, n=per_batch, n_test=16)
     out = folder / "cifar10.h5"
     subprocess.run([sys.executable, "-m", "data_prep.cifar", "--source", str(tarball), "--out",
                     str(out)], check=True, capture_output=True, cwd=ROOT)
     return out
+
+
+@pytest.fixture(scope="module")
+def cifar(tmp_path_factory):
+    """120 training images."""
+    return packed_cifar10(tmp_path_factory.mktemp("cifar"), 24)
 
 
 @pytest.fixture(scope="module")
 def cifar_long(tmp_path_factory):
-    """The same format with 1000 training images: epochs of a few seconds, long enough to land a
-    node's death inside one."""
-    folder = tmp_path_factory.mktemp("cifar_long")
-    tarball, _ = make_cifar10(folder, n=200, n_test=16)
-    out = folder / "cifar10.h5"
-    subprocess.run([sys.executable, "-m", "data_prep.cifar", "--source", str(tarball), "--out",
-                    str(out)], check=True, capture_output=True, cwd=ROOT)
-    return out
+    """1000 training images: epochs of a few seconds, long enough to land a node's death inside
+    one."""
+    return packed_cifar10(tmp_path_factory.mktemp("cifar_long"), 200)
 
 
 def submit(cluster, tmp_path, out, trainer_args):
