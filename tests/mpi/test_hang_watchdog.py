@@ -6,14 +6,20 @@ from conftest import PROGRAMS, QUICK, mpirun
 from petra_mpi.watchdog import EXIT_STALLED
 
 
+def stalled_run(fault, microbatch, tmp_path):
+    """3 ranks of the quick start, rank 1 stalled (tests/programs/faulty_train.py), watchdog 3 s:
+    the finished process and its output."""
+    proc = mpirun(3, [PROGRAMS / "faulty_train.py", fault, 1, microbatch,
+                      "configs/quickstart.yaml", "--set", f"run.out_dir={tmp_path}",
+                      "--set", "run.watchdog_s=3", *QUICK], timeout=120)
+    return proc, proc.stdout + proc.stderr
+
+
 def test_a_stalled_rank_ends_the_job_and_every_rank_reports(tmp_path):
     """Rank 1's forward of micro-batch 5 sleeps for an hour; with run.watchdog_s=3 each rank
     prints its last action and pending messages: rank 1 that its own work stalled, ranks 0 and 2
     that they wait on rank 1. The job ends with EXIT_STALLED (mpirun passes the status on)."""
-    proc = mpirun(3, [PROGRAMS / "faulty_train.py", "stall", 1, 5, "configs/quickstart.yaml",
-                      "--set", f"run.out_dir={tmp_path}", "--set", "run.watchdog_s=3", *QUICK],
-                  timeout=120)
-    out = proc.stdout + proc.stderr
+    proc, out = stalled_run("stall", 5, tmp_path)
     assert proc.returncode == EXIT_STALLED, out[-3000:]
     heads = dict(re.findall(r"petra_mpi: watchdog: rank (\d) \(\S+, stage \d\): (.*)", out))
     assert sorted(heads) == ["0", "1", "2"], out[-3000:]
@@ -31,10 +37,7 @@ def test_a_rank_lost_before_a_stop_vote_ends_the_job(tmp_path):
     """Rank 1 never comes to the stop vote at the end of the first segment (it sleeps before
     it): ranks 0 and 2 wait inside that collective, where no neighbour can be named; their
     watchdogs say so and the job ends with EXIT_STALLED instead of hanging."""
-    proc = mpirun(3, [PROGRAMS / "faulty_train.py", "stall-vote", 1, 0, "configs/quickstart.yaml",
-                      "--set", f"run.out_dir={tmp_path}", "--set", "run.watchdog_s=3", *QUICK],
-                  timeout=120)
-    out = proc.stdout + proc.stderr
+    proc, out = stalled_run("stall-vote", 0, tmp_path)
     assert proc.returncode == EXIT_STALLED, out[-3000:]
     heads = dict(re.findall(r"petra_mpi: watchdog: rank (\d) \(\S+, stage \d\): (.*)", out))
     assert sorted(heads) in (["0", "2"], ["0"], ["2"]), out[-3000:]  # the first exit ends the job
