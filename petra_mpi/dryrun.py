@@ -32,10 +32,12 @@ def input_side(cfg) -> tuple[int, str]:
 
 
 def stage_table(cfg, num_stages: int, dtype=torch.float32, partition=None,
-                side=None) -> list[dict]:
+                side=None, as_the_paper_counts=False) -> list[dict]:
     """Per-stage figures for batch `data.batch_size`, from a real forward of a zero batch;
     `partition`: blocks per stage (default model.partition, else the estimate); `side`: of the
-    input images (default: input_side)."""
+    input images (default: input_side). Stage s holds delay(J, s) micro-batches' inputs (or
+    weights) at its peak, its backward running before its forward within a tick; the paper's
+    Table 3 counts one more (`as_the_paper_counts`)."""
     side = side or input_side(cfg)[0]
     stages = build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, num_stages,
                           seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
@@ -60,7 +62,8 @@ def stage_table(cfg, num_stages: int, dtype=torch.float32, partition=None,
                     fifo += x.numel() * batch * fifo_itemsize
                 x = block(x)
         params = sum(p.numel() for p in stage.parameters()) * itemsize
-        in_flight = delay(num_stages, stage.index) + 1 if cfg.train.method != "backprop" else 1
+        in_flight = (1 if cfg.train.method == "backprop" else
+                     delay(num_stages, stage.index) + (1 if as_the_paper_counts else 0))
         rows.append({
             "stage": stage.index, "blocks": len(stage.blocks),
             "kind": "+".join("rev" if not b else "buf" for b in stage.buffered),

@@ -64,9 +64,10 @@ def balanced_partition(costs, num_stages: int, last_factor: float = 0.75,
     `stored[b]`: bytes block b keeps per micro-batch in flight outside the last stage (the input
     of a non-reversible block). Given, the splits whose slowest stage is within TIE_TOLERANCE of
     the best are ties, and among them the one whose largest stage store is smallest wins (then
-    the fastest): stage j holds delay(J, j) + 1 micro-batches (PETRA's FIFO depth), the last
-    stage none. At J = 2 on RevNet18 this keeps a 16 MiB downsampling input out of stage 0's
-    three-deep FIFO when the two best splits time within noise of each other."""
+    the fastest): stage j holds delay(J, j) micro-batches (PETRA's FIFO depth, the backward
+    popping before the forward pushes), the last stage none. At J = 2 on RevNet18 this keeps a
+    16 MiB downsampling input out of stage 0's two-deep FIFO when the two best splits time within
+    noise of each other."""
     n = len(costs)
     if not 1 <= num_stages <= n:
         raise ValueError(f"cannot split {n} blocks into {num_stages} stages: use 1 to {n}")
@@ -81,7 +82,7 @@ def balanced_partition(costs, num_stages: int, last_factor: float = 0.75,
     def store(j, m, i):
         if j == num_stages:
             return 0.0
-        return (stored_prefix[i] - stored_prefix[m]) * (delay(num_stages, j - 1) + 1)
+        return (stored_prefix[i] - stored_prefix[m]) * delay(num_stages, j - 1)
 
     best_cost, sizes = _minmax_split(n, num_stages, cost)
     if not stored or not any(stored):

@@ -166,3 +166,18 @@ def test_backward_first_a_stage_holds_its_delay_in_fifo_entries(arch, J):
     for s, (a, b) in enumerate(zip(one, many)):
         if a.peak_fifo_bytes:  # a stage with buffered blocks: one micro-batch's inputs
             assert b.peak_fifo_bytes == max(delay(J, s), 1) * a.peak_fifo_bytes, s
+
+
+@pytest.mark.parametrize("arch,J", [("resnet18", 3), ("revnet18", 4)])
+def test_the_dry_run_counts_the_fifo_a_run_holds(arch, J):
+    """--dry-run's input_fifo_bytes of each stage but the last is the peak of a real segment."""
+    from helpers import make_batches, run_engine
+    from petra_mpi.config import load_config
+    import torch
+    from petra_mpi.dryrun import stage_table
+    stages = run_engine(arch, J, 1, make_batches(3 * J))
+    cfg = load_config("configs/quickstart.yaml", [f"model.arch={arch}", "model.width=4",
+                                                  "data.batch_size=4"])
+    rows = stage_table(cfg, J, torch.float64, partition=stages[0].partition, side=8)
+    assert [r["input_fifo_bytes"] for r in rows[:-1]] == [s.peak_fifo_bytes for s in stages[:-1]]
+    assert any(r["input_fifo_bytes"] for r in rows)
