@@ -96,10 +96,10 @@ class Watchdog:
     def _report(self, limit, last):
         _, tick, action, microbatch = last
         if tick is None:  # inside a collective
-            print(f"petra_mpi: watchdog: {self.where}: no progress for {limit:g} s "
-                  f"(run.watchdog_s{' + checkpoint grace' if self.grace else ''}) in the "
-                  f"{action}, a collective of every rank: a rank or its node is lost or "
-                  f"stalled; exit status {EXIT_STALLED}", file=self.out, flush=True)
+            self._write(f"petra_mpi: watchdog: {self.where}: no progress for {limit:g} s "
+                        f"(run.watchdog_s{' + checkpoint grace' if self.grace else ''}) in the "
+                        f"{action}, a collective of every rank: a rank or its node is lost or "
+                        f"stalled; exit status {EXIT_STALLED}")
             return
         pending = self.pending()
         blocked = [f"{direction} of {stream} {'from' if direction == 'receive' else 'to'} {peer}"
@@ -112,7 +112,13 @@ class Watchdog:
         lines = [head] + [f"  {'waiting' if b else 'pending'}: {direction} {stream} "
                           f"{'from' if direction == 'receive' else 'to'} {peer} ({n} in flight)"
                           for b, direction, stream, peer, n in pending]
-        print("\n".join(lines), file=self.out, flush=True)
+        self._write("\n".join(lines))
+
+    def _write(self, text):
+        # one write, newline included: print() writes the end apart, and the launcher can put
+        # another rank's report between the two
+        self.out.write(text + "\n")
+        self.out.flush()
 
 
 class NoWatchdog:

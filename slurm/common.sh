@@ -140,7 +140,7 @@ petra_stalled() {
         exit "$EXIT_STALLED"
     fi
     if ((${SLURM_RESTART_COUNT:-0} >= ${MAX_REQUEUES:-100})); then
-        petra_say "not requeueing: restarted ${SLURM_RESTART_COUNT} times (MAX_REQUEUES)"
+        petra_say "not requeueing: restarted ${SLURM_RESTART_COUNT:-0} times (MAX_REQUEUES)"
         exit "$EXIT_STALLED"
     fi
     scontrol requeue "$SLURM_JOB_ID" && exit 0
@@ -199,12 +199,21 @@ petra_launch() {
     # In the background, so the traps run while we wait; a trap interrupts `wait` (status > 128),
     # so wait again until the launcher has really exited. The launcher may exit while a trap runs,
     # after the interrupted `wait`: the last `wait` then reaps its real status (bash keeps it).
+    local logged
+    logged=$(stat -c %s "$PETRA_LOG" 2>/dev/null || echo 0)
     "${launch[@]}" "${trainer[@]}" >>"$PETRA_LOG" 2>&1 &
     PETRA_PID=$!
     while kill -0 "$PETRA_PID" 2>/dev/null; do wait "$PETRA_PID"; done
     wait "$PETRA_PID"
     status=$?
     PETRA_PID=""
+    # A watchdog's rank exits with EXIT_STALLED, but the launcher then kills the other ranks and
+    # may pass on one of theirs (9, 137) instead: the watchdog's report in this launch's part of
+    # the log is what says the run stalled.
+    if [[ $status != 0 && $status != "$EXIT_REQUEUE" ]] &&
+           tail -c +$((logged + 1)) "$PETRA_LOG" | grep -q 'petra_mpi: watchdog: '; then
+        status=$EXIT_STALLED
+    fi
 }
 
 # Whether SLURM took a lost node out of this job's allocation (a --no-kill job keeps running on

@@ -296,6 +296,34 @@ def test_failing_job_reports_failure(cluster, tmp_path):
     assert "no_such_key" in (tmp_path / "run" / "logs" / "train.log").read_text()
 
 
+@pytest.mark.extended
+@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
+def test_a_stalled_run_ends_as_stalled_whatever_status_the_launcher_passes_on(cluster, tmp_path,
+                                                                              launcher):
+    """Rank 1 never comes to the first stop vote (tests/programs/faulty_train.py, run in place of
+    the trainer through PYTHON): both ranks' watchdogs report, and the job ends as stalled (status
+    5; with MAX_REQUEUES=0 it is not requeued), though the launcher may pass on the status of a
+    rank it killed after the first exit (mpirun: 9, most times) rather than the watchdog's."""
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"""#!/bin/bash
+if [[ $1 == -m && $2 == petra_mpi.train ]]; then
+    exec {sys.executable} {conftest.PROGRAMS / "faulty_train.py"} stall-vote 1 0 "${{@:3}}"
+fi
+exec {sys.executable} "$@"
+""")
+    wrapper.chmod(0o755)
+    out = tmp_path / "run"
+    jobid = submit(cluster, tmp_path, "revnet18_cifar10.sh", CONFIG="configs/quickstart.yaml",
+                   OUT_DIR=str(out), EXTRA_ARGS=SMOKE + " --set run.watchdog_s=3",
+                   PYTHON=str(wrapper), MAX_REQUEUES="0", LAUNCHER=launcher)
+    (job,) = cluster.wait(jobid, timeout=120)
+    log = (out / "logs" / "train.log").read_text()
+    assert len(re.findall(r"^petra_mpi: watchdog: rank \d .* in the stop vote", log, re.M)) == 2, \
+        log[-3000:]
+    assert "a rank stopped making progress (exit 5" in log, log[-3000:]
+    assert (job["JobState"], job["ExitCode"]) == ("FAILED", "5:0"), job_output(cluster, job)
+
+
 def start_training(cluster, tmp_path):
     """Submit a run long enough to signal, and wait until it trains (a train line in metrics)."""
     out = tmp_path / "run"

@@ -1,7 +1,7 @@
 """Run the real trainer with one rank made to fail or stall mid-run (for the fault and watchdog
 tests): its forward of one micro-batch raises or sleeps far longer than any test's
-run.watchdog_s (fail, stall), or it sleeps before its first stop vote at a drain (stall-vote,
-MICROBATCH unused): the other ranks then wait inside that collective.
+run.watchdog_s (fail, stall), or it sleeps in its first stop vote at a drain instead of voting
+(stall-vote, MICROBATCH unused): the other ranks then wait inside that collective.
 
 Usage: mpirun -n J python tests/programs/faulty_train.py (fail|stall|stall-vote) RANK MICROBATCH
        CONFIG [--set ...]
@@ -11,17 +11,16 @@ import time
 
 from mpi4py import MPI
 
-from petra_mpi import train
+from petra_mpi import train, trainer
 from petra_mpi.engine.worker import StageWorker
-from petra_mpi.trainer import Trainer
 
 fault, fault_rank, fault_b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 assert fault in ("fail", "stall", "stall-vote"), fault
 if MPI.COMM_WORLD.Get_rank() == fault_rank and fault == "stall-vote":
-    def vote(self):
+    def agree(world, interrupts):
         time.sleep(3600)
 
-    Trainer.vote = vote
+    trainer.agree = agree
 elif MPI.COMM_WORLD.Get_rank() == fault_rank:
     original = StageWorker.forward
 
