@@ -13,7 +13,7 @@ file (e.g. profiled on a GPU) or the paper's Table 5 (`paper_profile`, derivatio
 """
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -70,9 +70,6 @@ class Profile:
         return BlockCosts(list(self.forward), list(self.backward),
                           [f + b for f, b in zip(self.forward, self.backward)],
                           list(self.step), list(output_bytes), input_bytes)
-
-    def to_dict(self):
-        return asdict(self)
 
 
 def file_profile(path) -> Profile:

@@ -136,15 +136,12 @@ def gpipe_order(J, m):
             [(STEP, m)] for _ in range(J)]
 
 
-def predict_images_per_s(method, costs, link, n, batch, k=1, framework=NO_FRAMEWORK,
-                         orders=None):
+def predict_images_per_s(method, costs, link, n, batch, k=1, framework=NO_FRAMEWORK):
     """images/s of a segment of n micro-batches (fill and drain included) for petra, backprop,
-    delayed; or of steps of n micro-batches for 1f1b and gpipe (or any `orders`, e.g. a zero
-    bubble schedule's)."""
+    delayed; or of steps of n micro-batches for 1f1b and gpipe."""
     J = len(costs)
-    if orders is None:
-        orders = (one_f_one_b_order(J, n) if method == "1f1b" else gpipe_order(J, n)
-                  if method == "gpipe" else petra_orders(method, J, n, k))
+    orders = (one_f_one_b_order(J, n) if method == "1f1b" else gpipe_order(J, n)
+              if method == "gpipe" else petra_orders(method, J, n, k))
     return n * batch / simulate(orders, costs, link, framework)
 
 

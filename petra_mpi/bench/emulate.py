@@ -10,7 +10,6 @@ at zero cost); `--real` (J = 2, measured costs) also times the real stages to va
 emulation. `python -m petra_mpi.bench emulate --plot A.json B.json ...` draws images/s against
 J per method from the last lines of several runs."""
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,38 +23,10 @@ from ..emulation import (Clock, WaitingOptimizer, WaitingPlainStage, WaitingStag
 from ..engine.worker import StageWorker
 from ..models import build_blocks
 from ..partition import resolve_partition
-from .common import emit, sleeping_barrier
+from .common import emit, last_json_line, measure_link, sleeping_barrier
 
 PETRA_METHODS = ("petra", "backprop")
 PIPELINING = ("gpipe", "1f1b", "zero_bubble")
-
-
-def measure_link(comm, nbytes, poll_sleep, repeats=10) -> perfmodel.Link:
-    """Latency and bandwidth between ranks 0 and 1, with the emulation's sleeping waits (half a
-    ping-pong round trip)."""
-    import numpy as np
-
-    def wait(request):
-        while not request.Test():
-            time.sleep(poll_sleep)
-
-    def half_round_trip(size):
-        buf = np.zeros(max(1, size), dtype=np.uint8)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            if comm.rank == 0:
-                wait(comm.Isend(buf, dest=1))
-                wait(comm.Irecv(buf, source=1))
-            elif comm.rank == 1:
-                wait(comm.Irecv(buf, source=0))
-                wait(comm.Isend(buf, dest=0))
-            times.append((time.perf_counter() - start) / 2)
-        return statistics.median(times)
-
-    small, large = half_round_trip(8), half_round_trip(nbytes)
-    link = perfmodel.Link(small, nbytes / max(large - small, 1e-9))
-    return comm.bcast(link, root=0)
 
 
 def step_counts(spec, J):
@@ -354,7 +325,7 @@ def run(a):
     comm, J = world.comm, world.size
     # 1. The same runs at zero cost (warm-up too). 2. Timed runs. 3. The real stages.
     zero = em.zero_cost()
-    link = measure_link(comm, max(em.out_bytes), a.poll_sleep)
+    link = measure_link(comm, max(em.out_bytes), repeats=10, poll_sleep=a.poll_sleep)
     results, peaks, steady = em.timed_rounds()
     real = em.real_stages(results) if a.real else {}
     # 4. Gather on rank 0.
@@ -390,8 +361,7 @@ class Prediction:
         """Each family's framework costs: from --framework, else fitted at zero compute."""
         frameworks = {}
         if self.a.framework:
-            with open(self.a.framework) as f:
-                given = json.loads(f.read().strip().splitlines()[-1])["framework"]
+            given = last_json_line(self.a.framework)["framework"]
             frameworks = {k: perfmodel.Framework(v["per_message_s"], v["per_step_s"])
                           for k, v in given.items()}
         zero_stages = {"petra": [_zero(c) for c in self.petra_stages],
@@ -509,7 +479,7 @@ def report(a, r):
     for name, why in r.get("skipped", {}).items():
         print(f"{name:<18} did not run: {why}")
     if a.png:
-        plot_record(r, a.png)
+        plot([r], a.png)
     sys.stdout.flush()
     emit(r)
 
@@ -552,10 +522,6 @@ def _steady_rate(starts, J):
     return (len(full) - 1) / (full[-1] - full[0])
 
 
-def plot_record(record, png):
-    plot([record], png)
-
-
 def plot(sources, png):
     """images/s against J: one colour per method, one line style per m (PETRA: its steady rate,
     the same for every m), one marker per network."""
@@ -567,8 +533,7 @@ def plot(sources, png):
         if isinstance(src, dict):
             records.append(src)
             continue
-        with open(src) as f:
-            records.append(json.loads(f.read().strip().splitlines()[-1]))
+        records.append(last_json_line(src))
     series = {}  # (arch, method, m label) -> {J: [images/s of every run]}
     for rec in records:
         J = rec["ranks"]

@@ -16,15 +16,13 @@ from ..engine.build import build_stages, build_workers
 from ..mpi.engine import MPIEngine
 from ..mpi.world import World
 from ..optim import LRSchedule
-from .common import emit
+from .common import emit, sleeping_barrier
 
 
 def idle_barrier(comm):
     """A barrier that sleeps instead of spinning: ranks that sit out the single-pipeline timing
     must not take CPU from the ranks being timed (Open MPI's blocking waits busy-poll)."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(0.002)
+    sleeping_barrier(comm, 0.002)
 
 
 def main(argv):

@@ -5,50 +5,29 @@ of blocks with the performance model (petra_mpi/perfmodel.py), validate the pred
 runs of PETRA and backprop at every J from 1 to P, and print the predicted speed-up curve beside
 the paper's Table 5 (and draw it as a PNG when matplotlib is there)."""
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 
 from .. import perfmodel
 from ..blockcost import measure_autograd_costs, measure_block_costs
 from ..engine.build import build_stages, build_workers
+from ..emulation import PAPER_TABLE5_MS
 from ..engine.local import LocalEngine
 from ..mpi.world import World
 from ..models import ARCHS, build_blocks
 from ..optim import LRSchedule
 from ..partition import resolve_partition
-from .common import emit
+from .common import emit, last_json_line, measure_link
 
 # Paper Table 5: mean time per micro-batch of 256 CIFAR-10 images, reversible backprop vs PETRA.
-PAPER_TABLE5 = {"revnet18": {"gpus": 10, "backprop_ms": 160.3, "petra_ms": 53.4, "speedup": 3.0},
-                "revnet34": {"gpus": 18, "backprop_ms": 235.6, "petra_ms": 97.1, "speedup": 2.4}}
-
-
-def measure_link(comm, nbytes, repeats=20) -> perfmodel.Link:
-    """Latency and bandwidth between ranks 0 and 1 from ping-pong round trips (half of each)."""
-    def half_round_trip(size):
-        buf = np.zeros(max(1, size), dtype=np.uint8)
-        times = []
-        for _ in range(repeats):
-            comm.Barrier()
-            start = time.perf_counter()
-            if comm.rank == 0:
-                comm.Send(buf, dest=1)
-                comm.Recv(buf, source=1)
-            elif comm.rank == 1:
-                comm.Recv(buf, source=0)
-                comm.Send(buf, dest=0)
-            times.append((time.perf_counter() - start) / 2)
-        return statistics.median(times)
-
-    small, large = half_round_trip(8), half_round_trip(nbytes)
-    link = perfmodel.Link(small, nbytes / max(large - small, 1e-9))
-    return comm.bcast(link, root=0)
+# the paper's Table 5: GPUs, the time of one step (emulation.PAPER_TABLE5_MS) and the speed-up
+PAPER_TABLE5 = {arch: {"gpus": gpus, "backprop_ms": PAPER_TABLE5_MS[arch]["backprop"],
+                       "petra_ms": PAPER_TABLE5_MS[arch]["petra"], "speedup": speedup}
+                for arch, gpus, speedup in (("revnet18", 10, 3.0), ("revnet34", 18, 2.4))}
 
 
 def measured_images_per_s(a, world, J, sizes, method, data):
@@ -129,8 +108,7 @@ def read_framework(path):
     """(ours, pipelining): the frameworks' costs from the last line of a `bench emulate` run."""
     if not path:
         return perfmodel.NO_FRAMEWORK, perfmodel.NO_FRAMEWORK
-    with open(path) as f:
-        fw = json.loads(f.read().strip().splitlines()[-1])["framework"]
+    fw = last_json_line(path)["framework"]
     return tuple(perfmodel.Framework(fw[k]["per_message_s"], fw[k]["per_step_s"])
                  if k in fw else perfmodel.NO_FRAMEWORK for k in ("ours", "pipelining"))
 

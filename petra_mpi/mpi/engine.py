@@ -139,6 +139,7 @@ class MPIEngine:
     def sent_bytes(self) -> int:
         """Bytes this rank sent so far (compressed size where compression is on)."""
         return sum(box.sent_bytes for box in self.outboxes)
+
     def wait_seconds(self) -> float:
         """Time this rank spent blocked on MPI so far."""
         return sum(box.waited for box in self.streams.values())
@@ -158,7 +159,8 @@ class MPIEngine:
         earlier sends and the bytes as sent (compressed where compression is on)."""
         box = self.streams[name]
         if not self.w.tracer.enabled:
-            return box.put(t, evaluation)
+            box.put(t, evaluation)
+            return
         before = box.waited
         nbytes = box.put(t, evaluation)  # it waits for earlier sends at its end
         end = time.perf_counter()
@@ -261,7 +263,7 @@ class MPIEngine:
 
     def _flush(self):
         for name, box in self.streams.items():
-            if isinstance(box, Outbox):
+            if isinstance(box, Outbox):  # the tracer records the wait for the last sends
                 before = box.waited
                 box.flush()
                 end = time.perf_counter()

@@ -149,6 +149,16 @@ def from_wire(wire: torch.Tensor, codec, shape, dtype, layout: str):
     return Packed(codes, scale, dtype)
 
 
+def wait_for_request(request, poll_sleep, status=None):
+    """Complete `request`: in MPI's Wait (poll_sleep 0), or by testing it and sleeping poll_sleep
+    seconds between tests, so that a waiting rank leaves its core to the others."""
+    if poll_sleep <= 0:
+        request.Wait(status)
+        return
+    while not request.Test(status):
+        time.sleep(poll_sleep)
+
+
 class HostPool:
     """Reusable CPU receive buffers. A buffer is lent as a fresh numpy view of it, wrapped by
     torch.from_numpy: torch's storage owns that view until the storage's last tensor (the one
@@ -191,13 +201,7 @@ class Transport:
         self.poll_sleep = float(os.environ.get(POLL_SLEEP_ENV) or 0)
 
     def wait(self, request, status=None):
-        """Complete `request`: in MPI's Wait, or by testing it and sleeping poll_sleep seconds
-        between tests, so that a waiting rank leaves its core to the others."""
-        if self.poll_sleep <= 0:
-            request.Wait(status)
-            return
-        while not request.Test(status):
-            time.sleep(self.poll_sleep)
+        wait_for_request(request, self.poll_sleep, status)
 
     def poll(self):
         """Drive MPI's progress and post the sends whose GPU data are ready (between blocks)."""
