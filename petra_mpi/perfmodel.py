@@ -6,10 +6,14 @@ actions, 1F1B's from one_f_one_b_order); an operation starts when its rank is fr
 the message it needs has arrived, and runs for its measured cost. A message arrives
 latency + bytes / bandwidth after the operation that produced it ends; sends do not hold the
 sender (the transport is non-blocking and polled while the stage computes). A framework may add
-its own costs (Framework): seconds per message an operation sends or receives, and per optimizer
-step. This is the whole model: no contention between ranks, no jitter.
+its own costs (Framework): seconds each operation holds its rank beyond its compute, seconds per
+message, and seconds per optimizer step. This is the whole model: no contention between ranks,
+no jitter.
 """
+import itertools
 from dataclasses import dataclass
+
+import numpy as np
 
 from .schedule import Kind, schedule_for
 
@@ -40,14 +44,26 @@ class StageCosts:
 
 @dataclass
 class Framework:
-    """What the training framework itself costs, beside the compute and the link: per_message
-    seconds added to every message's way from the end of the operation that sends it to the
-    operation that needs it (posting, matching and bookkeeping on either side, which in a
-    non-blocking transport overlap the ranks' compute rather than add to it) and per_step
-    seconds for every optimizer step (a schedule's setup and teardown of a step). Fitted from
-    runs whose compute costs nothing (fit_framework)."""
+    """What the training framework itself costs, beside the compute and the link, fitted from
+    runs whose compute costs nothing (fit_framework):
+    - per_op: seconds every operation but the step holds its rank beyond its compute (the
+      schedule's bookkeeping, posting and completing the operation's messages, the autograd
+      calls around the compute): on the rank's critical path, like the compute;
+    - per_message: seconds added to a message's way from the operation that sends it to the one
+      that needs it (what overlaps the ranks' compute: matching, the receiver's polling);
+    - per_step: seconds every optimizer step adds (a schedule's setup and teardown of a step)."""
     per_message: float = 0.0
     per_step: float = 0.0
+    per_op: float = 0.0
+
+    def to_record(self) -> dict:
+        return {"per_message_s": self.per_message, "per_step_s": self.per_step,
+                "per_op_s": self.per_op}
+
+    @classmethod
+    def from_record(cls, record) -> "Framework":
+        """From to_record's dict (a record without per_op_s, from before it was fitted: 0)."""
+        return cls(record["per_message_s"], record["per_step_s"], record.get("per_op_s", 0.0))
 
 
 NO_FRAMEWORK = Framework()
@@ -77,6 +93,7 @@ def simulate(orders, costs, link: Link, framework: Framework = NO_FRAMEWORK) -> 
                 cost = {FORWARD: c.forward, BACKWARD: c.backward,
                         FORWARD_BACKWARD: c.forward_backward, STEP: c.step + framework.per_step,
                         "backward_input": c.backward - c.weight, "backward_weight": c.weight}[op]
+                cost += framework.per_op if op != STEP else 0.0
                 free[s] = done[(s, op, b)] = start + cost
                 position[s] += 1
                 remaining -= 1
@@ -146,53 +163,47 @@ def predict_images_per_s(method, costs, link, n, batch, k=1, framework=NO_FRAMEW
 
 
 def fit_framework(orders_list, costs_list, links, measured_seconds, rounds=6) -> Framework:
-    """The Framework that best explains measured makespans (least squares, non-negative) of runs
-    whose compute costs nothing. A makespan is piecewise linear in the two costs (the longest
-    path counts so many messages and steps), so the fit is linearised at its current estimate
-    and solved again until the critical paths stop changing."""
-    fw, h = Framework(1e-3, 1e-3), 1e-7
+    """The Framework that best explains measured makespans of runs whose compute costs nothing
+    (least squares of the relative errors, every cost at least 0). A makespan is piecewise
+    linear in the three costs (the longest path counts so many operations, messages and steps),
+    so the fit is linearised at its current estimate and solved again until the critical paths
+    stop changing."""
+    fw, h = Framework(1e-3, 1e-3, 1e-3), 1e-7
+    names = ("per_message", "per_step", "per_op")
     for _ in range(rounds):
         rows, rhs = [], []
         for orders, costs, link, seconds in zip(orders_list, costs_list, links, measured_seconds):
             at = simulate(orders, costs, link, fw)
-            d_message = (simulate(orders, costs, link,
-                                  Framework(fw.per_message + h, fw.per_step)) - at) / h
-            d_step = (simulate(orders, costs, link,
-                               Framework(fw.per_message, fw.per_step + h)) - at) / h
-            rows.append((d_message, d_step))
-            rhs.append(seconds - at + d_message * fw.per_message + d_step * fw.per_step)
-        fw = _nonnegative_fit(rows, rhs)
+            here = [getattr(fw, n) for n in names]
+            slopes = []
+            for name in names:
+                moved = Framework(**{n: v + (h if n == name else 0.0) for n, v in zip(names, here)})
+                slopes.append((simulate(orders, costs, link, moved) - at) / h)
+            # each run's error relative to its length, so that short runs count as much
+            rows.append([d / seconds for d in slopes])
+            rhs.append((seconds - at + sum(d * v for d, v in zip(slopes, here))) / seconds)
+        fw = Framework(**dict(zip(names, _nonnegative_least_squares(rows, rhs))))
     return fw
 
 
-def _nonnegative_fit(rows, rhs) -> Framework:
-    """Least squares of rhs ≈ rows · (per_message, per_step) with both at least 0: the
-    unconstrained solution, else the best with one of them at 0."""
-    candidates = [_solve2(rows, rhs)]
-    for i in (0, 1):
-        a = sum(r[i] * r[i] for r in rows)
-        x = max(0.0, sum(r[i] * y for r, y in zip(rows, rhs)) / a) if a > 0 else 0.0
-        candidates.append((x, 0.0) if i == 0 else (0.0, x))
-    best, best_err = Framework(0.0, 0.0), float("inf")
-    for m, st in candidates:
-        if m is None or m < 0 or st < 0:
+def _nonnegative_least_squares(rows, rhs):
+    """x >= 0 minimising |rows · x - rhs|: the best unconstrained solution over every subset of
+    the unknowns (the others at 0) that has no negative entry. Three unknowns: eight subsets."""
+    a, y = np.asarray(rows, dtype=float), np.asarray(rhs, dtype=float)
+    best, best_err = np.zeros(a.shape[1]), float(np.sum(y ** 2))
+    for free in itertools.product((False, True), repeat=a.shape[1]):
+        cols = [i for i, f in enumerate(free) if f]
+        if not cols:
             continue
-        err = sum((r[0] * m + r[1] * st - y) ** 2 for r, y in zip(rows, rhs))
+        solution = np.linalg.lstsq(a[:, cols], y, rcond=None)[0]
+        if (solution < 0).any():
+            continue
+        x = np.zeros(a.shape[1])
+        x[cols] = solution
+        err = float(np.sum((a @ x - y) ** 2))
         if err < best_err:
-            best, best_err = Framework(m, st), err
-    return best
-
-
-def _solve2(rows, rhs):
-    a = sum(r[0] * r[0] for r in rows)
-    b = sum(r[0] * r[1] for r in rows)
-    d = sum(r[1] * r[1] for r in rows)
-    e = sum(r[0] * y for r, y in zip(rows, rhs))
-    f = sum(r[1] * y for r, y in zip(rows, rhs))
-    det = a * d - b * b
-    if abs(det) < 1e-12:
-        return None, None
-    return (e * d - b * f) / det, (a * f - b * e) / det
+            best, best_err = x, err
+    return [float(v) for v in best]
 
 
 def stage_costs(block_costs, sizes, rebuilt_down=None, weight=None):

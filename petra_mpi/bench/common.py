@@ -68,6 +68,14 @@ def measure_link(comm, nbytes, repeats=20, poll_sleep=0.0) -> perfmodel.Link:
 
 
 def last_json_line(path) -> dict:
-    """The figures of a benchmark run saved to `path` (its last line)."""
+    """The figures of a benchmark run saved to `path`: its last line that is a JSON object (a
+    saved log may have lines after it, such as the shell's timing)."""
     with open(path) as f:
-        return json.loads(f.read().strip().splitlines()[-1])
+        lines = f.read().splitlines()
+    for line in reversed(lines):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    raise ValueError(f"{path}: no line of JSON figures (is it a benchmark's output?)")

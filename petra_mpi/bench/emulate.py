@@ -27,6 +27,7 @@ from .common import emit, last_json_line, measure_link, sleeping_barrier
 
 PETRA_METHODS = ("petra", "backprop")
 PIPELINING = ("gpipe", "1f1b", "zero_bubble")
+ZERO_COST_REPEATS = 5
 
 
 def step_counts(spec, J):
@@ -244,14 +245,15 @@ class Emulation:
         return count, time.perf_counter() - start, busy, time.process_time() - cpu
 
     def zero_cost(self) -> dict:
-        """Median wall seconds of every run at zero cost (after a warm-up): the emulation's own
-        overhead, and the frameworks' costs for the model."""
+        """Median wall seconds of ZERO_COST_REPEATS runs of each run at zero cost (after a
+        warm-up): the emulation's own overhead, and the frameworks' costs for the model. Runs of
+        a few milliseconds are noisy, and the frameworks' costs are fitted to them."""
         self.clock.scale = 0.0
         zero = {}
         for run in self.runs:
             self.run_once(*run)  # warm-up
             zero[run[0]] = statistics.median(self.timed(self.run_once, *run)[1]
-                                             for _ in range(2))
+                                             for _ in range(ZERO_COST_REPEATS))
         self.clock.scale = 1.0
         return zero
 
@@ -362,8 +364,7 @@ class Prediction:
         frameworks = {}
         if self.a.framework:
             given = last_json_line(self.a.framework)["framework"]
-            frameworks = {k: perfmodel.Framework(v["per_message_s"], v["per_step_s"])
-                          for k, v in given.items()}
+            frameworks = {k: perfmodel.Framework.from_record(v) for k, v in given.items()}
         zero_stages = {"petra": [_zero(c) for c in self.petra_stages],
                        "plain": [_zero(c) for c in self.plain_stages]}
         runs = self.em.runs
@@ -437,8 +438,7 @@ class Prediction:
                   "microbatches": em.ms, "rounds": a.rounds, "poll_sleep_s": a.poll_sleep,
                   "cpus": os.cpu_count(),
                   "link": {"latency_s": link.latency, "bandwidth_bytes_per_s": link.bandwidth},
-                  "framework": {f: {"per_message_s": fw.per_message, "per_step_s": fw.per_step}
-                                for f, fw in frameworks.items()},
+                  "framework": {f: fw.to_record() for f, fw in frameworks.items()},
                   "framework_from": a.framework or "zero-cost runs of this run",
                   "overhead": self.overhead(measured["zero"]), "rows": rows,
                   "cpu_fraction_mean": statistics.mean(cpu_all),
@@ -461,8 +461,9 @@ def report(a, r):
           f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; {a.rounds} round(s)")
     origin = f"from {a.framework}" if a.framework else "fitted at zero compute"
     for family, fw in r["framework"].items():
-        print(f"framework costs ({family}, {origin}): {1e6 * fw['per_message_s']:.0f} us per "
-              f"message, {1e3 * fw['per_step_s']:.2f} ms per step")
+        print(f"framework costs ({family}, {origin}): {1e6 * fw['per_op_s']:.0f} us per "
+              f"operation, {1e6 * fw['per_message_s']:.0f} us per message, "
+              f"{1e3 * fw['per_step_s']:.2f} ms per step")
     overhead = r["overhead"]
     if overhead:
         petra_row = next(row for row in r["rows"] if row["method"] == "petra")

@@ -86,8 +86,8 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: share)")
     p.add_argument("--png", default="runs/bench/scaling.png", help="'' to skip the figure")
     p.add_argument("--framework", metavar="JSON",
-                   help="the frameworks' own costs per message and per step, from the last line "
-                        "of a `bench emulate` run (else none)")
+                   help="the frameworks' own costs per operation, message and step, from the "
+                        "last line of a `bench emulate` run (else none)")
     a = p.parse_args(argv)
     a.plain_arch = plain_twin(a.arch)
     return a
@@ -109,8 +109,8 @@ def read_framework(path):
     if not path:
         return perfmodel.NO_FRAMEWORK, perfmodel.NO_FRAMEWORK
     fw = last_json_line(path)["framework"]
-    return tuple(perfmodel.Framework(fw[k]["per_message_s"], fw[k]["per_step_s"])
-                 if k in fw else perfmodel.NO_FRAMEWORK for k in ("ours", "pipelining"))
+    return tuple(perfmodel.Framework.from_record(fw[k]) if k in fw else perfmodel.NO_FRAMEWORK
+                 for k in ("ours", "pipelining"))
 
 
 def run(a):

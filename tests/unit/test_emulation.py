@@ -138,18 +138,26 @@ def test_framework_costs_delay_messages_and_steps():
     assert base == 2.0
     assert perfmodel.simulate(orders, costs, free, perfmodel.Framework(0.5, 0.0)) == 2.5
     assert perfmodel.simulate(orders, costs, free, perfmodel.Framework(0.0, 0.25)) == 2.25
+    # an operation's own cost holds its rank: the second forward starts after the first's
+    assert perfmodel.simulate(orders, costs, free, perfmodel.Framework(0.0, 0.0, 0.5)) == 3.0
+    # and the step is not an operation that pays it
+    one = [[("forward", 0), ("step", 0)]]
+    assert perfmodel.simulate(one, costs[:1], free, perfmodel.Framework(0.0, 0.0, 0.5)) == 1.5
 
 
 def test_fit_framework_recovers_the_costs_that_made_the_runs():
     free = perfmodel.Link(1e-4, 1e9)
-    truth = perfmodel.Framework(2e-3, 7e-3)
     zero = [_stage(0.0, 0.0, 1000)] * 4
     cases = [perfmodel.gpipe_order(4, 4), perfmodel.one_f_one_b_order(4, 8),
-             perfmodel.petra_orders("petra", 4, 12), perfmodel.gpipe_order(4, 16)]
-    made = [perfmodel.simulate(o, zero, free, truth) for o in cases]
-    fitted = perfmodel.fit_framework(cases, [zero] * 4, [free] * 4, made)
-    assert fitted.per_message == pytest.approx(truth.per_message)
-    assert fitted.per_step == pytest.approx(truth.per_step)
+             perfmodel.petra_orders("petra", 4, 12), perfmodel.gpipe_order(4, 16),
+             perfmodel.petra_orders("backprop", 4, 4, 4), perfmodel.one_f_one_b_order(4, 4)]
+    for truth in (perfmodel.Framework(2e-3, 7e-3, 1e-3), perfmodel.Framework(2e-3, 7e-3),
+                  perfmodel.Framework(0.0, 0.0, 3e-3)):
+        made = [perfmodel.simulate(o, zero, free, truth) for o in cases]
+        fitted = perfmodel.fit_framework(cases, [zero] * len(cases), [free] * len(cases), made)
+        assert fitted.per_message == pytest.approx(truth.per_message, abs=1e-9)
+        assert fitted.per_step == pytest.approx(truth.per_step, abs=1e-9)
+        assert fitted.per_op == pytest.approx(truth.per_op, abs=1e-9)
 
 
 def test_split_backward_waits_for_its_inputs():
@@ -189,3 +197,14 @@ def test_bench_pipeline_scales_the_timed_block_costs_to_the_stage_costs_of_its_r
     assert scaled.forward == [0.5, 0.5, 2.0, 2.0] and scaled.step == [0.25, 0.25, 1.0, 1.0]
     assert scaled.output_bytes == [7] * 4 and scaled.input_bytes == 3
     assert perfmodel.speedup_bound(scaled, [2, 2], 1000)["steady"] == pytest.approx(20 / 16)
+
+
+def test_a_runs_figures_are_its_last_json_line_whatever_follows(tmp_path):
+    from petra_mpi.bench.common import last_json_line
+    log = tmp_path / "run.txt"
+    log.write_text('petra_mpi: 2 ranks\n{"framework": 1}\n{"framework": 2}\n'
+                   '{"cut off": \n12.3 s\n')
+    assert last_json_line(log) == {"framework": 2}
+    log.write_text("petra_mpi: 2 ranks\nno figures\n")
+    with pytest.raises(ValueError, match="no line of JSON figures"):
+        last_json_line(log)
