@@ -32,6 +32,9 @@ WEIGHT_SHARE = 0.5
 # Longest sleep between two polls of the transport while a stage waits its cost: often enough to
 # move large messages along, rarely enough that J ranks polling do not crowd two cores.
 SLICE_S = 0.002
+# A sleep ends about 0.1 ms late here (timer slack and wake-up), once per wait: a stage of
+# several blocks would run late by that much per block. The last WAKE_S of a wait spins instead.
+WAKE_S = 0.0002
 
 
 @dataclass
@@ -170,7 +173,8 @@ def _numel(shape) -> int:
 
 class Clock:
     """Waits that leave the core free: sleep in slices of at most SLICE_S, calling `poll` (the
-    transport) between them. `busy` sums the seconds waited (the emulated compute)."""
+    transport) between them, and spin through the last WAKE_S so as to end on time. `busy` sums
+    the seconds waited (the emulated compute)."""
 
     def __init__(self, scale=1.0):
         self.scale, self.busy, self.poll = scale, 0.0, None
@@ -185,7 +189,9 @@ class Clock:
             left = end - time.perf_counter()
             if left <= 0:
                 break
-            time.sleep(min(left, SLICE_S))
+            if left <= WAKE_S:
+                continue  # spin: a sleep this short would end as late again
+            time.sleep(min(left - WAKE_S, SLICE_S))
             if self.poll is not None:
                 self.poll()
         self.busy += time.perf_counter() - start

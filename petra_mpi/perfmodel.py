@@ -162,14 +162,17 @@ def predict_images_per_s(method, costs, link, n, batch, k=1, framework=NO_FRAMEW
     return n * batch / simulate(orders, costs, link, framework)
 
 
-def fit_framework(orders_list, costs_list, links, measured_seconds, rounds=6) -> Framework:
+FRAMEWORK_COSTS = ("per_message", "per_step", "per_op")
+
+
+def fit_framework(orders_list, costs_list, links, measured_seconds, rounds=6,
+                  names=FRAMEWORK_COSTS) -> Framework:
     """The Framework that best explains measured makespans of runs whose compute costs nothing
-    (least squares of the relative errors, every cost at least 0). A makespan is piecewise
-    linear in the three costs (the longest path counts so many operations, messages and steps),
-    so the fit is linearised at its current estimate and solved again until the critical paths
-    stop changing."""
-    fw, h = Framework(1e-3, 1e-3, 1e-3), 1e-7
-    names = ("per_message", "per_step", "per_op")
+    (least squares of the relative errors, every cost at least 0), fitting the costs `names`
+    (the others stay 0). A makespan is piecewise linear in the costs (the longest path counts so
+    many operations, messages and steps), so the fit is linearised at its current estimate and
+    solved again until the critical paths stop changing."""
+    fw, h = Framework(**{n: 1e-3 for n in names}), 1e-7
     for _ in range(rounds):
         rows, rhs = [], []
         for orders, costs, link, seconds in zip(orders_list, costs_list, links, measured_seconds):
@@ -188,7 +191,7 @@ def fit_framework(orders_list, costs_list, links, measured_seconds, rounds=6) ->
 
 def _nonnegative_least_squares(rows, rhs):
     """x >= 0 minimising |rows · x - rhs|: the best unconstrained solution over every subset of
-    the unknowns (the others at 0) that has no negative entry. Three unknowns: eight subsets."""
+    the unknowns (the others at 0) that has no negative entry (2^n subsets: n is at most 3)."""
     a, y = np.asarray(rows, dtype=float), np.asarray(rhs, dtype=float)
     best, best_err = np.zeros(a.shape[1]), float(np.sum(y ** 2))
     for free in itertools.product((False, True), repeat=a.shape[1]):

@@ -87,8 +87,9 @@ def parse_args(argv):
     p.add_argument("--poll-sleep", type=float, default=0.0005,
                    help="seconds a waiting rank sleeps between tests of its requests")
     p.add_argument("--framework", metavar="JSON",
-                   help="take the frameworks' costs from this earlier run's last line (e.g. J = 2, "
-                        "where the zero-cost runs do not crowd the cores) instead of this run's")
+                   help="take the pipelines' framework costs (and ours, without backprop) from "
+                        "this earlier run's last line (e.g. J = 2, where the zero-cost runs do "
+                        "not crowd the cores) instead of this run's")
     p.add_argument("--real", action="store_true",
                    help="also time the real stages (J = 2 with --costs measured: validation)")
     p.add_argument("--png", default="", help="draw this run's images/s per method")
@@ -346,8 +347,8 @@ def run(a):
 
 
 class Prediction:
-    """Rank 0: the performance model fitted to the zero-cost runs (or given frameworks) and
-    its prediction beside each measured run."""
+    """Rank 0: the performance model, with the frameworks' costs fitted to zero-cost runs (or
+    given), and its prediction beside each measured run."""
 
     def __init__(self, a, em, link, zb_orders):
         self.a, self.em, self.link, self.zb_orders = a, em, link, zb_orders
@@ -360,23 +361,42 @@ class Prediction:
         self.bound = 1.0 / max(_stage_seconds(c, s, J) for s, c in enumerate(self.petra_stages))
 
     def frameworks(self, zero) -> dict:
-        """Each family's framework costs: from --framework, else fitted at zero compute."""
-        frameworks = {}
+        """Each family's framework costs and where they come from, {family: (Framework, from)}.
+        At zero compute the ranks compete for the cores whenever several work at once, so each
+        family's costs come from runs in which they do not:
+        - ours: its cost per operation, fitted on this run's backprop at zero cost (one rank
+          works at a time); without backprop, as the pipelines';
+        - the pipelines: from --framework (a J = 2 run, whose two ranks have a core each), else
+          fitted on this run's zero-cost runs."""
+        given = {}
         if self.a.framework:
-            given = last_json_line(self.a.framework)["framework"]
-            frameworks = {k: perfmodel.Framework.from_record(v) for k, v in given.items()}
-        zero_stages = {"petra": [_zero(c) for c in self.petra_stages],
-                       "plain": [_zero(c) for c in self.plain_stages]}
+            given = {k: perfmodel.Framework.from_record(v)
+                     for k, v in last_json_line(self.a.framework)["framework"].items()}
         runs = self.em.runs
-        for family, names in (("ours", [x for x in runs if x[1] in PETRA_METHODS]),
-                              ("pipelining", [x for x in runs if x[1] in PIPELINING])):
-            if names and family not in frameworks:
-                key = "petra" if family == "ours" else "plain"
-                frameworks[family] = perfmodel.fit_framework(
-                    [self.em.orders_of(n, mt, m, self.zb_orders) for n, mt, m in names],
-                    [zero_stages[key]] * len(names), [self.link] * len(names),
-                    [zero[n] for n, *_ in names])
+        ours = [x for x in runs if x[1] in PETRA_METHODS]
+        backprop = [x for x in ours if x[1] == "backprop"]
+        frameworks = {}
+        if backprop:
+            frameworks["ours"] = (self.fit("petra", backprop, zero, ("per_op",)),
+                                  "fitted on backprop at zero compute")
+        for family, key, family_runs in (("ours", "petra", ours),
+                                         ("pipelining", "plain",
+                                          [x for x in runs if x[1] in PIPELINING])):
+            if not family_runs or family in frameworks:
+                continue
+            frameworks[family] = ((given[family], f"from {self.a.framework}") if family in given
+                                  else (self.fit(key, family_runs, zero,
+                                                 perfmodel.FRAMEWORK_COSTS),
+                                        "fitted at zero compute"))
         return frameworks
+
+    def fit(self, key, runs, zero, names):
+        """perfmodel.fit_framework of `names` on the zero-cost timings of `runs`."""
+        stages = [_zero(c) for c in (self.petra_stages if key == "petra" else self.plain_stages)]
+        return perfmodel.fit_framework(
+            [self.em.orders_of(n, mt, m, self.zb_orders) for n, mt, m in runs],
+            [stages] * len(runs), [self.link] * len(runs), [zero[n] for n, *_ in runs],
+            names=names)
 
     def row(self, run, measured, frameworks) -> dict:
         """One run's measured and predicted figures."""
@@ -386,9 +406,9 @@ class Prediction:
         wall = statistics.median(v[1] for v in results)
         family = "ours" if method in PETRA_METHODS else "pipelining"
         costs = self.petra_stages if family == "ours" else self.plain_stages
+        framework = frameworks[family][0]
         predicted = count * a.batch / perfmodel.simulate(
-            self.em.orders_of(name, method, m, self.zb_orders), costs, self.link,
-            frameworks[family])
+            self.em.orders_of(name, method, m, self.zb_orders), costs, self.link, framework)
         row = {"name": name, "method": method, "m": m, "microbatches": count,
                "images_per_s": count * a.batch / wall, "predicted_images_per_s": predicted,
                "model_error": predicted / (count * a.batch / wall) - 1,
@@ -400,7 +420,7 @@ class Prediction:
             # the model's steady rate: what 4J more micro-batches add to the segment
             n = self.em.segment_of[m]
             more = perfmodel.simulate(perfmodel.petra_orders("petra", J, n + 4 * J, m), costs,
-                                      self.link, frameworks[family])
+                                      self.link, framework)
             row["model_steady_images_per_s"] = 4 * J * a.batch / (
                 more - count * a.batch / predicted)
             steady = measured["steady"][name]
@@ -438,8 +458,8 @@ class Prediction:
                   "microbatches": em.ms, "rounds": a.rounds, "poll_sleep_s": a.poll_sleep,
                   "cpus": os.cpu_count(),
                   "link": {"latency_s": link.latency, "bandwidth_bytes_per_s": link.bandwidth},
-                  "framework": {f: fw.to_record() for f, fw in frameworks.items()},
-                  "framework_from": a.framework or "zero-cost runs of this run",
+                  "framework": {f: fw.to_record() for f, (fw, _) in frameworks.items()},
+                  "framework_from": {f: origin for f, (_, origin) in frameworks.items()},
                   "overhead": self.overhead(measured["zero"]), "rows": rows,
                   "cpu_fraction_mean": statistics.mean(cpu_all),
                   "validation": [{"name": row["name"], "model_error": row["model_error"],
@@ -459,10 +479,10 @@ def report(a, r):
           f"{r['costs']}; messages of width {a.width}, batch {a.batch}; split {r['split']} "
           f"(plain {r['plain_split']}); link {1e6 * link['latency_s']:.0f} us, "
           f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; {a.rounds} round(s)")
-    origin = f"from {a.framework}" if a.framework else "fitted at zero compute"
     for family, fw in r["framework"].items():
-        print(f"framework costs ({family}, {origin}): {1e6 * fw['per_op_s']:.0f} us per "
-              f"operation, {1e6 * fw['per_message_s']:.0f} us per message, "
+        print(f"framework costs ({family}, {r['framework_from'][family]}): "
+              f"{1e6 * fw['per_op_s']:.0f} us per operation, "
+              f"{1e6 * fw['per_message_s']:.0f} us per message, "
               f"{1e3 * fw['per_step_s']:.2f} ms per step")
     overhead = r["overhead"]
     if overhead:

@@ -165,4 +165,9 @@ def test_bench_emulate_under_mpirun_4(tmp_path):
     assert all(b > 0 for b in gpipe["peak_held_bytes"])
     assert {v["name"] for v in out["validation"]} == {row["name"] for row in out["rows"]}
     assert out["overhead"]["ticks"] == 10 + 2 * 3
+    # our engine's cost per operation comes from backprop (one rank at a time), and only that
+    assert out["framework_from"] == {"ours": "fitted on backprop at zero compute",
+                                     "pipelining": "fitted at zero compute"}
+    ours = out["framework"]["ours"]
+    assert ours["per_message_s"] == 0 and ours["per_step_s"] == 0 and ours["per_op_s"] >= 0
     check_png(tmp_path / "emulate.png")
