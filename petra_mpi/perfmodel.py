@@ -11,7 +11,7 @@ message, and seconds per optimizer step. This is the whole model: no contention 
 no jitter.
 """
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -174,14 +174,12 @@ def fit_framework(orders_list, costs_list, links, measured_seconds, rounds=6,
     solved again until the critical paths stop changing."""
     fw, h = Framework(**{n: 1e-3 for n in names}), 1e-7
     for _ in range(rounds):
+        here = [getattr(fw, n) for n in names]
+        moved = [replace(fw, **{n: getattr(fw, n) + h}) for n in names]  # one cost nudged each
         rows, rhs = [], []
         for orders, costs, link, seconds in zip(orders_list, costs_list, links, measured_seconds):
             at = simulate(orders, costs, link, fw)
-            here = [getattr(fw, n) for n in names]
-            slopes = []
-            for name in names:
-                moved = Framework(**{n: v + (h if n == name else 0.0) for n, v in zip(names, here)})
-                slopes.append((simulate(orders, costs, link, moved) - at) / h)
+            slopes = [(simulate(orders, costs, link, m) - at) / h for m in moved]
             # each run's error relative to its length, so that short runs count as much
             rows.append([d / seconds for d in slopes])
             rhs.append((seconds - at + sum(d * v for d, v in zip(slopes, here))) / seconds)

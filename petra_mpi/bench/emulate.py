@@ -377,25 +377,25 @@ class Prediction:
         backprop = [x for x in ours if x[1] == "backprop"]
         frameworks = {}
         if backprop:
-            frameworks["ours"] = (self.fit("petra", backprop, zero, ("per_op",)),
+            frameworks["ours"] = (self.fit(self.petra_stages, backprop, zero, ("per_op",)),
                                   "fitted on backprop at zero compute")
-        for family, key, family_runs in (("ours", "petra", ours),
-                                         ("pipelining", "plain",
-                                          [x for x in runs if x[1] in PIPELINING])):
+        for family, stages, family_runs in (("ours", self.petra_stages, ours),
+                                            ("pipelining", self.plain_stages,
+                                             [x for x in runs if x[1] in PIPELINING])):
             if not family_runs or family in frameworks:
                 continue
             frameworks[family] = ((given[family], f"from {self.a.framework}") if family in given
-                                  else (self.fit(key, family_runs, zero,
+                                  else (self.fit(stages, family_runs, zero,
                                                  perfmodel.FRAMEWORK_COSTS),
                                         "fitted at zero compute"))
         return frameworks
 
-    def fit(self, key, runs, zero, names):
-        """perfmodel.fit_framework of `names` on the zero-cost timings of `runs`."""
-        stages = [_zero(c) for c in (self.petra_stages if key == "petra" else self.plain_stages)]
+    def fit(self, stages, runs, zero, names):
+        """perfmodel.fit_framework of `names` on the zero-cost timings of `runs` over `stages`."""
+        free = [_zero(c) for c in stages]
         return perfmodel.fit_framework(
             [self.em.orders_of(n, mt, m, self.zb_orders) for n, mt, m in runs],
-            [stages] * len(runs), [self.link] * len(runs), [zero[n] for n, *_ in runs],
+            [free] * len(runs), [self.link] * len(runs), [zero[n] for n, *_ in runs],
             names=names)
 
     def row(self, run, measured, frameworks) -> dict:
