@@ -77,6 +77,12 @@ petra_resolve() {
         ((task >= 0 && task < ${#CONFIGS[@]})) ||
             petra_die "array task $task has no config: ${#CONFIGS[@]} configs (${CONFIGS[*]})"
         CONFIG=${CONFIGS[$task]}
+        # An OUT_DIR given for the whole array holds one run directory per config: the tasks run
+        # at once and would otherwise share checkpoints and metrics.
+        if [[ -n ${OUT_DIR:-} ]]; then
+            local base=${CONFIG##*/}
+            suffix="/${base%.y*ml}"
+        fi
     else
         CONFIG=${CONFIG_DEFAULT:?the script sets CONFIG_DEFAULT}
     fi

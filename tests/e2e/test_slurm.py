@@ -522,3 +522,21 @@ def test_pack_imagenet_array_and_merge(cluster, tmp_path):
     verify = subprocess.run([sys.executable, "-m", "data_prep.verify", str(merged)], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_array_tasks_get_their_own_run_dir_under_out_dir():
+    """OUT_DIR given to a job array of several configs: each task runs in OUT_DIR/<config name>,
+    so tasks running at once never share checkpoints or metrics (nor resume each other's)."""
+    script = os.path.join(ROOT, "slurm", "fig4_revnet18_imagenet.sh")
+    line = next(ln for ln in open(script) if ln.startswith("CONFIGS="))
+    dirs = []
+    for task, config in enumerate(script_configs(script)):
+        got = resolve({"SLURM_ARRAY_TASK_ID": str(task), "OUT_DIR": "/scratch/u/fig4"}, line)
+        name = os.path.basename(config)[:-len(".yaml")]
+        assert got == [config, f"/scratch/u/fig4/{name}"]
+        dirs.append(got[1])
+    assert len(set(dirs)) == len(dirs) > 1
+    # every array script's configs have distinct names, hence distinct run dirs
+    for path in EXPERIMENTS:
+        names = [os.path.basename(c) for c in script_configs(path)]
+        assert len(set(names)) == len(names), path
