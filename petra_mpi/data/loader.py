@@ -166,6 +166,7 @@ class BatchLoader:
             item["images"] = torch.from_numpy(images)
             if rng is not None:
                 dy, dx, flip = A.crop_params(rng, len(idx))
+                flip &= self.src.hflip  # drawn all the same: the other draws stay put
                 item["params"] = torch.from_numpy(np.stack([dy, dx, flip.astype(np.int64)]))
         else:
             flip, uniforms = A.rrc_uniforms(rng, len(idx)) if rng is not None else (None, None)
@@ -177,7 +178,7 @@ class BatchLoader:
                 item["images"] = torch.from_numpy(A.decode_crop_batch_pil(
                     images, self.crop, self.src.image_size, uniforms, self._pool))
             if flip is not None:
-                item["flip"] = torch.from_numpy(flip)
+                item["flip"] = torch.from_numpy(flip & self.src.hflip)
         if self._pin:
             item = {k: (v.pin_memory() if isinstance(v, torch.Tensor) else v) for k, v in item.items()}
         return item

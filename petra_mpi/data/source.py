@@ -3,8 +3,10 @@
 `open_split(path, split)` returns either an `ArraySource` (images held in memory: the built-in
 synthetic set) or an `H5Source` (a split of an HDF5 file in the schema of docs/design.md §2). Both
 have the same surface: `kind` ("array" | "jpeg"), `num_classes`, `mean`, `std`, `image_size`,
-`len()`, `read(start, stop)` and `take(indices)` -> (images, labels) as numpy, where images are
-uint8 NHWC for "array" and a list of encoded JPEG `bytes` for "jpeg".
+`hflip` (whether the training augmentation may mirror an image: the file's optional root
+attribute, true when absent; false for digits and letters), `len()`, `read(start, stop)` and
+`take(indices)` -> (images, labels) as numpy, where images are uint8 NHWC for "array" and a list
+of encoded JPEG `bytes` for "jpeg".
 
 How an HDF5 split is read (measured on 50k 32x32 images, uncompressed 256-image chunks, file in
 the page cache; images/s for random batches of 64):
@@ -132,6 +134,7 @@ class ArraySource:
     """A split held in memory as numpy arrays (the synthetic set)."""
 
     kind = "array"
+    hflip = True
 
     def __init__(self, images, labels, *, num_classes, mean, std, name="arrays"):
         if images.dtype != np.uint8 or images.ndim != 4 or images.shape[3] != 3:
@@ -202,6 +205,7 @@ class H5Source:
         self.std = tuple(float(v) for v in f.attrs["std"])
         if len(self.mean) != 3 or len(self.std) != 3:
             raise ValueError(f"{p}: mean and std must hold 3 floats each")
+        self.hflip = bool(f.attrs.get("hflip", True))
         n = g["labels"].shape[0]
         if "images" in g:
             d = g["images"]
