@@ -23,6 +23,7 @@ import h5py
 import numpy as np
 
 from petra_mpi.data.stats import ChannelStats  # noqa: F401 (the packers' statistics)
+from petra_mpi.data.source import open_unlocked
 from petra_mpi.metrics import Progress  # noqa: F401 (the packers' progress line)
 
 SCHEMA_VERSION = 1
@@ -158,7 +159,7 @@ def atomic_path(path):
 def atomic_h5(path):
     """An h5py.File open for writing that appears at `path` only when complete."""
     with atomic_path(path) as tmp:
-        with h5py.File(tmp, "w") as f:
+        with open_unlocked(tmp, "w") as f:
             announce_start(tmp)
             yield f
 
@@ -309,7 +310,7 @@ def describe(f):
 
 def print_summary(path, start_time):
     """The end-of-run summary of a packer, printed on stdout."""
-    with h5py.File(path, "r") as f:
+    with open_unlocked(path, "r") as f:
         lines = describe(f)
     size = os.path.getsize(path)
     print(f"wrote {path} ({size / 2**20:.1f} MiB) in {time.monotonic() - start_time:.1f} s")

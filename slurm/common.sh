@@ -42,6 +42,10 @@
 : "${LAUNCHER:=srun}"    # srun: a SLURM-integrated MPI; mpirun: one node only (e.g. PyPI's MPICH)
 : "${SRUN_MPI:=}"        # empty: the site's MpiDefault; else e.g. pmix, pmi2, cray_shasta
 : "${PYTHON:=python}"
+# HDF5 locks every file it opens, which fails ("unable to lock file") on file systems without
+# flock (NFS without lockd, Cray DVS, Lustre without -o flock); the data files here are written
+# once by one process and only read afterwards. TRUE where the site wants the locks.
+export HDF5_USE_FILE_LOCKING=${HDF5_USE_FILE_LOCKING:-FALSE}
 # ==================================================================================================
 
 EXIT_REQUEUE=3            # the trainer's "checkpointed, please requeue" status; also ours when
@@ -63,6 +67,19 @@ petra_die() { petra_say "error: $*"; exit 2; }
 cd "${PETRA_ROOT:-${SLURM_SUBMIT_DIR:-.}}" || petra_die "cannot cd to the repository root"
 [[ -f slurm/common.sh ]] ||
     petra_die "run sbatch from the repository root (or set PETRA_ROOT); cwd is $PWD"
+
+# A job submitted with --export=NONE (or a list without ALL; some sites default to it through
+# SBATCH_EXPORT) starts without the submitting shell's variables, and srun inherits that policy
+# (SLURM_EXPORT_ENV), which would start the ranks without the modules and Python environment of
+# the site block: every srun of this job passes this shell's whole environment on.
+if [[ -n ${SLURM_JOB_ID:-} ]]; then
+    if [[ -n ${SLURM_EXPORT_ENV:-} && ${SLURM_EXPORT_ENV^^} != ALL* ]]; then
+        petra_say "warning: submitted with --export=$SLURM_EXPORT_ENV: CONFIG, EXTRA_ARGS, OUT_DIR" \
+                  "and the other overrides of your shell did not reach this job; submit with" \
+                  "slurm/submit.sh or sbatch --export=ALL"
+    fi
+    export SLURM_EXPORT_ENV=ALL
+fi
 
 # CONFIG and OUT_DIR for this job (an array task picks its entry of CONFIGS).
 petra_resolve() {
@@ -194,6 +211,10 @@ petra_launch() {
             ((${SLURM_JOB_NUM_NODES:-1} == 1)) ||
                 petra_die "LAUNCHER=mpirun runs on one node only; this job has" \
                           "$SLURM_JOB_NUM_NODES nodes: use LAUNCHER=srun (see docs/clusters.md)"
+            # Hydra (MPICH, Intel MPI) inside an allocation starts its proxy with `srun -n1`,
+            # a step that SLURM 22.05-23.02 gives one CPU, shared by every rank: fork it here.
+            export HYDRA_LAUNCHER=${HYDRA_LAUNCHER:-fork}
+            export I_MPI_HYDRA_BOOTSTRAP=${I_MPI_HYDRA_BOOTSTRAP:-fork}
             launch=(mpirun -n "$RANKS") ;;
         *) petra_die "LAUNCHER must be srun or mpirun, not '$LAUNCHER'" ;;
     esac

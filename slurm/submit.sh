@@ -13,6 +13,8 @@
 # with, and its node range cannot be changed from inside the job: a job that lost its batch node
 # resumes when that node is back, or resubmit it.)
 # Plain `sbatch SCRIPT` uses the script's #SBATCH layout, written for 4 GPUs per node.
+# Submits with --export=ALL: the overrides of your shell (CONFIG, EXTRA_ARGS, OUT_DIR, ...) reach
+# the job even where the site defaults to --export=NONE (SBATCH_EXPORT).
 set -euo pipefail
 script=${1:?usage: slurm/submit.sh SCRIPT [sbatch options...]}
 shift
@@ -22,11 +24,11 @@ if [[ -n ${ELASTIC_NODES:-} ]]; then
     petra_say "sbatch --nodes=$ELASTIC_NODES --no-kill ${per_node[*]} $* $script (elastic)"
     export ELASTIC=1  # sbatch passes the environment on to the job
     sed '/^#SBATCH --\(ntasks\|nodes\|ntasks-per-node\|gpus-per-node\)=/d' "$script" |
-        sbatch --nodes="$ELASTIC_NODES" --no-kill "${per_node[@]}" "$@"
+        sbatch --export=ALL --nodes="$ELASTIC_NODES" --no-kill "${per_node[@]}" "$@"
     exit "${PIPESTATUS[1]}"
 fi
 ntasks=$(sed -n 's/^#SBATCH --ntasks=\([0-9]*\)$/\1/p' "$script")
 [[ -n $ntasks ]] || petra_die "$script has no '#SBATCH --ntasks=N' line"
 read -r -a layout <<<"$(petra_layout "$ntasks")"
 petra_say "sbatch ${layout[*]} $* $script  ($ntasks ranks, $GPUS_PER_NODE GPUs per node)"
-exec sbatch "${layout[@]}" "$@" "$script"
+exec sbatch --export=ALL "${layout[@]}" "$@" "$script"

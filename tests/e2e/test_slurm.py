@@ -166,8 +166,9 @@ def test_submit_lays_out_by_gpus_per_node(tmp_path):
     env = {"PATH": path, "GPUS_PER_NODE": "8"}
     subprocess.run(["bash", "slurm/submit.sh", "slurm/revnet50_imagenet.sh", "--array=1"],
                    cwd=ROOT, env=env, check=True, timeout=20, capture_output=True)
-    assert args.read_text().split() == ["--nodes=3", "--ntasks-per-node=6", "--gpus-per-node=6",
-                                        "--array=1", "slurm/revnet50_imagenet.sh"]
+    assert args.read_text().split() == ["--export=ALL", "--nodes=3", "--ntasks-per-node=6",
+                                        "--gpus-per-node=6", "--array=1",
+                                        "slurm/revnet50_imagenet.sh"]
 
 
 def run_batch_script(tmp_path, path, **env):
@@ -540,3 +541,90 @@ def test_array_tasks_get_their_own_run_dir_under_out_dir():
     for path in EXPERIMENTS:
         names = [os.path.basename(c) for c in script_configs(path)]
         assert len(set(names)) == len(names), path
+
+
+# Table 4's configs (CIFAR-100) on the synthetic set, small
+TABLE4_SMALL = SMOKE + " --set data.path=synthetic --set model.num_classes=10"
+
+
+@pytest.mark.extended
+def test_array_under_one_out_dir_runs_and_resumes_each_config_apart(cluster, tmp_path):
+    """Two tasks of the Table 4 array (two configs) with OUT_DIR set run at once, each in
+    OUT_DIR/<config name>; submitted again for a second epoch, each resumes its own checkpoint."""
+    out = tmp_path / "table4"
+    configs = script_configs(os.path.join(ROOT, "slurm", "table4_revnet18.sh"))[:2]
+    names = [os.path.basename(c)[:-len(".yaml")] for c in configs]
+    for epochs in (1, 2):
+        jobid = submit(cluster, tmp_path, "table4_revnet18.sh", "--array=0-1",
+                       f"--output={tmp_path}/slurm-%A_%a.out", OUT_DIR=str(out),
+                       EXTRA_ARGS=TABLE4_SMALL.replace("train.epochs=1", f"train.epochs={epochs}"))
+        jobs = cluster.wait(jobid, timeout=240)
+        assert all(j["JobState"] == "COMPLETED" for j in jobs), \
+            "\n".join(job_output(cluster, j) for j in jobs)
+    for config, name in zip(configs, names):
+        run = out / name
+        records = read_jsonl(run / "metrics.jsonl")
+        starts = [r for r in records if r["event"] in ("start", "resume")]
+        assert [r["event"] for r in starts] == ["start", "resume"], records
+        assert starts[1]["from"].startswith(str(run / "checkpoints")), starts[1]
+        assert json.loads((run / "summary.json").read_text())["epochs"] == 2
+        assert config in (run / "logs" / "train.log").read_text()
+
+
+@pytest.mark.extended
+def test_a_site_exporting_nothing(cluster, tmp_path):
+    """Where jobs are submitted with --export=NONE (SBATCH_EXPORT=NONE): slurm/submit.sh still
+    passes CONFIG, EXTRA_ARGS and OUT_DIR on to the job; and srun starts the ranks with the batch
+    shell's environment (the site block's modules and Python environment), which a rank here
+    checks through a variable the script exports, as a site block would."""
+    out = tmp_path / "submitted"
+    env = {**cluster.env, **SRUN, "SBATCH_EXPORT": "NONE", "CONFIG": "configs/quickstart.yaml",
+           "OUT_DIR": str(out), "EXTRA_ARGS": SMOKE, "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", "slurm/submit.sh", "slurm/revnet18_cifar10.sh", *SMALL,
+                           "--parsable", f"--output={tmp_path}/slurm-%j.out"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    submitted = proc.stdout.split()[-1]
+
+    python = tmp_path / "python"
+    python.write_text("#!/bin/bash\n[[ $SITE_MODULE == loaded ]] || "
+                      "{ echo 'a rank without the batch shell environment' >&2; exit 42; }\n"
+                      f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    site = tmp_path / "site_job.sh"
+    site.write_text(f"""#!/bin/bash
+#SBATCH --requeue
+export SITE_MODULE=loaded CONFIG=configs/quickstart.yaml OUT_DIR={tmp_path}/site EXTRA_ARGS="{SMOKE}"
+export PYTHON={python} LAUNCHER=srun SRUN_MPI=pmi2
+source {ROOT}/slurm/common.sh
+petra_train
+""")
+    exported_nothing = cluster.sbatch(str(site), *SMALL, "--export=NONE",
+                                      f"--output={tmp_path}/slurm-%j.out", cwd=ROOT)
+    for jobid, run in ((submitted, out), (exported_nothing, tmp_path / "site")):
+        (job,) = cluster.wait(jobid, timeout=150)
+        log = run / "logs" / "train.log"
+        assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), \
+            job_output(cluster, job) + (log.read_text() if log.exists() else "")
+        assert json.loads((run / "summary.json").read_text())["stages"] == 2
+    assert "--export=NONE" in open(cluster.job(exported_nothing)["StdOut"]).read()
+
+
+@pytest.mark.extended
+def test_mpirun_starts_its_ranks_without_srun(cluster, tmp_path):
+    """LAUNCHER=mpirun: Hydra forks the ranks in the batch step, never through an `srun -n1`
+    proxy step (which SLURM 22.05-23.02 gives one CPU, for every rank). While both ranks run,
+    the job has no step but the batch shell's."""
+    trainer = tmp_path / "trainer"
+    trainer.write_text(f"#!/bin/bash\ntouch {tmp_path}/running.$PMI_RANK\n"
+                       f"until [[ -e {tmp_path}/go ]]; do sleep 0.1; done\n")
+    trainer.chmod(0o755)
+    jobid = submit(cluster, tmp_path, "revnet18_cifar10.sh", CONFIG="configs/quickstart.yaml",
+                   OUT_DIR=str(tmp_path / "run"), PYTHON=str(trainer), LAUNCHER="mpirun")
+    cluster.wait(jobid, lambda jobs: all((tmp_path / f"running.{r}").exists() for r in (0, 1))
+                 or jobs[0]["JobState"] in slurm_cluster.TERMINAL, timeout=90, what="to start")
+    steps = cluster.run("squeue", "-h", "-s", "-j", jobid, "-o", "%i").stdout.split()
+    (tmp_path / "go").touch()
+    (job,) = cluster.wait(jobid, timeout=60)
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), job_output(cluster, job)
+    assert [s for s in steps if not s.endswith((".batch", ".extern"))] == [], steps
