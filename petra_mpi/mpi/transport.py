@@ -8,9 +8,11 @@ Outbox: non-blocking sends; a tensor stays referenced until its send completes.
 GPU tensors: with a CUDA-aware MPI the device buffers go to MPI directly, otherwise they are
 staged through pinned host buffers. MPI knows nothing of CUDA streams, so a send is posted only
 once an event recorded on the producing stream has completed. The host never blocks on the GPU:
-the send is posted by a later poll, and where the rank must post it before going on (it is about
-to wait for a neighbour) it polls the transport until the event completes (Transport.wait_for),
-so transfers in flight keep moving meanwhile. Device receive buffers are allocated on a stream
+the send is posted by a later poll, or while the rank waits for a message (Transport.wait: it
+tests its request and posts sends as their events complete, whichever comes first, so a receive
+that arrives before the GPU is done returns at once and the host queues the next work). Only
+where nothing else can move (a stop vote, a send that must make room) does the rank poll the
+transport until the event completes (Transport.wait_for), so transfers in flight keep moving. Device receive buffers are allocated on a stream
 of their own, which no kernel uses, and handed to the compute stream with record_stream: the
 caching allocator then reuses their memory only once the compute stream is done with it, with no
 host synchronisation.
@@ -201,7 +203,21 @@ class Transport:
         self.poll_sleep = float(os.environ.get(POLL_SLEEP_ENV) or 0)
 
     def wait(self, request, status=None):
+        """Complete `request`. Sends still waiting for their GPU data are posted as soon as
+        their data are ready meanwhile (the neighbour this rank waits for may be waiting for one
+        of them), but the rank never waits for that data: its receive may come first."""
+        while self._unposted():
+            if request.Test(status):
+                return
+            self.poll()
+            if self.poll_sleep > 0:
+                time.sleep(self.poll_sleep)
         wait_for_request(request, self.poll_sleep, status)
+
+    def _unposted(self) -> bool:
+        """Whether a box holds work not yet handed to MPI (boxes with a post_ready method keep
+        it in `unposted`)."""
+        return any(getattr(box, "unposted", None) for box in self.boxes)
 
     def poll(self):
         """Drive MPI's progress and post the sends whose GPU data are ready (between blocks)."""
@@ -322,7 +338,6 @@ class Inbox:
 
     def get(self) -> torch.Tensor:
         req, tensor, status = self.pending.popleft()
-        self.transport.post_all()
         start = time.perf_counter()
         self.transport.blocked = self
         self.transport.wait(req, status)
@@ -396,13 +411,18 @@ class Outbox:
             self.pending.append((self.comm.Isend(buf, dest=self.dest, tag=self.tag), keep))
 
     def _drain(self, keep: int):
+        """Return once at most `keep` sends are in flight: the oldest posted send completing
+        frees a place (later ones are posted meanwhile as their GPU data become ready); only
+        with none posted does the rank wait for GPU data."""
         start = time.perf_counter()
-        if len(self.unposted) + len(self.pending) > keep:
-            self.post_ready(wait=True)
         self.transport.blocked = self
-        while len(self.pending) > keep:
-            self.transport.wait(self.pending[0][0])
-            self.pending.popleft()
+        while len(self.unposted) + len(self.pending) > keep:
+            if self.pending:
+                self.transport.wait(self.pending[0][0])
+                self.pending.popleft()
+            else:  # nothing posted: the oldest send's GPU data must come first
+                self.transport.wait_for(self.unposted[0][2])
+                self.post_ready(wait=False)
         self.transport.blocked = None
         self.waited += time.perf_counter() - start
 

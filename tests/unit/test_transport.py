@@ -157,6 +157,80 @@ def test_a_poll_posts_only_what_is_ready():
     assert [w for k, w in comm.log if k == "send"] == ["a", "b"]
 
 
+class HeldEvent:
+    """A CUDA event whose work completes only once the test releases it. A host that waits for
+    it before then would spin for ever: past `patience` queries the wait counts as a defect."""
+
+    def __init__(self, patience=1000):
+        self.released, self.queries, self.patience = False, 0, patience
+
+    def query(self):
+        self.queries += 1
+        if not self.released and self.queries > self.patience:
+            raise AssertionError("the host waited for GPU work that the message does not need")
+        return self.released
+
+    def synchronize(self):
+        raise AssertionError("the host blocked on the GPU without driving MPI")
+
+
+class ArrivingRequest(FakeRequest):
+    """A receive or send that completes at its `tests`-th test."""
+
+    def __init__(self, log, what, tests):
+        super().__init__(log, what)
+        self.tests = tests
+
+    def Test(self, status=None):
+        self.tests -= 1
+        self.log.append(("test", self.what))
+        return self.tests <= 0
+
+
+class ArrivingComm(FakeComm):
+    def Irecv(self, buf, source, tag):
+        return ArrivingRequest(self.log, "receive", tests=3)
+
+
+def test_a_receive_does_not_wait_for_the_gpu_data_of_earlier_sends():
+    """The backward's send, queued behind kernels still running, must not hold up the
+    forward's receive: the receive returns as soon as its message is there, and a send whose
+    data become ready meanwhile goes out during the wait (the neighbour this rank waits for may
+    be waiting for it)."""
+    comm, transport = ArrivingComm(), Transport(torch.device("cpu"), cuda_aware=False)
+    inbox = Inbox(comm, transport, 0, TAG_ACTIVATION, (2, 3), torch.float32)
+    inbox.expect(1)
+    ready_soon = Outbox(comm, transport, 2, TAG_ACTIVATION)
+    ready_soon.unposted.append(("ready soon", None, FakeEvent(1)))
+    behind_kernels = Outbox(comm, transport, 1, TAG_ACTIVATION)
+    held = HeldEvent()
+    behind_kernels.unposted.append(("behind kernels", None, held))
+    inbox.get()
+    received = max(i for i, (kind, what) in enumerate(comm.log) if what == "receive")
+    assert comm.log.index(("send", "ready soon")) < received
+    assert held.queries > 0 and len(behind_kernels.unposted) == 1  # polled, not waited for
+    assert [w for k, w in comm.log if k == "send"] == ["ready soon"]
+    held.released = True
+    transport.poll()
+    assert [w for k, w in comm.log if k == "send"] == ["ready soon", "behind kernels"]
+
+
+def test_making_room_for_a_send_waits_for_the_oldest_send_not_the_gpu():
+    """Two sends in flight and a third behind a kernel: room is made by the oldest send
+    completing; the third waits for its data in the queue, not the host."""
+    comm, transport = FakeComm(), Transport(torch.device("cpu"), cuda_aware=False)
+    outbox = Outbox(comm, transport, 1, TAG_ACTIVATION, depth=2)
+    oldest = ArrivingRequest(comm.log, "oldest", tests=2)
+    outbox.pending.extend([(oldest, None), (ArrivingRequest(comm.log, "next", tests=2), None)])
+    held = HeldEvent()
+    outbox.unposted.append(("third", None, held))
+    outbox._drain(outbox.depth)
+    assert oldest.tests <= 0 and len(outbox.pending) == 1 and len(outbox.unposted) == 1
+    held.released = True
+    outbox.flush()
+    assert [w for k, w in comm.log if k == "send"] == ["third"]
+
+
 # ---------------------------------------------------------------- the replicas' average
 
 @pytest.mark.parametrize("device,aware,collectives,path", [
