@@ -279,7 +279,7 @@ def merge(args):
                 if args.copy:
                     copy_split(out, split, ordered)
                 else:
-                    link_split(out, split, ordered, os.path.dirname(os.path.abspath(args.out)))
+                    link_split(out, split, ordered, os.path.dirname(os.path.realpath(args.out)))
             for _, f in ordered:
                 stats.add(ChannelStats.from_attrs(f.attrs))
             classes = [c.decode() for c in first["classes"][:]]
@@ -315,12 +315,14 @@ def link_split(out, split, ordered, out_dir):
     dataset that maps each shard's /<split>/jpeg end to end, and the small offsets (rebased by
     the bytes of the shards before) and labels are written for real. The shard files are named
     relative to the joined file, which HDF5 resolves from the joined file's folder: the folder
-    of the joined file and of the shards can move together, but the shards must stay."""
+    of the joined file and of the shards can move together, but the shards must stay (or be
+    found through HDF5_VDS_PREFIX). The relative names are taken between real paths: the
+    system resolves a `..` after a symbolic link from the link's target."""
     sizes = [f[split]["jpeg"].shape[0] for _, f in ordered]
     layout = h5py.VirtualLayout(shape=(sum(sizes),), dtype=np.uint8)
     offsets, labels, base = [np.zeros(1, np.int64)], [], 0
     for (path, f), size in zip(ordered, sizes):
-        name = os.path.relpath(os.path.abspath(path), out_dir)
+        name = os.path.relpath(os.path.realpath(path), out_dir)
         layout[base:base + size] = h5py.VirtualSource(name, f"{split}/jpeg", shape=(size,))
         offsets.append(f[split]["offsets"][1:] + base)
         labels.append(f[split]["labels"][:])

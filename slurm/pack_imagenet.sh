@@ -40,13 +40,18 @@ if [[ $task == "$first" && ${SLURM_RESTART_COUNT:-0} == 0 && -z ${NO_MERGE:-} ]]
     # virtual join: reads ~20 MB of offsets and labels; a copy moves ~35 GB (>= 100 MB/s)
     merge_time=0:15:00 merge_copy=
     [[ -n ${MERGE_COPY:-} ]] && merge_time=2:00:00 merge_copy=" --copy"
-    # The merge runs under this job's account, partition and QOS (where -A is mandatory a bare
-    # sbatch fails); if it cannot be queued, the shards still get packed: merge by hand.
-    if merge_id=$(sbatch --parsable --job-name=pack_imagenet_merge \
+    # The merge runs under this job's account, partition, QOS and reservation (where -A is
+    # mandatory a bare sbatch fails), with this job's environment (HDF5_USE_FILE_LOCKING
+    # included) whatever the site's --export default; a shard that fails leaves its dependency
+    # never satisfied, and --kill-on-invalid-dep ends the merge then instead of leaving it
+    # pending forever. If it cannot be queued, the shards still get packed: merge by hand.
+    if merge_id=$(sbatch --parsable --job-name=pack_imagenet_merge --export=ALL \
         ${SLURM_JOB_ACCOUNT:+"--account=$SLURM_JOB_ACCOUNT"} \
         ${SLURM_JOB_PARTITION:+"--partition=$SLURM_JOB_PARTITION"} \
         ${SLURM_JOB_QOS:+"--qos=$SLURM_JOB_QOS"} \
-        --dependency="afterok:$SLURM_ARRAY_JOB_ID" --ntasks=1 --cpus-per-task=1 --time=$merge_time \
+        ${SLURM_JOB_RESERVATION:+"--reservation=$SLURM_JOB_RESERVATION"} \
+        --dependency="afterok:$SLURM_ARRAY_JOB_ID" --kill-on-invalid-dep=yes \
+        --ntasks=1 --cpus-per-task=1 --time=$merge_time \
         --output="$(dirname "$OUT")/slurm-%x-%j.out" \
         --wrap "$PYTHON -m data_prep.imagenet merge --out $OUT$merge_copy $PARTS/part*.h5"); then
         petra_say "submitted merge job $merge_id (after array $SLURM_ARRAY_JOB_ID): writes $OUT"

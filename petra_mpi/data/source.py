@@ -98,16 +98,21 @@ def open_unlocked(path, mode, **kwargs):
 
 def missing_virtual_sources(f, path):
     """The source files of /<split>/jpeg virtual datasets (a joined shard set) that do not
-    exist: HDF5 would read their bytes as zeros without an error. Relative names are resolved
-    from the folder of `path`, as HDF5 does."""
+    exist: HDF5 would read their bytes as zeros without an error. Relative names are looked for
+    where HDF5 looks: under each folder of HDF5_VDS_PREFIX (':'-separated, ${ORIGIN} standing
+    for the folder of `path`), then in the folder of `path`, then in the working directory."""
     folder, missing = os.path.dirname(os.path.abspath(path)), []
+    prefixes = [p.replace("${ORIGIN}", folder)
+                for p in os.environ.get("HDF5_VDS_PREFIX", "").split(":") if p]
     for split in SPLITS:
         ds = f.get(f"{split}/jpeg")
         if isinstance(ds, h5py.Dataset) and ds.is_virtual:
             for source in ds.virtual_sources():
-                name = os.path.join(folder, source.file_name)
-                if source.file_name != "." and not os.path.isfile(name) and name not in missing:
-                    missing.append(name)
+                if source.file_name == ".":
+                    continue
+                places = [os.path.join(p, source.file_name) for p in prefixes + [folder, "."]]
+                if not any(map(os.path.isfile, places)) and places[-2] not in missing:
+                    missing.append(places[-2])
     return missing
 
 

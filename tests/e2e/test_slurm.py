@@ -206,19 +206,21 @@ def test_mpirun_refused_on_several_nodes(tmp_path):
 
 
 def test_pack_merge_submission(tmp_path):
-    """The first shard task queues the merge under the job's account, partition and QOS, and
-    when that sbatch fails it warns and packs its shard anyway."""
+    """The first shard task queues the merge under the job's account, partition, QOS and
+    reservation, with the job's environment, ended by SLURM if a shard fails (its dependency can
+    then never be met); when that sbatch fails it warns and packs its shard anyway."""
     args = tmp_path / "args"
     env = {"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_JOB_ID": "5", "SLURM_JOB_ACCOUNT": "proj",
            "SLURM_JOB_PARTITION": "cpu", "SLURM_JOB_QOS": "normal", "PYTHON": "true",
+           "SLURM_JOB_RESERVATION": "maint",
            "OUT": str(tmp_path / "imagenet.h5"), "PARTS": str(tmp_path / "parts")}
     path = fake_commands(tmp_path / "bin", sbatch=f'echo "$@" >{args}; echo 6')
     proc = subprocess.run(["bash", "slurm/pack_imagenet.sh"], cwd=ROOT, timeout=30, text=True,
                           capture_output=True, env={**env, "PATH": path})
     assert proc.returncode == 0 and "submitted merge job 6" in proc.stdout, proc.stdout + proc.stderr
     given = args.read_text().split()
-    assert {"--account=proj", "--partition=cpu", "--qos=normal",
-            "--dependency=afterok:5"} <= set(given), given
+    assert {"--account=proj", "--partition=cpu", "--qos=normal", "--reservation=maint",
+            "--dependency=afterok:5", "--kill-on-invalid-dep=yes", "--export=ALL"} <= set(given), given
     path = fake_commands(tmp_path / "bin", sbatch="echo 'sbatch: error: no account' >&2; exit 1")
     proc = subprocess.run(["bash", "slurm/pack_imagenet.sh"], cwd=ROOT, timeout=30, text=True,
                           capture_output=True, env={**env, "PATH": path})
@@ -601,11 +603,13 @@ petra_train
 """)
     exported_nothing = cluster.sbatch(str(site), *SMALL, "--export=NONE",
                                       f"--output={tmp_path}/slurm-%j.out", cwd=ROOT)
-    for jobid, run in ((submitted, out), (exported_nothing, tmp_path / "site")):
-        (job,) = cluster.wait(jobid, timeout=150)
+    runs = {submitted: out, exported_nothing: tmp_path / "site"}
+    ended = {jobid: cluster.wait(jobid, timeout=150)[0] for jobid in runs}
+    for jobid, run in runs.items():
         log = run / "logs" / "train.log"
-        assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), \
-            job_output(cluster, job) + (log.read_text() if log.exists() else "")
+        assert (ended[jobid]["JobState"], ended[jobid]["ExitCode"]) == ("COMPLETED", "0:0"), \
+            "\n".join(job_output(cluster, job) for job in ended.values()) + \
+            (log.read_text() if log.exists() else "")
         assert json.loads((run / "summary.json").read_text())["stages"] == 2
     assert "--export=NONE" in open(cluster.job(exported_nothing)["StdOut"]).read()
 
