@@ -30,18 +30,26 @@ def check_root(f, bad):
     version = a.get("schema_version")
     if version is None or not np.issubdtype(np.asarray(version).dtype, np.integer) \
             or int(version) != SCHEMA_VERSION:
-        bad.append(f"attr schema_version is {version!r}, expected integer {SCHEMA_VERSION}")
+        bad.append(f"attr schema_version is {'missing' if version is None else repr(version)}, "
+                   f"expected integer {SCHEMA_VERSION}")
     n = a.get("num_classes")
     if n is None or not np.issubdtype(np.asarray(n).dtype, np.integer) or int(n) < 1:
-        bad.append(f"attr num_classes is {n!r}, expected a positive integer")
+        bad.append(f"attr num_classes is {'missing' if n is None else repr(n)}, expected a "
+                   f"positive integer")
     for key, lo, hi in (("mean", 0.0, 1.0), ("std", 1e-6, 0.5)):
-        v = np.asarray(a.get(key, []))
+        if key not in a:
+            bad.append(f"attr {key} is missing, expected 3 finite floats")
+            continue
+        v = np.asarray(a[key])
         if v.shape != (3,) or not np.issubdtype(v.dtype, np.floating) or not np.all(np.isfinite(v)):
-            bad.append(f"attr {key} is {v.dtype}{v.shape}, expected 3 finite floats")
+            bad.append(f"attr {key} is {v.tolist()!r} ({v.dtype}, shape {v.shape}), expected 3 "
+                       f"finite floats")
         elif not np.all((v >= lo) & (v <= hi)):
             bad.append(f"attr {key} = {v.tolist()} is outside [{lo}, {hi}] (not on a 0-1 scale?)")
     if not isinstance(a.get("source"), str):
-        bad.append(f"attr source is {a.get('source')!r}, expected a string")
+        source = a.get("source")
+        bad.append(f"attr source is {'missing' if source is None else repr(source)}, expected "
+                   f"a string")
     if "classes" in f:
         c = f["classes"]
         if c.ndim != 1 or (n is not None and len(c) != int(n)) or h5py.check_string_dtype(c.dtype) is None:

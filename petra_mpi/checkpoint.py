@@ -4,6 +4,12 @@ atomically by the process that owns the stage, then a manifest that marks the ch
 Layout: out_dir/checkpoints/ckpt-e{epoch:05d}-b{position:08d}/ with stage{s}.pt, trainer.json and
 manifest.json. A directory without a manifest, or whose files do not match it, is never picked.
 
+Durability: every file is flushed to disk (fsync) before it is renamed into place and the
+directory after the renames, so the manifest is written only over stage files that survive a
+crash of the node, and older checkpoints are pruned only once the new manifest has reached the
+disk. If the newest checkpoint still cannot be read back (a file corrupted on a file system that
+broke these promises), the run resumes from the previous complete one and says so.
+
 The checkpoint does not depend on the layout that wrote it (manifest "format": 2): stage{s}.pt
 holds that stage's blocks under the names of the whole network ("blocks.{g}.{rest}", g the
 block's index in the network), its optimizer state keyed by the same parameter names, the
@@ -12,14 +18,14 @@ with another number of stages, another split or another number of replicas reads
 owns from whichever files hold them. Checkpoints of the earlier format (no "format": stage-local
 names) still load, on the layout that wrote them.
 """
+import errno
 import itertools
 import json
 import os
 import shutil
+import sys
 
 import torch
-
-from .metrics import write_json_atomic
 
 MANIFEST = "manifest.json"
 LAYOUT_FREE = 2  # the manifest's "format" of checkpoints keyed by the network's own names
@@ -29,6 +35,37 @@ IDENTITY_DEFAULTS = {"optimizer": "sgd", "lr_schedule": "step", "replicas": 1}
 
 class CheckpointError(RuntimeError):
     pass
+
+
+class UnreadableCheckpoint(CheckpointError):
+    """A checkpoint whose files cannot be read back (truncated, corrupted or missing)."""
+
+
+def _fsync_dir(path: str):
+    """Make the entries of directory `path` (files renamed or removed in it) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # file systems that cannot sync a directory say EINVAL
+            raise
+    finally:
+        os.close(fd)
+
+
+def _replace_durably(tmp: str, final: str):
+    os.replace(tmp, final)
+    _fsync_dir(os.path.dirname(final))
+
+
+def _write_json_durably(path: str, data: dict):
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    _replace_durably(tmp, path)
 
 
 def checkpoint_dir(out_dir: str, epoch: int, position: int) -> str:
@@ -43,16 +80,32 @@ def invalidate(path: str):
             os.remove(os.path.join(path, name))
         except FileNotFoundError:
             pass
+    if os.path.isdir(path):
+        _fsync_dir(path)
 
 
 def _write_stage_file(path: str, index: int, state: dict) -> tuple[str, int]:
-    """torch.save under a temporary name, then rename: (file name, size) for the manifest."""
+    """torch.save under a temporary name, flushed to disk, then rename: (file name, size) for
+    the manifest."""
     os.makedirs(path, exist_ok=True)
     final = os.path.join(path, f"stage{index}.pt")
     tmp = f"{final}.tmp-{os.getpid()}"
-    torch.save(state, tmp)
-    os.replace(tmp, final)
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _replace_durably(tmp, final)
     return os.path.basename(final), os.path.getsize(final)
+
+
+def _load_file(path: str, name: str, device):
+    """torch.load of one file of a checkpoint; whatever fails in reading it makes the
+    checkpoint unreadable."""
+    try:
+        return torch.load(os.path.join(path, name), map_location=device, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - a damaged file fails in unzipping or unpickling
+        first_line = (str(e).splitlines() or [type(e).__name__])[0]
+        raise UnreadableCheckpoint(f"{name}: {first_line}") from e
 
 
 def save_stage(path: str, worker) -> tuple[str, int]:
@@ -125,7 +178,7 @@ def read_blocks(path: str, manifest: dict, first: int, end: int, device="cpu") -
     for name, (lo, hi) in manifest["block_files"].items():
         if hi <= first or lo >= end:
             continue
-        part = torch.load(os.path.join(path, name), map_location=device, weights_only=False)
+        part = _load_file(path, name, device)
         wanted = lambda key: first <= block_index(key) < end  # noqa: E731
         merged["stage"].update({k: v for k, v in part["stage"].items() if wanted(k)})
         opt_name = next(n for n in part["optimizer"] if n not in ("steps", "pending"))
@@ -161,24 +214,37 @@ def load_blocks(path: str, manifest: dict, worker, device):
 
 
 def write_manifest(path: str, identity: dict, trainer_state: dict, stage_files: dict):
-    """Called once every stage file exists, with their sizes as their writers saw them (a shared
-    file system may not show another node's file size yet): marks the checkpoint complete."""
-    write_json_atomic(os.path.join(path, "trainer.json"), trainer_state)
+    """Called once every stage file is on disk, with their sizes as their writers saw them (a
+    shared file system may not show another node's file size yet): marks the checkpoint
+    complete, and returns once that mark is on disk too (prune may then run)."""
+    _write_json_durably(os.path.join(path, "trainer.json"), trainer_state)
     files = dict(stage_files)
     files["trainer.json"] = os.path.getsize(os.path.join(path, "trainer.json"))
-    write_json_atomic(os.path.join(path, MANIFEST), {**identity, "files": files,
-                                                     "epoch": trainer_state["epoch"],
-                                                     "position": trainer_state["position"]})
+    _write_json_durably(os.path.join(path, MANIFEST), {**identity, "files": files,
+                                                      "epoch": trainer_state["epoch"],
+                                                      "position": trainer_state["position"]})
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))  # the checkpoint's own directory entry
+
+
+def incomplete_reason(path: str):
+    """Why the checkpoint at `path` is not complete, or None when it is."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            files = json.load(f)["files"]
+        for name, size in files.items():
+            if not os.path.exists(os.path.join(path, name)):
+                return f"{name} is missing"
+            if os.path.getsize(os.path.join(path, name)) != size:
+                return f"{name} is not the size its manifest records"
+    except FileNotFoundError:
+        return f"no {MANIFEST}: its writing was interrupted"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"its {MANIFEST} cannot be read"
+    return None
 
 
 def is_complete(path: str) -> bool:
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            manifest = json.load(f)
-        return all(os.path.getsize(os.path.join(path, name)) == size
-                   for name, size in manifest["files"].items())
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
+    return incomplete_reason(path) is None
 
 
 def complete_checkpoints(out_dir: str) -> list[str]:
@@ -200,11 +266,27 @@ def find_resume(out_dir: str, resume: str):
         return None
     if resume == "auto":
         found = complete_checkpoints(out_dir)
-        return found[-1] if found else None
+        newest = found[-1] if found else None
+        _report_newer_incomplete(out_dir, newest)
+        return newest
     if not is_complete(resume):
         raise CheckpointError(f"run.resume {resume}: not a complete checkpoint (no valid "
                               f"{MANIFEST})")
     return resume
+
+
+def _report_newer_incomplete(out_dir: str, newest):
+    """One line when a checkpoint newer than the one resumed from is incomplete (a crash while
+    it was written, or a file lost since)."""
+    root = os.path.join(out_dir, "checkpoints")
+    names = sorted(d for d in os.listdir(root) if d.startswith("ckpt-")) if os.path.isdir(
+        root) else []
+    newer = [os.path.join(root, d) for d in names
+             if newest is None or d > os.path.basename(newest)]
+    if newer:
+        what = f"resuming from {newest}" if newest else "starting from the beginning"
+        print(f"petra_mpi: checkpoint {newer[-1]} is incomplete ({incomplete_reason(newer[-1])}): "
+              f"{what}", file=sys.stderr, flush=True)
 
 
 # What checkpoints of the first format also had to share with the run that resumes them.
@@ -236,15 +318,19 @@ def read_manifest(path: str, identity: dict, layout: dict) -> dict:
     if wrong:
         why = ("; the model, the data and the training recipe must be the checkpoint's (the "
                "stages, split, replicas, device and precision may change)" if layout_free else "")
-        raise CheckpointError(f"cannot resume from {path}: " + "; ".join(wrong) + why)
-    with open(os.path.join(path, "trainer.json")) as f:
-        manifest["trainer"] = json.load(f)
+        raise CheckpointError(f"cannot resume from {path}: " + "; ".join(wrong) + why + "; to "
+                              "start a new run instead, give it its own directory: --set "
+                              "run.out_dir=ANOTHER_DIR")
+    try:
+        with open(os.path.join(path, "trainer.json")) as f:
+            manifest["trainer"] = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UnreadableCheckpoint(f"trainer.json: {e}") from e
     return manifest
 
 
 def load_stage(path: str, worker, device):
-    state = torch.load(os.path.join(path, f"stage{worker.index}.pt"), map_location=device,
-                       weights_only=False)
+    state = _load_file(path, f"stage{worker.index}.pt", device)
     worker.stage.load_state_dict(state["stage"])
     worker.optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"].cpu())  # map_location moved it to the device
@@ -279,9 +365,45 @@ def restore_cuda_rng(saved, device: torch.device, cuda=torch.cuda):
     cuda.set_rng_state(saved.cpu(), device)
 
 
+def previous_complete(path: str):
+    """The newest complete checkpoint older than the checkpoint at `path`, or None."""
+    out_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    name = os.path.basename(os.path.abspath(path))
+    older = [p for p in complete_checkpoints(out_dir) if os.path.basename(p) < name]
+    return older[-1] if older else None
+
+
+def resume_readable(path: str, load, fallback: bool = True, comm=None):
+    """load(path) on every process of `comm` (None: this one alone); while any of them finds a
+    file of the checkpoint unreadable, go back to the previous complete checkpoint and load
+    that, every process alike, with one line on stderr saying which and why (`fallback` False:
+    raise instead). Returns (the checkpoint loaded, what load returned)."""
+    while True:
+        result, error = None, None
+        try:
+            result = load(path)
+        except UnreadableCheckpoint as e:
+            error = str(e)
+        errors = [e for e in (comm.allgather(error) if comm else [error]) if e]
+        if not errors:
+            return path, result
+        first = comm is None or comm.Get_rank() == 0
+        older = previous_complete(path) if fallback and first else None
+        if comm:  # the directory as one process sees it: a shared file system may lag
+            older = comm.bcast(older, root=0)
+        if older is None:
+            raise UnreadableCheckpoint(f"cannot resume from {path}: {errors[0]}" +
+                                       ("; no earlier complete checkpoint" if fallback else ""))
+        if first:
+            print(f"petra_mpi: checkpoint {path} cannot be read ({errors[0]}): resuming from "
+                  f"the previous complete checkpoint {older}", file=sys.stderr, flush=True)
+        path = older
+
+
 def prune(out_dir: str, keep: int):
     """Delete all but the `keep` newest complete checkpoints, and any incomplete ones older than
-    the newest complete one (leftovers of a crash)."""
+    the newest complete one (leftovers of a crash). Call it only once the newest manifest is
+    on disk (write_manifest has returned): until then the older ones are all a crash leaves."""
     complete = complete_checkpoints(out_dir)
     root = os.path.join(out_dir, "checkpoints")
     newest = complete[-1] if complete else None

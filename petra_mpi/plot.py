@@ -466,19 +466,24 @@ def trace_file(run_dir: str) -> str | None:
     return path if os.path.isfile(path) else None
 
 
-def plot_timelines(run_dirs: list, out_dir: str, window: float, start: float | None) -> list:
+def plot_timelines(run_dirs: list, out_dir: str, window: float, start: float | None):
+    """(paths written, why each trace that drew nothing was skipped). A trace without spans (a
+    run that trained nothing) is skipped, not fatal: the run's other figures still count."""
     traces = [t for t in map(trace_file, run_dirs) if t]
     if not traces:
-        return []
+        return [], []
     plt = import_pyplot()
     os.makedirs(out_dir, exist_ok=True)
-    written = []
+    written, skipped = [], []
     for path in traces:
         # several runs into one folder: name each timeline after its run
         name = "timeline.png" if len(traces) == 1 else \
             f"timeline_{os.path.basename(os.path.dirname(os.path.abspath(path)))}.png"
-        written.append(draw_timeline(plt, path, os.path.join(out_dir, name), window, start))
-    return written
+        try:
+            written.append(draw_timeline(plt, path, os.path.join(out_dir, name), window, start))
+        except PlotError as e:
+            skipped.append(f"{name} not drawn: {e}")
+    return written, skipped
 
 
 def main(argv=None) -> int:
@@ -505,13 +510,16 @@ def main(argv=None) -> int:
                              [labels[i] for i in with_metrics] if labels and
                              len(labels) == len(args.run_dirs) else labels)
             written = plot_runs(runs, out)
-        written += plot_timelines(args.run_dirs, out, args.trace_window, args.trace_start)
+        timelines, skipped = plot_timelines(args.run_dirs, out, args.trace_window,
+                                            args.trace_start)
     except PlotError as e:
         print(f"petra_mpi.plot: {e}", file=sys.stderr)
         return 2
-    for path in written:
+    for path in written + timelines:
         print(path)
-    return 0
+    for line in skipped:
+        print(f"petra_mpi.plot: skipped: {line}", file=sys.stderr)
+    return 0 if written or timelines else 2
 
 
 if __name__ == "__main__":

@@ -18,12 +18,13 @@ import time
 import torch
 
 from .checkpoint import (LAYOUT_FREE, MANIFEST, block_files, checkpoint_dir, find_resume,
-                         invalidate, load_blocks, load_stage, prune, read_manifest, save_blocks,
-                         write_manifest)
+                         invalidate, load_blocks, load_stage, prune, read_manifest,
+                         resume_readable, save_blocks, write_manifest)
 from .compress import Compression
 from .config import model_kwargs, num_replicas, num_stages
 from .engine.build import build_stages, build_workers
 from .engine.evaluation import correct
+from .mpi.world import _affinity, busy_cpus, cpu_share, oversubscribed
 from .metrics import MetricsWriter, Progress, fmt_time, stage_memory, write_json_atomic
 from .models import num_blocks
 from .optim import LRSchedule, peak_lr
@@ -56,11 +57,17 @@ def lr_schedule(cfg, steps_per_epoch: int, replicas: int = 1) -> LRSchedule:
                       total_steps=steps_per_epoch * cfg.train.epochs)
 
 
-def cpu_threads(cfg, world) -> int:
-    """CPU threads this process may keep busy: run.threads, else under MPI the rank's share of
-    its node's CPUs (World.thread_share: its CPU set divided among the ranks that share it), else
-    torch's default."""
-    return cfg.run.threads or (world.thread_share() if world else max(1, torch.get_num_threads()))
+def cpu_threads(cfg, world, busy: float = 0.0) -> int:
+    """CPU threads this process may keep busy: run.threads, else its share of the CPUs it may
+    use that other programs leave free (`busy`: how many they keep busy; mpi.world.cpu_share):
+    under MPI its CPU set divided among the node's ranks that share it, in one process the whole
+    set (at most torch's default)."""
+    if cfg.run.threads:
+        return cfg.run.threads
+    if world:
+        return world.thread_share(busy)
+    mine = _affinity()
+    return max(1, min(torch.get_num_threads(), cpu_share(mine, [mine], busy)))
 
 
 def decode_threads(cfg, share: int, loaders: int = 1) -> int:
@@ -81,7 +88,7 @@ def open_data(cfg, device, shard=(0, 1), decoders=1):
         train = open_split(cfg.data.path, "train", synthetic_sizes=sizes, seed=cfg.data.synthetic_seed)
         val = open_split(cfg.data.path, "val", synthetic_sizes=sizes, seed=cfg.data.synthetic_seed)
     except (OSError, ValueError) as e:
-        raise TrainingError(f"data.path {cfg.data.path}: {e}") from None
+        raise TrainingError(f"data.path {e}") from None  # e starts with the path
     if train.num_classes != cfg.model.num_classes:
         raise TrainingError(f"data.path {cfg.data.path} has {train.num_classes} classes but "
                             f"model.num_classes is {cfg.model.num_classes}")
@@ -312,13 +319,25 @@ def place(cfg, world) -> Placement:
     if world:
         world.split(J)  # rank = replica · J + stage
     device = pick_device(cfg, world.local_rank if world else 0)
+    table = None
     if world:
         from .devices import rank_map
         table = rank_map(world, device)
-        if table:
-            print(table, file=sys.stderr, flush=True)
-    threads = cpu_threads(cfg, world)
+    # Measured by every rank at once, just after the rank map's collective (see busy_cpus).
+    mine, sets = _affinity(), (world.node_sets() if world else [_affinity()])
+    busy = busy_cpus(mine)
+    threads = cpu_threads(cfg, world, busy)
     torch.set_num_threads(threads)
+    if table:  # rank 0: what is in force first, then where each rank runs
+        print(f"petra_mpi: {world.size} ranks, {threads} torch thread(s) per rank, "
+              f"{Compression.from_config(cfg.comm, cfg.run.seed).describe()}",
+              file=sys.stderr, flush=True)
+    if not world or world.rank == 0:
+        warning = oversubscribed(mine, sets, threads, busy)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
+    if table:
+        print(table, file=sys.stderr, flush=True)
     return Placement(J, R, world.rank if world else 0, world.stage if world else 0,
                      world.replica if world else 0, device, getattr(torch, cfg.run.dtype),
                      threads)
@@ -335,6 +354,8 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
                       profile=profile)
     trainer = Trainer(cfg, world, where, stop)
     try:
+        if trainer.already_finished:  # its outputs stay as they are
+            return 0
         trainer.fit()
         return trainer.finish()
     finally:
@@ -367,9 +388,14 @@ class Trainer:
                               "wall_time_s": 0.0})
         changes = []
         if resume:
-            state, changes = resume_from(resume, self.identity, self.layout, self.workers,
-                                         where.device)
+            # the newest checkpoint every rank can read (a crash may have damaged the newest)
+            resume, (state, changes) = resume_readable(
+                resume, lambda path: resume_from(path, self.identity, self.layout, self.workers,
+                                                 where.device),
+                fallback=cfg.run.resume == "auto", comm=world.comm if world else None)
             self.load_state_dict(state)
+        # A finished run's directory: the same command again has nothing left to train.
+        self.already_finished = bool(resume) and self.state["epoch"] >= cfg.train.epochs
         if self.writer:
             self._announce(resume, changes)
         self.interrupts = Interrupts(stop, cfg.run.checkpoint_every_minutes,
@@ -479,8 +505,15 @@ class Trainer:
 
     def _announce(self, resume, changes):
         state, where = self.state, self.where
+        if self.already_finished:
+            print(f"petra_mpi: {self.cfg.run.out_dir} holds a run of {state['epoch']} epoch(s) "
+                  f"that is already finished, nothing to do (use another run.out_dir, e.g. "
+                  f"--set run.out_dir={self.cfg.run.out_dir}_2, or more train.epochs to go on)",
+                  file=sys.stderr, flush=True)
+            return
         self.writer.write("resume" if resume else "start", stages=where.J, replicas=where.R,
-                          writer_rank=where.rank, method=self.cfg.train.method,
+                          writer_rank=where.rank, threads=where.threads,
+                          method=self.cfg.train.method,
                           arch=self.cfg.model.arch, config=self.cfg.to_dict(),
                           microbatches_per_epoch=self.n,
                           placement=self.world.placement if self.world else None,
@@ -637,6 +670,8 @@ class Trainer:
                 print(f"stopped on request at epoch {state['epoch'] + 1}, micro-batch "
                       f"{state['position']}: checkpoint complete, exit status {EXIT_REQUEUE} "
                       f"(requeue to resume with run.resume=auto)", file=sys.stderr, flush=True)
+            if self.world:  # the ranks leave together: srun --kill-on-bad-exit ends the others
+                self.world.comm.Barrier()  # once the first one exits with this status
             return EXIT_REQUEUE
         if self.writes:
             write_summary(cfg, state, where.J, where.R, self.n, memory, self.wall_time(),

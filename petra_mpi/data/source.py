@@ -194,7 +194,9 @@ class H5Source:
     def __init__(self, path, split, *, in_memory=None):
         self.path, self.split = str(path), split
         if not os.path.isfile(self.path):
-            raise FileNotFoundError(f"{self.path}: dataset file not found")
+            raise FileNotFoundError(f"{self.path}: no such file; pack a dataset into it with "
+                                    f"python -m data_prep.cifar, .imagenet32, .imagenet or "
+                                    f".synthetic (docs/data.md)")
         try:
             f = open_readonly(self.path)
         except OSError as e:
@@ -226,6 +228,13 @@ class H5Source:
             raise ValueError(f"{p}: mean and std must hold 3 floats each")
         self.hflip = bool(f.attrs.get("hflip", True))
         n = g["labels"].shape[0]
+        # Checked here, not by the loss mid-epoch: one line at start-up instead of a traceback.
+        labels = g["labels"][:]
+        if n and (labels.min() < 0 or labels.max() >= self.num_classes):
+            wrong = labels[(labels < 0) | (labels >= self.num_classes)]
+            raise ValueError(f"{p}: /{s}/labels holds {len(wrong)} label(s) outside [0, "
+                             f"{self.num_classes}) (num_classes), e.g. {int(wrong[0])}; "
+                             f"python -m data_prep.verify {p} checks the whole file")
         if "images" in g:
             d = g["images"]
             if d.dtype != np.uint8 or d.ndim != 4 or d.shape[3] != 3:

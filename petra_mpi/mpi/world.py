@@ -55,14 +55,63 @@ def _affinity() -> set:
         return set(range(os.cpu_count() or 1))
 
 
-def cpu_share(mine, node_sets) -> int:
+def _cpu_times(cpus) -> dict:
+    """cpu -> (busy, total) jiffies since boot, from /proc/stat (empty where unreadable)."""
+    times = {}
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *fields = line.split()
+                if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                    ticks = [int(v) for v in fields[:8]]
+                    idle = ticks[3] + ticks[4]  # idle and iowait
+                    times[int(name[3:])] = (sum(ticks) - idle, sum(ticks))
+    except (OSError, ValueError, IndexError):
+        return {}
+    return times
+
+
+def busy_cpus(cpus, seconds: float = 0.2) -> float:
+    """How many of the CPUs `cpus` other programs keep busy: their busy share over `seconds`
+    while this process sleeps (0.0 where /proc/stat is unreadable). Called by every rank at once
+    right after a collective, so the run's own ranks sleep through the window too."""
+    cpus = set(cpus)
+    before = _cpu_times(cpus)
+    time.sleep(seconds)
+    after = _cpu_times(cpus)
+    busy = 0.0
+    for cpu, (b0, t0) in before.items():
+        b1, t1 = after.get(cpu, (b0, t0))
+        busy += (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
+    return busy
+
+
+def _sharers(mine, node_sets) -> int:
+    return sum(1 for other in node_sets if set(mine) & set(other)) or 1
+
+
+def cpu_share(mine, node_sets, busy: float = 0.0) -> int:
     """Threads for a rank whose CPU set is `mine`, among the CPU sets of every rank of its node:
-    the set divided by the ranks that overlap it. srun --cpus-per-task or mpirun --bind-to gives
-    each rank its own set (disjoint: the whole set is this rank's); an unbound mpirun gives every
-    rank the same set (shared: divided by the local ranks)."""
-    mine = set(mine)
-    sharers = sum(1 for other in node_sets if mine & set(other)) or 1
-    return max(1, len(mine) // sharers)
+    the CPUs of the set that other programs leave free (`busy`: how many they keep busy, see
+    busy_cpus) divided by the ranks that overlap it. srun --cpus-per-task or mpirun --bind-to
+    gives each rank its own set (disjoint: the whole set is this rank's); an unbound mpirun gives
+    every rank the same set (shared: divided by the local ranks). Never more threads than free
+    CPUs: torch's threads spin while they wait for each other, and one of them sharing a core
+    with another busy program stalls every operation (tens of times slower, not twice)."""
+    free = len(set(mine)) - min(len(set(mine)), round(busy))
+    return max(1, free // _sharers(mine, node_sets))
+
+
+def oversubscribed(mine, node_sets, threads: int, busy: float) -> str | None:
+    """A warning when other programs keep CPUs of this rank's set busy and, beside them, the
+    run's threads (`threads` per rank on the set) outnumber its CPUs; None otherwise."""
+    cpus, others = len(set(mine)), round(busy)
+    wanted = threads * _sharers(mine, node_sets)
+    if others < 1 or others + wanted <= cpus:
+        return None
+    return (f"petra_mpi: warning: other programs keep {busy:.1f} of the {cpus} CPU(s) this run "
+            f"may use busy, and its {wanted} torch thread(s) do not fit beside them: every step "
+            f"will be slower (run.threads sets the threads per rank; docs/running.md)")
 
 
 class World:
@@ -119,10 +168,14 @@ class World:
     def is_writer(self) -> bool:
         return self.rank == self.writer_rank
 
-    def thread_share(self) -> int:
-        """This rank's share of its CPU set for torch's CPU threads (see cpu_share)."""
-        return cpu_share(_affinity(), getattr(self, "node_cpus", None) or [_affinity()] *
-                         self.local_size)
+    def thread_share(self, busy: float = 0.0) -> int:
+        """This rank's share of its CPU set for torch's CPU threads, beside `busy` CPUs kept
+        busy by other programs (see cpu_share)."""
+        return cpu_share(_affinity(), self.node_sets(), busy)
+
+    def node_sets(self) -> list:
+        """The CPU sets of this node's ranks."""
+        return getattr(self, "node_cpus", None) or [_affinity()] * self.local_size
 
     def share_lengths(self, lengths):
         """Rank 0 (the data reader) tells everyone the segment lengths and input shape."""

@@ -198,8 +198,8 @@ def test_decode_workers_default_to_the_ranks_cpu_share():
         def __init__(self, mine, node):
             self.mine, self.node = mine, node
 
-        def thread_share(self):
-            return cpu_share(self.mine, self.node)
+        def thread_share(self, busy=0.0):
+            return cpu_share(self.mine, self.node, busy)
 
     cfg = load_config(ROOT / "configs/quickstart.yaml", ["data.synthetic_train=64",
                                                          "data.synthetic_val=16"])
