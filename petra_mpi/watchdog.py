@@ -1,20 +1,39 @@
 """Hang watchdog for MPI runs: a rank that makes no progress for run.watchdog_s seconds says where
-it stands and ends with EXIT_STALLED, instead of waiting forever.
+it stands and ends with EXIT_STALLED, instead of waiting forever; a rank whose start-up outlasts
+run.startup_s does the same.
 
 Why: when a neighbour's node dies, what the survivors see depends on the transport: some MPI
 libraries raise an error, some crash, and MPICH over TCP waits forever on the receive that
 will never complete. The engine calls `beat` before every scheduled action; a thread (which
 never calls MPI) checks the time since the last beat. Between the loops the trainer wraps its
 collectives (the stop votes, the checkpoint's barriers) in `collective`: a rank lost just before
-one leaves the others waiting there too. A checkpoint gets CHECKPOINT_GRACE_S more, since its
-barriers also wait for the slowest rank's file system. Elsewhere outside the loops (start-up,
-the end) the watchdog is idle.
+one leaves the others waiting there too.
+
+Some steps may outlast the limit without anything being wrong: a checkpoint's writes, replica 0's
+evaluation (the other replicas wait for it in the next stop vote). Every rank calls `allow` before
+such a step at the same point of the program, whether or not it does the work itself, and its limit
+is raised by the step's grace until its next agreement (a stop vote or the checkpoint's collective
+completing): only then does a rank know that every rank is past the step.
+
+The start-up (MPI's start, the device, the data, the stages, a checkpoint's load, the first
+micro-batch through every stage) is the first such step, with a deadline of its own. A hang there
+often holds Python's interpreter lock (MPI_Init, an HDF5 open on a stalled file system), which
+silences any thread of the rank; so a small child process forked before MPI starts watches it
+(`begin_startup`) and makes the rank exit with EXIT_STALLED. It ends at the first agreement that
+shows every rank has trained its first micro-batch.
+
+A rank's watch loop that slept far longer than it asked was stopped itself (SLURM suspends a job
+by stopping every process, `scontrol suspend`; the clock goes on meanwhile): the beat restarts
+when it wakes.
 
 The report, one block per rank on stderr (the job's log), names the last action (tick, action,
 micro-batch) and every receive and send still pending with the peer rank and its host; its first
 line alone says which neighbours went silent. docs/running.md, "A rank stalled", reads one.
 """
 import os
+import select
+import signal
+import socket
 import sys
 import threading
 import time
@@ -24,12 +43,20 @@ EXIT_STALLED = 5  # the trainer's exit status when the watchdog ended it
 # run.watchdog_s unset: max(AUTO_FLOOR_S, AUTO_TICKS x the slowest gap between two actions so far)
 AUTO_FLOOR_S = 120.0
 AUTO_TICKS = 20
-# A checkpoint's collectives may wait this much longer: the other ranks write their stage files.
+# What a rank may wait beyond its limit for work it cannot see: the other ranks' checkpoint
+# writes (their file systems), replica 0's evaluation of a piece (EVAL_CHECK_BATCHES batches).
 CHECKPOINT_GRACE_S = 600.0
+EVALUATION_GRACE_S = 600.0
 
 
 def auto_limit(slowest_gap_s: float) -> float:
     return max(AUTO_FLOOR_S, AUTO_TICKS * slowest_gap_s)
+
+
+def was_stopped(asked_s: float, slept_s: float) -> bool:
+    """Whether a wait of asked_s that took slept_s means this process was stopped meanwhile
+    (SIGSTOP, a suspended job) rather than merely scheduled late."""
+    return slept_s > 2 * asked_s + 1.0
 
 
 class Watchdog:
@@ -37,15 +64,19 @@ class Watchdog:
     `pending()`: this rank's receives and sends in flight, as (blocked, direction, stream, peer,
     count) with blocked true for the one the rank is waiting on now (called from the watchdog
     thread while the main thread waits; it calls no MPI). `where`: this rank's name in reports
-    ("rank 3 (n2, stage 3)"). `exit`: how the rank ends (os._exit: the main thread is stuck in
-    MPI, where no exception would reach it)."""
+    ("rank 3 (n2, stage 3)"). `warmup_ticks`: the ticks in which every stage trains its first
+    micro-batch; the start-up ends at an agreement posted after them. `exit`: how the rank ends
+    (os._exit: the main thread is stuck in MPI, where no exception would reach it)."""
 
-    def __init__(self, limit_s, where, pending, out=sys.stderr, exit=os._exit):
+    def __init__(self, limit_s, where, pending, warmup_ticks=0, out=sys.stderr, exit=os._exit):
         self.fixed, self.where, self.pending = limit_s, where, pending
+        self.warmup_ticks = warmup_ticks
         self.out, self.exit = out, exit
         self.slowest = 0.0
         self.last = None   # (monotonic time, tick, action, micro-batch) of the last beat
-        self.grace = 0.0   # seconds beyond the limit (inside a checkpoint's collectives)
+        self.grace = 0.0   # seconds beyond the limit until the next agreement (allow)
+        self.grace_for = None  # the step that grace is for ("checkpoint")
+        self.starting = startup_watched()  # the start-up watcher watches until it ends
         self.armed = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="petra-watchdog", daemon=True)
@@ -57,7 +88,7 @@ class Watchdog:
     def beat(self, tick, action, microbatch):
         """The rank is about to run `action` of `microbatch` at `tick`: it made progress."""
         now = time.monotonic()
-        if self.armed and self.last is not None:
+        if self.armed and self.last is not None and not self.starting:
             self.slowest = max(self.slowest, now - self.last[0])
         self.last = (now, tick, action, microbatch)
         self.armed = True
@@ -66,26 +97,53 @@ class Watchdog:
         """Out of the loops until the next beat (evaluation set-up, the end)."""
         self.armed = False
 
+    def allow(self, step, grace_s):
+        """Every rank is about to run `step` ("evaluation"), which may outlast the limit by
+        grace_s on some rank: until this rank's next agreement its limit is raised by grace_s."""
+        if grace_s >= self.grace:
+            self.grace, self.grace_for = grace_s, step
+
+    def agreed(self, tick=None):
+        """Every rank has come to the same agreement: a stop vote posted at `tick` of a segment,
+        or (None) one at a drain. Every rank is past the steps allowed for, and past its start-up
+        once every stage has trained its first micro-batch."""
+        self.grace, self.grace_for = 0.0, None
+        if self.starting and (tick is None or tick >= self.warmup_ticks):
+            self.starting = False
+            end_startup()
+
     @contextmanager
     def collective(self, name, grace_s=0.0):
         """Inside: a collective of every rank named `name` ("stop vote", "checkpoint"), watched
-        with the limit plus grace_s; idle after it (its length is not a gap between actions)."""
-        self.grace, self.last, self.armed = grace_s, (time.monotonic(), None, name, None), True
+        with the limit plus grace_s (and what `allow` allowed); an agreement when it completes,
+        idle after it (its length is not a gap between actions)."""
+        if grace_s:
+            self.allow(name, grace_s)
+        self.last, self.armed = (time.monotonic(), None, name, None), True
         try:
             yield
+            self.agreed()
         finally:
-            self.armed, self.grace = False, 0.0
+            self.armed = False
 
     def close(self):
         self._stop.set()
         self._thread.join()
 
     def _watch(self):
-        while not self._stop.is_set():
-            limit = self.limit()
-            self._stop.wait(min(1.0, limit / 10))
-            last, limit = self.last, limit + self.grace
-            if self.armed and last is not None and time.monotonic() - last[0] > limit:
+        while True:
+            asked = min(1.0, self.limit() / 10)
+            before = time.monotonic()
+            if self._stop.wait(asked):
+                return
+            now, last = time.monotonic(), self.last
+            if was_stopped(asked, now - before):
+                # The whole process was stopped: the main thread made no progress either.
+                if last is not None:
+                    self.last = (now, *last[1:])
+                continue
+            limit = self.limit() + self.grace
+            if self.armed and not self.starting and last is not None and now - last[0] > limit:
                 self._report(limit, last)
                 # Let the other ranks' watchdogs, which stalled within the same second, print
                 # theirs before the launcher tears the job down on our exit.
@@ -95,11 +153,11 @@ class Watchdog:
 
     def _report(self, limit, last):
         _, tick, action, microbatch = last
+        key = "run.watchdog_s" + (f" + {self.grace_for} grace" if self.grace else "")
         if tick is None:  # inside a collective
             self._write(f"petra_mpi: watchdog: {self.where}: no progress for {limit:g} s "
-                        f"(run.watchdog_s{' + checkpoint grace' if self.grace else ''}) in the "
-                        f"{action}, a collective of every rank: a rank or its node is lost or "
-                        f"stalled; exit status {EXIT_STALLED}")
+                        f"({key}) in the {action}, a collective of every rank: a rank or its "
+                        f"node is lost or stalled; exit status {EXIT_STALLED}")
             return
         pending = self.pending()
         blocked = [f"{direction} of {stream} {'from' if direction == 'receive' else 'to'} {peer}"
@@ -107,22 +165,27 @@ class Watchdog:
         why = (f"waiting on the {blocked[0]}: that rank or its node is lost or stalled" if blocked
                else "not waiting on MPI: this rank's own work stalled")
         head = (f"petra_mpi: watchdog: {self.where}: no progress for {limit:g} s "
-                f"(run.watchdog_s) after tick {tick}, {action} of micro-batch {microbatch}; "
+                f"({key}) after tick {tick}, {action} of micro-batch {microbatch}; "
                 f"{why}; exit status {EXIT_STALLED}")
         lines = [head] + [f"  {'waiting' if b else 'pending'}: {direction} {stream} "
                           f"{'from' if direction == 'receive' else 'to'} {peer} ({n} in flight)"
                           for b, direction, stream, peer, n in pending]
-        self._write("\n".join(lines))
+        _write(self.out, "\n".join(lines))
 
     def _write(self, text):
-        # one write, newline included: print() writes the end apart, and the launcher can put
-        # another rank's report between the two
-        self.out.write(text + "\n")
-        self.out.flush()
+        _write(self.out, text)
+
+
+def _write(out, text):
+    # one write, newline included: print() writes the end apart, and the launcher can put
+    # another rank's report between the two
+    out.write(text + "\n")
+    out.flush()
 
 
 class NoWatchdog:
-    """Stands in where no watchdog runs (one process, run.watchdog_s = 0)."""
+    """Stands in where no watchdog runs (one process, run.watchdog_s = 0); it still ends the
+    start-up at the first agreement."""
 
     def beat(self, tick, action, microbatch):
         pass
@@ -130,19 +193,125 @@ class NoWatchdog:
     def idle(self):
         pass
 
+    def allow(self, step, grace_s):
+        pass
+
+    def agreed(self, tick=None):
+        end_startup()
+
     @contextmanager
     def collective(self, name, grace_s=0.0):
         yield
+        self.agreed()
 
     def close(self):
         pass
 
 
-def start_watchdog(limit_s, world, pending):
+def start_watchdog(limit_s, world, pending, warmup_ticks=0):
     """The watchdog of this rank (NoWatchdog when `limit_s`, run.watchdog_s, is 0; None: the
-    automatic limit); `pending`: see Watchdog."""
+    automatic limit); `pending`, `warmup_ticks`: see Watchdog."""
     if limit_s == 0:
         return NoWatchdog()
     me = world.placement[world.rank] if world.placement else None
     where = (f"rank {world.rank}" + (f" ({me['host']}, stage {me['stage']})" if me else ""))
-    return Watchdog(limit_s, where, pending)
+    return Watchdog(limit_s, where, pending, warmup_ticks)
+
+
+# ---------------------------------------------------------------------------- the start-up
+# The watcher of this process's start-up (one per process): the write end of its pipe.
+_startup_pipe = None
+
+
+def begin_startup(deadline_s, rank):
+    """Watch this rank's start-up from now on, for deadline_s seconds (run.startup_s; 0: not at
+    all), from a child process: call before MPI starts. When the deadline passes, the watcher
+    reports like the watchdog and makes the rank exit with EXIT_STALLED: the rank's handler of
+    signal EXIT_STALLED (SIGTRAP) is the C library's _exit, which the kernel calls with the
+    signal's number, so it exits even while its interpreter is held in native code; SIGKILL
+    follows when even that cannot run (the report is written either way)."""
+    global _startup_pipe
+    if not deadline_s or _startup_pipe is not None:
+        return
+    import ctypes
+    assert signal.SIGTRAP == EXIT_STALLED
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+    libc.signal(signal.SIGTRAP, ctypes.cast(libc._exit, ctypes.c_void_p).value)
+    where = f"rank {rank} ({socket.gethostname().split('.')[0]})"
+    read_end, write_end = os.pipe()
+    rank_pid = os.getpid()
+    sys.stderr.flush()
+    child = os.fork()
+    if child == 0:
+        # The watcher is a grandchild (its parent exits at once and is reaped below), so that no
+        # zombie stays in the rank; no MPI, no torch yet, and it leaves with the start-up.
+        code = 1
+        try:
+            if os.fork() == 0:
+                os.close(write_end)
+                os.closerange(3, read_end)  # the launcher's descriptors (PMI) are the rank's
+                os.closerange(read_end + 1, os.sysconf("SC_OPEN_MAX"))
+                for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+                    signal.signal(sig, signal.SIG_IGN)  # signals for the job are the rank's
+                _watch_startup(read_end, deadline_s, where, rank_pid)
+            code = 0
+        finally:
+            os._exit(code)
+    os.waitpid(child, 0)
+    os.close(read_end)
+    _startup_pipe = write_end
+    startup_step("starting MPI")
+
+
+def startup_watched() -> bool:
+    return _startup_pipe is not None
+
+
+def startup_step(what):
+    """Tell the start-up watcher what this rank starts now ("opening the data"): its report
+    names the last step."""
+    if _startup_pipe is not None:
+        os.write(_startup_pipe, (what.replace("\n", " ") + "\n").encode())
+
+
+def end_startup():
+    """The start-up is over: the watcher leaves, the rank's handler of SIGTRAP is the default
+    again."""
+    global _startup_pipe
+    if _startup_pipe is None:
+        return
+    os.write(_startup_pipe, b"\0\n")
+    os.close(_startup_pipe)
+    _startup_pipe = None
+    signal.signal(signal.SIGTRAP, signal.SIG_DFL)
+
+
+def _watch_startup(pipe, deadline_s, where, rank_pid):
+    """The watcher's loop: read the rank's steps until it says the start-up is over (or dies:
+    end of file); at the deadline, report and end it."""
+    step, pending, left = "starting", b"", deadline_s
+    while left > 0:
+        asked = min(1.0, deadline_s / 10)
+        before = time.monotonic()
+        readable, _, _ = select.select([pipe], [], [], asked)
+        slept = time.monotonic() - before
+        if not was_stopped(asked, slept):  # a suspended job: its start-up did not run either
+            left -= slept
+        if readable:
+            data = os.read(pipe, 4096)
+            if not data or b"\0" in data:
+                return  # started, or the rank is gone
+            *lines, pending = (pending + data).split(b"\n")
+            if lines:
+                step = lines[-1].decode(errors="replace")
+    _write(sys.stderr, f"petra_mpi: watchdog: {where}: no progress for {deadline_s:g} s "
+                       f"(run.startup_s) in the start-up, at: {step}; exit status {EXIT_STALLED}")
+    os.kill(rank_pid, signal.SIGTRAP)
+    until = time.monotonic() + 5.0
+    while time.monotonic() < until:  # end of file: the rank has exited
+        readable, _, _ = select.select([pipe], [], [], until - time.monotonic())
+        if readable and not os.read(pipe, 4096):
+            return
+    os.kill(rank_pid, signal.SIGKILL)
