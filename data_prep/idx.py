@@ -67,7 +67,8 @@ def find_files(source, prefix=None):
         raise PrepError(f"{source}: no IDX files (looked for {wanted} and the three others)")
     if len(sets) > 1:
         names = ", ".join(repr(p) for p in sorted(sets))
-        raise PrepError(f"{source} holds several IDX sets (prefixes {names}): choose one with --prefix")
+        raise PrepError(f"{source} holds several IDX sets (prefixes {names}): "
+                        "choose one with --prefix")
     prefix, found = next(iter(sets.items()))
     files = {}
     for split in ("train", "val"):
@@ -75,13 +76,14 @@ def find_files(source, prefix=None):
             names = found.get((split, kind), [])
             upstream = "train" if split == "train" else "t10k"
             if not names:
-                raise PrepError(f"{source}: missing {prefix}{upstream}-{kind}-idx{NDIM[kind]}-ubyte[.gz] "
-                                f"(the {split} {kind})")
+                raise PrepError(f"{source}: missing {prefix}{upstream}-{kind}-idx{NDIM[kind]}"
+                                f"-ubyte[.gz] (the {split} {kind})")
             # The same file twice (say gunzip -k left both): take the uncompressed one; two
             # spellings of the split (t10k and test) are a real ambiguity.
             plain = [n for n in names if not n.endswith(".gz")]
             if len(plain) > 1 or len(names) - len(plain) > 1:
-                raise PrepError(f"{source}: several files for the {split} {kind}: {', '.join(names)}")
+                raise PrepError(f"{source}: several files for the {split} {kind}: "
+                                f"{', '.join(names)}")
             files[split, kind] = os.path.join(source, (plain or names)[0])
     return files, prefix
 
@@ -101,7 +103,8 @@ def read_idx(path, ndim):
         raise PrepError(f"{path}: {len(data)} bytes, too short for an IDX header")
     magic = int.from_bytes(data[:4], "big")
     if magic != expected:
-        what = {0x0801: "a labels file", 0x0803: "an images file"}.get(magic, "not an IDX file of bytes")
+        what = {0x0801: "a labels file", 0x0803: "an images file"}.get(
+            magic, "not an IDX file of bytes")
         raise PrepError(f"{path}: magic number 0x{magic:08x} ({what}), expected 0x{expected:08x} "
                         f"(unsigned bytes, {ndim} dimension{'s' if ndim > 1 else ''})")
     header = 4 + 4 * ndim

@@ -1,12 +1,8 @@
 """The IDX packer (data_prep/idx.py) on small MNIST-format files written here, gzipped and plain;
 the reader's mirror rule for the sets it writes; and a short training run on such a file."""
-import contextlib
 import gzip
-import importlib
-import io
 import json
 import os
-import signal
 
 import h5py
 import numpy as np
@@ -14,54 +10,10 @@ import pytest
 import torch
 
 from conftest import ROOT, check_run_outputs
-from data_prep.common import run_cli
 from data_prep.verify import verify
+from idx_files import make_set, pack, write_idx
 from petra_mpi.data import BatchLoader, open_split
 from petra_mpi.data import augment as A
-
-
-def idx_bytes(array):
-    """The IDX encoding of a uint8 array: magic 0x0800 | ndim, big-endian dims, C-order bytes."""
-    array = np.ascontiguousarray(array, dtype=np.uint8)
-    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(d.to_bytes(4, "big") for d in array.shape)
-    return header + array.tobytes()
-
-
-def write_idx(path, array, gz):
-    data = idx_bytes(array)
-    with (gzip.open if gz else open)(path, "wb") as fh:
-        fh.write(data)
-
-
-def make_set(folder, n_train=120, n_val=40, side=28, gz=True, prefix="", test="t10k",
-             classes=10, first_label=0, seed=0):
-    """The four files of an IDX release with random pixels (every byte value occurs); returns
-    {split: (images (N, side, side), labels (N,))}."""
-    rng = np.random.default_rng(seed)
-    os.makedirs(folder, exist_ok=True)
-    data = {}
-    for split, name, n in (("train", "train", n_train), ("val", test, n_val)):
-        images = rng.integers(0, 256, (n, side, side), dtype=np.uint8)
-        labels = rng.integers(first_label, first_label + classes, n).astype(np.uint8)
-        suffix = ".gz" if gz else ""
-        write_idx(os.path.join(folder, f"{prefix}{name}-images-idx3-ubyte{suffix}"), images, gz)
-        write_idx(os.path.join(folder, f"{prefix}{name}-labels-idx1-ubyte{suffix}"), labels, gz)
-        data[split] = (images, labels)
-    return data
-
-
-def pack(*args):
-    """`python -m data_prep.idx ARGS` in this process: (exit status, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    sigterm = signal.getsignal(signal.SIGTERM)  # run_cli installs its own; keep pytest's
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            run_cli(importlib.import_module("data_prep.idx").main, [str(a) for a in args])
-    except SystemExit as e:
-        status = e.code
-    finally:
-        signal.signal(signal.SIGTERM, sigterm)
-    return status, out.getvalue(), err.getvalue()
 
 
 def exact_stats(gray):
@@ -109,7 +61,8 @@ def test_emnist_layout_and_prefix_choice(tmp_path):
     assert status == 0, err
     assert "data set: emnist (hflip off)" in stdout
     with h5py.File(out, "r") as f:
-        assert (f.attrs["num_classes"], f.attrs["source"], f.attrs["hflip"]) == (27, "emnist-letters", 0)
+        a = f.attrs
+        assert (a["num_classes"], a["source"], a["hflip"]) == (27, "emnist-letters", 0)
         assert "classes" not in f
         np.testing.assert_array_equal(f["val/images"][..., 1], letters["val"][0])
         np.testing.assert_array_equal(f["val/labels"][:], letters["val"][1])
@@ -167,7 +120,8 @@ def test_bad_input_one_line_no_output(tmp_path, name):
     breaker(str(folder / file))
     outdir = tmp_path / "out"
     outdir.mkdir()
-    status, _, err = pack("--source", folder, "--out", outdir / "fm.h5", "--dataset", "fashion-mnist")
+    status, _, err = pack("--source", folder, "--out", outdir / "fm.h5",
+                          "--dataset", "fashion-mnist")
     assert status == 2, err
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
@@ -207,7 +161,8 @@ def test_training_reader_mirrors_only_where_the_file_allows(tmp_path, dataset, m
 
 def test_training_smoke_on_a_packed_file(tmp_path):
     """configs/fashion_mnist.yaml, shrunk, trains one process over a packed 28x28 file: the
-    RevNet's 10 stages take 28x28 inputs (28 -> 14 -> 7 -> 4) and the outputs follow the contract."""
+    RevNet's 10 stages take 28x28 inputs (28 -> 14 -> 7 -> 4) and the outputs follow the
+    contract."""
     from petra_mpi.train import main
     make_set(tmp_path / "fashion-mnist", n_train=128, n_val=32)
     data = tmp_path / "fm.h5"

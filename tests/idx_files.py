@@ -1,0 +1,55 @@
+"""Small MNIST-format (IDX) releases written by the tests, and the IDX packer run in-process."""
+import contextlib
+import gzip
+import importlib
+import io
+import os
+import signal
+
+import numpy as np
+
+from data_prep.common import run_cli
+
+
+def idx_bytes(array):
+    """The IDX encoding of a uint8 array: magic 0x0800 | ndim, big-endian dims, C-order bytes."""
+    array = np.ascontiguousarray(array, dtype=np.uint8)
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(d.to_bytes(4, "big") for d in array.shape)
+    return header + array.tobytes()
+
+
+def write_idx(path, array, gz):
+    data = idx_bytes(array)
+    with (gzip.open if gz else open)(path, "wb") as fh:
+        fh.write(data)
+
+
+def make_set(folder, n_train=120, n_val=40, side=28, gz=True, prefix="", test="t10k",
+             classes=10, first_label=0, seed=0):
+    """The four files of an IDX release with random pixels (every byte value occurs); returns
+    {split: (images (N, side, side), labels (N,))}."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(folder, exist_ok=True)
+    data = {}
+    for split, name, n in (("train", "train", n_train), ("val", test, n_val)):
+        images = rng.integers(0, 256, (n, side, side), dtype=np.uint8)
+        labels = rng.integers(first_label, first_label + classes, n).astype(np.uint8)
+        suffix = ".gz" if gz else ""
+        write_idx(os.path.join(folder, f"{prefix}{name}-images-idx3-ubyte{suffix}"), images, gz)
+        write_idx(os.path.join(folder, f"{prefix}{name}-labels-idx1-ubyte{suffix}"), labels, gz)
+        data[split] = (images, labels)
+    return data
+
+
+def pack(*args):
+    """`python -m data_prep.idx ARGS` in this process: (exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    sigterm = signal.getsignal(signal.SIGTERM)  # run_cli installs its own; keep pytest's
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            run_cli(importlib.import_module("data_prep.idx").main, [str(a) for a in args])
+    except SystemExit as e:
+        status = e.code
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    return status, out.getvalue(), err.getvalue()
