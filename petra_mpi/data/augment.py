@@ -1,8 +1,9 @@
 """Batch augmentation on the training device, and JPEG decoding.
 
-32x32 data (paper §4: random crop with 4-pixel zero padding + horizontal flip): the uint8 batch
-goes to the device as it is (4x smaller than float), is zero-padded, and one index_select
-gathers every sample's shifted (and possibly mirrored) window: no per-image Python loop.
+Array data of any side (32x32 CIFAR and ImageNet32, 28x28 MNIST-format sets; paper §4: random
+crop with 4-pixel zero padding + horizontal flip, the flip only where the file's `hflip` allows
+it): the uint8 batch goes to the device as it is (4x smaller than float), is zero-padded, and one
+index_select gathers every sample's shifted (and possibly mirrored) window: no per-image loop.
 Measured on one CPU core, batch 64: crop+flip ~0.3 ms, uint8 -> normalised float ~0.15 ms.
 
 JPEG data (full-size ImageNet): decode + random-resized-crop (train) or centre crop (eval) per

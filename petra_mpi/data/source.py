@@ -195,8 +195,8 @@ class H5Source:
         self.path, self.split = str(path), split
         if not os.path.isfile(self.path):
             raise FileNotFoundError(f"{self.path}: no such file; pack a dataset into it with "
-                                    f"python -m data_prep.cifar, .imagenet32, .imagenet or "
-                                    f".synthetic (docs/data.md)")
+                                    f"python -m data_prep.cifar, .idx, .imagenet32, .imagenet "
+                                    f"or .synthetic (docs/data.md)")
         try:
             f = open_readonly(self.path)
         except OSError as e:
