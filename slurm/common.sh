@@ -113,6 +113,40 @@ petra_resolve() {
     read -r -a EXTRA <<<"${EXTRA_ARGS:-}"
 }
 
+# The state of a job (RUNNING, PENDING, ...), or nothing when SLURM no longer knows it.
+petra_job_state() {
+    scontrol -o show job "$1" 2>/dev/null | sed -n 's/.* JobState=\([A-Z_]*\).*/\1/p' | head -n 1
+}
+
+# One job per run directory: a resubmission while the requeued job waits, or two jobs given one
+# OUT_DIR, would run two trainers on one set of checkpoints. The run directory names the job
+# that uses it (logs/job); a job refuses it while that other job is queued or running.
+petra_lock() {
+    local lock="$OUT_DIR/logs/job" holder="" state
+    if [[ -f $lock ]]; then read -r holder <"$lock"; fi
+    if [[ -n $holder && $holder != "$SLURM_JOB_ID" ]]; then
+        state=$(petra_job_state "$holder")
+        case $state in
+            "" | COMPLETED | FAILED | CANCELLED | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY | \
+                BOOT_FAIL | DEADLINE | PREEMPTED) ;;  # ended: the directory is free
+            *) petra_die "$OUT_DIR is the run directory of job $holder ($state): wait for it," \
+                         "cancel it (scancel $holder), or give this job another OUT_DIR" ;;
+        esac
+    fi
+    echo "$SLURM_JOB_ID" >"$lock.$$" && mv -f "$lock.$$" "$lock" ||
+        petra_die "cannot write $lock"
+}
+
+# Whether this job is requeued already: `scontrol requeue` can report a failure after doing its
+# work (killed by the job's end, or a time-out waiting for the answer).
+petra_was_requeued() {
+    local job restarts
+    job=$(scontrol -o show job "$SLURM_JOB_ID" 2>/dev/null) || return 1
+    restarts=$(sed -n 's/.* Restarts=\([0-9]*\).*/\1/p' <<<"$job")
+    [[ -n $restarts ]] && ((restarts > ${SLURM_RESTART_COUNT:-0})) ||
+        [[ $job =~ \ JobState=(REQUEUE|PENDING) ]]
+}
+
 # The --nodes, --ntasks-per-node and --gpus-per-node of a job of NTASKS ranks, one GPU each, on
 # nodes of GPUS_PER_NODE GPUs: the fewest nodes, the ranks spread evenly over them (consecutive
 # ranks, i.e. consecutive stages, share a node under SLURM's block distribution).
@@ -143,7 +177,10 @@ petra_requeue() {
         petra_say "checkpointed, not requeueing: restarted $restarts times (MAX_REQUEUES)"
         exit "$EXIT_REQUEUE"
     fi
-    if scontrol requeue "$SLURM_JOB_ID"; then
+    # SLURM ends this shell once the job is requeued (SIGTERM to it and its children, SIGKILL
+    # after KillWait): ignored, so that scontrol can answer and the check below can run.
+    trap '' TERM
+    if scontrol requeue "$SLURM_JOB_ID" || petra_was_requeued; then
         petra_say "checkpointed; requeued job $SLURM_JOB_ID (it resumes from $OUT_DIR/checkpoints)"
         exit 0
     fi
@@ -199,6 +236,12 @@ petra_launch() {
             # --cpus-per-task explicitly: srun 22.05-23.02 ignores SLURM_CPUS_PER_TASK and binds
             # each rank to one CPU. --gpu-bind=none: every rank sees all GPUs of its node (CUDA
             # IPC between the stages of a node needs that); petra_mpi picks one by SLURM_LOCALID.
+            # A job asked with --cpus-per-gpu has no SLURM_CPUS_PER_TASK: with one GPU per rank
+            # the two are the same (and srun refuses both at once).
+            if [[ -z ${SLURM_CPUS_PER_TASK:-} && -n ${SLURM_CPUS_PER_GPU:-} ]]; then
+                export SLURM_CPUS_PER_TASK=$SLURM_CPUS_PER_GPU
+                unset SLURM_CPUS_PER_GPU
+            fi
             launch=(srun "--cpus-per-task=${SLURM_CPUS_PER_TASK:-1}" --gpu-bind=none)
             if [[ -n $SRUN_MPI ]]; then launch+=("--mpi=$SRUN_MPI"); fi
             if [[ $RANKS != "${SLURM_NTASKS:-1}" ]]; then launch+=("--ntasks=$RANKS"); fi
@@ -280,6 +323,7 @@ petra_train() {
 
     mkdir -p "$OUT_DIR/logs" || petra_die "cannot create $OUT_DIR/logs"
     PETRA_LOG="$OUT_DIR/logs/train.log"
+    petra_lock
     local status trainer launch  # set by petra_launch
     petra_launch
     # ELASTIC=1 (slurm/submit.sh with ELASTIC_NODES, which submits with --no-kill): a lost node
@@ -292,6 +336,13 @@ petra_train() {
         0) petra_say "finished: $OUT_DIR/summary.json"; exit 0 ;;
         "$EXIT_REQUEUE") petra_requeue ;;
         "$EXIT_STALLED") petra_stalled ;;
-        *) petra_say "failed with status $status (see $PETRA_LOG)"; exit "$status" ;;
+        *)
+            if [[ $PETRA_SIGNAL == *USR1* ]]; then
+                # a SIGUSR1 that reached a rank before its handler was installed ended it
+                petra_say "the run ended with status $status after SIGUSR1, before it could" \
+                          "checkpoint; it resumes from its last complete checkpoint"
+                petra_requeue
+            fi
+            petra_say "failed with status $status (see $PETRA_LOG)"; exit "$status" ;;
     esac
 }

@@ -5,6 +5,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -632,3 +633,100 @@ def test_mpirun_starts_its_ranks_without_srun(cluster, tmp_path):
     (job,) = cluster.wait(jobid, timeout=60)
     assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), job_output(cluster, job)
     assert [s for s in steps if not s.endswith((".batch", ".extern"))] == [], steps
+
+
+def waiting_trainer(tmp_path):
+    """A stand-in for the trainer (through PYTHON): each rank says it runs (a file named by job
+    and rank), then waits for the file `go` and exits 0."""
+    trainer = tmp_path / "trainer"
+    trainer.write_text(f"#!/bin/bash\ntouch {tmp_path}/running.$SLURM_JOB_ID.$SLURM_PROCID\n"
+                       f"until [[ -e {tmp_path}/go ]]; do sleep 0.1; done\n")
+    trainer.chmod(0o755)
+    return str(trainer)
+
+
+def wait_running(cluster, jobid, tmp_path):
+    cluster.wait(jobid, lambda jobs: all((tmp_path / f"running.{jobid}.{r}").exists()
+                                         for r in (0, 1))
+                 or jobs[0]["JobState"] in slurm_cluster.TERMINAL, timeout=90, what="to start")
+
+
+@pytest.mark.extended
+def test_one_job_per_run_directory(cluster, tmp_path):
+    """A job given the run directory of a job still running refuses to start (status 2, naming
+    that job) rather than train beside it on one set of checkpoints; once that job has ended,
+    the next one runs."""
+    env = {"CONFIG": "configs/quickstart.yaml", "OUT_DIR": str(tmp_path / "run"),
+           "PYTHON": waiting_trainer(tmp_path)}
+    first = submit(cluster, tmp_path, "revnet18_cifar10.sh", **env)
+    wait_running(cluster, first, tmp_path)
+    second = submit(cluster, tmp_path, "revnet18_cifar10.sh", **env)
+    (job,) = cluster.wait(second, timeout=60)
+    assert (job["JobState"], job["ExitCode"]) == ("FAILED", "2:0"), job_output(cluster, job)
+    assert f"is the run directory of job {first} (RUNNING)" in open(job["StdOut"]).read()
+    assert not list(tmp_path.glob(f"running.{second}.*"))
+    (tmp_path / "go").touch()
+    (job,) = cluster.wait(first, timeout=60)
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), job_output(cluster, job)
+    third = submit(cluster, tmp_path, "revnet18_cifar10.sh", **env)
+    (job,) = cluster.wait(third, timeout=60)
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), job_output(cluster, job)
+
+
+def requeued(jobs):
+    return (jobs[0]["Restarts"], jobs[0]["JobState"]) == ("1", "PENDING")
+
+
+@pytest.mark.extended
+def test_a_requeue_that_reports_failure_but_happened(cluster, tmp_path):
+    """`scontrol requeue` requeues the job but exits 1 (as when it is killed before it answers):
+    the script sees the job requeued, and does not tell the user to resubmit."""
+    trainer = tmp_path / "trainer"
+    trainer.write_text("#!/bin/bash\nexit 3\n")  # "checkpointed: requeue me"
+    trainer.chmod(0o755)
+    scontrol = shutil.which("scontrol")
+    path = fake_commands(tmp_path / "bin", scontrol=(
+        f'if [[ $1 == requeue ]]; then {scontrol} "$@"; exit 1; fi\nexec {scontrol} "$@"'))
+    out = tmp_path / "run"
+    jobid = submit(cluster, tmp_path, "revnet18_cifar10.sh", CONFIG="configs/quickstart.yaml",
+                   OUT_DIR=str(out), PYTHON=str(trainer), PATH=path)
+    cluster.wait(jobid, requeued, timeout=90, what="back requeued")
+    cluster.run("scancel", jobid)
+    log = (out / "logs" / "train.log").read_text()
+    assert "requeued job" in log and "resubmit" not in log, log
+
+
+@pytest.mark.extended
+def test_usr1_before_the_ranks_handle_it_still_requeues(cluster, tmp_path):
+    """A SIGUSR1 that reaches the ranks before they installed their handler (here: ranks with
+    none) ends them; the job requeues all the same, and resumes from its last checkpoint."""
+    out = tmp_path / "run"
+    jobid = submit(cluster, tmp_path, "revnet18_cifar10.sh", CONFIG="configs/quickstart.yaml",
+                   OUT_DIR=str(out), PYTHON=waiting_trainer(tmp_path))
+    wait_running(cluster, jobid, tmp_path)
+    cluster.run("scancel", "--signal=USR1", "--batch", jobid)
+    cluster.wait(jobid, requeued, timeout=90, what="back requeued")
+    cluster.run("scancel", jobid)
+    log = (out / "logs" / "train.log").read_text()
+    assert "after SIGUSR1, before it could checkpoint" in log and "requeued job" in log, log
+
+
+@pytest.mark.extended
+def test_ranks_of_a_cpus_per_gpu_job_get_their_cpus(affinity_cluster, tmp_path):
+    """A script that asks --cpus-per-gpu in place of --cpus-per-task (the two exclude each other;
+    the job then has no SLURM_CPUS_PER_TASK): each rank, one GPU each, gets that many CPUs, not
+    one."""
+    trainer = tmp_path / "trainer"
+    trainer.write_text(f"#!/bin/bash\nnproc >{tmp_path}/cpus.$SLURM_PROCID\n")
+    trainer.chmod(0o755)
+    script = tmp_path / "per_gpu.sh"
+    text = open(os.path.join(ROOT, "slurm", "revnet18_cifar10.sh")).read()
+    script.write_text(re.sub(r"(?m)^#SBATCH --cpus-per-task=\d+$", "#SBATCH --cpus-per-gpu=2", text))
+    jobid = affinity_cluster.sbatch(
+        str(script), "--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--gpus-per-node=1",
+        f"--output={tmp_path}/slurm-%j.out", cwd=ROOT,
+        env={"CONFIG": "configs/quickstart.yaml", "OUT_DIR": str(tmp_path / "run"),
+             "PYTHON": str(trainer), **SRUN})
+    (job,) = affinity_cluster.wait(jobid, timeout=90)
+    assert job["JobState"] == "COMPLETED", job_output(affinity_cluster, job)
+    assert (tmp_path / "cpus.0").read_text().strip() == "2"
