@@ -175,6 +175,8 @@ def main(argv=None):
     p.add_argument("--num-classes", type=int,
                    help="number of classes (default: the data set's, or the largest label + 1)")
     args = p.parse_args(argv)
+    if args.num_classes is not None and args.num_classes < 2:
+        p.error("--num-classes must be at least 2")
 
     start = time.monotonic()
     files, prefix = find_files(args.source, args.prefix)
