@@ -3,6 +3,7 @@ the reader's mirror rule for the sets it writes; and a short training run on suc
 import gzip
 import json
 import os
+import signal
 
 import h5py
 import numpy as np
@@ -182,3 +183,15 @@ def test_training_smoke_on_a_packed_file(tmp_path):
     evals = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["event"] == "eval"]
     assert evals[-1]["val_acc"] == summary["val_acc"]
+
+
+def test_interrupted_packer_leaves_nothing(tmp_path):
+    """Ctrl-C once the packer says it has started writing: exit 130, no output, no temporary."""
+    from test_data_prep import start_and_interrupt
+    make_set(tmp_path / "fashion-mnist", n_train=60000, n_val=10, gz=False)
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    rc, err, _ = start_and_interrupt(["data_prep.idx", "--source", tmp_path / "fashion-mnist",
+                                      "--out", outdir / "fm.h5"], signal.SIGINT)
+    assert rc == 130 and "data_prep.idx: interrupted" in err and "Traceback" not in err, err
+    assert os.listdir(outdir) == []
