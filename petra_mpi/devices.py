@@ -60,18 +60,34 @@ def gpu_index(env, visible: int, local_rank=None):
 
 
 def bind_early(device_setting: str, env=None):
-    """Bind this process to its GPU before MPI is initialised (device_setting: run.device).
-    Returns the bound index, or None (CPU run, no CUDA, or no launcher local rank yet)."""
+    """Bind this process to its GPU, and to its network card when PETRA_NET_DEVICES lists them,
+    before MPI is initialised (device_setting: run.device). Returns the bound GPU index, or None
+    (CPU run, no CUDA, or no launcher local rank yet)."""
     env = os.environ if env is None else env
-    if device_setting == "cpu":
-        return None
-    import torch
-    if not torch.cuda.is_available():
-        return None
-    index = gpu_index(env, torch.cuda.device_count())
-    if index is not None:
-        torch.cuda.set_device(index)
+    index = None
+    if device_setting != "cpu":
+        import torch
+        if torch.cuda.is_available():
+            index = gpu_index(env, torch.cuda.device_count())
+            if index is not None:
+                torch.cuda.set_device(index)
+    found = launcher_local_rank(env)
+    pin_net_device(env, index if index is not None else (found[0] if found else None))
     return index
+
+
+def pin_net_device(env, index):
+    """UCX_NET_DEVICES for the rank on GPU `index` (its node-local rank without one): entry
+    `index` of PETRA_NET_DEVICES, one InfiniBand card per GPU of a node in GPU order, each the
+    card nearest that GPU (`nvidia-smi topo -m`; a card two GPUs share is listed twice), e.g.
+    "mlx5_0:1,mlx5_1:1,mlx5_2:1,mlx5_3:1". One UCX_NET_DEVICES for the whole job would put every
+    rank of a node on one card. UCX reads it when MPI starts. Returns the card, or None (nothing
+    listed, or no index)."""
+    cards = [c.strip() for c in env.get("PETRA_NET_DEVICES", "").split(",") if c.strip()]
+    if not cards or index is None:
+        return None
+    env["UCX_NET_DEVICES"] = cards[index % len(cards)]
+    return env["UCX_NET_DEVICES"]
 
 
 def bound_cuda_device(local_rank):

@@ -64,3 +64,20 @@ def test_pick_device_cpu_and_bind_early_cpu():
 def test_cpu_share(mine, node, want):
     from petra_mpi.mpi.world import cpu_share
     assert cpu_share(mine, node) == want
+
+
+def test_each_rank_pins_the_network_card_next_to_its_gpu():
+    """PETRA_NET_DEVICES lists a node's cards in GPU order: the rank on GPU (or node-local
+    rank) i gets card i as UCX_NET_DEVICES, set before MPI starts; without the list, nothing."""
+    from petra_mpi.devices import bind_early, pin_net_device
+    cards = "mlx5_0:1, mlx5_1:1,mlx5_2:1,mlx5_3:1"
+    env = {"SLURM_LOCALID": "2", "PETRA_NET_DEVICES": cards}
+    bind_early("cpu", env)
+    assert env["UCX_NET_DEVICES"] == "mlx5_2:1"
+    env = {"PETRA_NET_DEVICES": cards}
+    assert pin_net_device(env, 1) == "mlx5_1:1" and env["UCX_NET_DEVICES"] == "mlx5_1:1"
+    env = {"PETRA_NET_DEVICES": "mlx5_0:1,mlx5_0:1,mlx5_1:1,mlx5_1:1"}  # two GPUs a card
+    assert [pin_net_device(env, i) for i in range(4)] == ["mlx5_0:1"] * 2 + ["mlx5_1:1"] * 2
+    env = {"SLURM_LOCALID": "2", "UCX_NET_DEVICES": "mlx5_0:1"}
+    bind_early("cpu", env)
+    assert env["UCX_NET_DEVICES"] == "mlx5_0:1"  # the site's own setting stays
