@@ -16,6 +16,11 @@ the nearest.
 
 Everything runs on the tensor's device with no host synchronisation (no .item()): the scales
 travel with the codes (mpi/transport.py puts them in front of the codes, in the same message).
+
+One inf or NaN makes an int8 scale non-finite, and then every value of the message decodes to
+NaN: a message like that stops the run (NonFiniteError) before any stage uses it. A CPU tensor is
+checked as it is packed; on a GPU the MPI transport checks a host copy of the scales once the
+send's data are ready (no synchronisation), and the one-process engine checks at once.
 """
 import hashlib
 import typing
@@ -30,6 +35,10 @@ FORMATS = typing.get_args(CommFormat)  # what config.CommConfig accepts
 DIRECTIONS = ("forward", "rebuilt", "gradient", "buffers")
 _FLOAT16 = {"bf16": torch.bfloat16, "fp16": torch.float16}
 INT8_MAX = 127  # symmetric codes: -127 is kept off -128 so that the scale maps both signs alike
+
+
+class NonFiniteError(RuntimeError):
+    """A tensor to send holds inf or NaN (reported as one line; the run stops)."""
 
 
 class Packed(NamedTuple):
@@ -49,10 +58,12 @@ def channel_axis(t_or_dim) -> int:
 class Codec:
     """One format, for one sender (it owns the generator of its stochastic rounding)."""
 
-    def __init__(self, fmt: str = "none", stochastic: bool = False, seed: int = 0):
+    def __init__(self, fmt: str = "none", stochastic: bool = False, seed: int = 0,
+                 what: str = "a message"):
         if fmt not in FORMATS:
             raise ValueError(f"unknown compression format {fmt!r}; known: {', '.join(FORMATS)}")
         self.fmt, self.seed = fmt, seed
+        self.what = what  # what it compresses, for the error of a non-finite tensor
         self.stochastic = stochastic and fmt != "none"
         self.generator = None  # made on first use, on the tensors' device
 
@@ -95,6 +106,8 @@ class Codec:
             amax = t.abs().amax(dim=[d for d in range(t.dim()) if d != axis], keepdim=True)
         # an all-zero tensor (or channel) gets a tiny positive scale: its codes are 0, not NaN
         scale = (amax / INT8_MAX).clamp_min(torch.finfo(t.dtype).tiny)
+        if scale.device.type == "cpu":  # free here; a GPU's scales are checked later, on a copy
+            self.check_scale(scale)
         scaled = t / scale
         if stochastic:
             scaled = torch.floor(scaled + self._uniform(t))
@@ -111,9 +124,22 @@ class Codec:
         t = p.codes.to(p.dtype)
         return t if p.scale is None else t * p.scale
 
+    def check_scale(self, scale: torch.Tensor):
+        """Raise NonFiniteError unless every scale is finite (a host synchronisation when
+        `scale` is on a GPU)."""
+        if not bool(torch.isfinite(scale).all()):
+            raise NonFiniteError(
+                f"non-finite values (inf or NaN) in {self.what}: in {self.fmt} every value would "
+                f"decode to NaN; stopping before it is used; lower optim.lr or check the data")
+
     def roundtrip(self, t: torch.Tensor, evaluation: bool = False) -> torch.Tensor:
         """What the receiver of t gets: the local engine's stand-in for a compressed message."""
-        return self.unpack(self.pack(t, evaluation)) if self.active else t
+        if not self.active:
+            return t
+        packed = self.pack(t, evaluation)
+        if packed.scale is not None and packed.scale.device.type != "cpu":
+            self.check_scale(packed.scale)  # one process: nothing to overlap with the wait
+        return self.unpack(packed)
 
     def _uniform(self, t):
         if self.generator is None:
@@ -146,6 +172,11 @@ def nbytes(item) -> int:
     return item.numel() * item.element_size()
 
 
+# what each direction carries, for messages: "the gradient stage 3 sends"
+_CARRIES = {"forward": "the activations", "rebuilt": "the rebuilt input",
+            "gradient": "the gradient", "buffers": "the input"}
+
+
 def _stream_seed(seed, replica, stage, direction) -> int:
     key = f"{seed}/{replica}/{stage}/{direction}".encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
@@ -167,8 +198,11 @@ class Compression:
 
     def codec(self, direction: str, stage: int, replica: int = 0) -> Codec:
         """The codec of what `stage` of `replica` sends (or stores) in `direction`."""
+        verb = "keeps for its backward" if direction == "buffers" else "sends"
+        where = f"stage {stage}" + (f" of replica {replica}" if replica else "")
         return Codec(getattr(self, direction), self.stochastic,
-                     _stream_seed(self.seed, replica, stage, direction))
+                     _stream_seed(self.seed, replica, stage, direction),
+                     what=f"{_CARRIES[direction]} {where} {verb}")
 
     @property
     def active(self) -> bool:

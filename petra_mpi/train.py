@@ -71,15 +71,17 @@ def main(argv=None) -> int:
     if cfg is None:
         return 2
     from .checkpoint import CheckpointError
+    from .compress import NonFiniteError
     from .trainer import TrainingError
+    reported = (TrainingError, CheckpointError, NonFiniteError)  # one line, exit status 1
     if world is None:
         try:
             return run(cfg, None, args.dry_run, stop, args.profile)
-        except (TrainingError, CheckpointError) as e:
+        except reported as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
     return world.run_guarded(lambda: run(cfg, world, args.dry_run, stop, args.profile),
-                             (TrainingError, CheckpointError))
+                             reported)
 
 
 def _bind_gpu_before_mpi(args):

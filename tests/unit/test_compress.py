@@ -228,3 +228,61 @@ def test_packed_fifo_entry_counts_its_bytes():
     from petra_mpi.compress import nbytes
     p = Codec("int8_channel").pack(activation())
     assert isinstance(p, Packed) and nbytes(p) == 8 * 6 * 5 * 5 + 6 * 4
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int8_channel"])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_nonfinite_value_stops_an_int8_message(fmt, bad):
+    """One inf or NaN would make the scale non-finite and every value (of the message, or of
+    its channel) decode to NaN: packing it is the clear non-finite error, naming what was sent."""
+    x = activation()
+    x[1, 3, 2, 2] = bad
+    codec = Compression(gradient=fmt).codec("gradient", stage=2)
+    with pytest.raises(RuntimeError, match=r"non-finite values \(inf or NaN\) in the gradient "
+                                           r"stage 2 sends"):
+        codec.roundtrip(x)
+    buffers = Compression(buffers=fmt).codec("buffers", stage=1, replica=1)
+    with pytest.raises(RuntimeError, match="the input stage 1 of replica 1 keeps"):
+        buffers.pack(x)
+
+
+def test_a_nonfinite_gradient_stops_the_run_before_any_stage_uses_it(tmp_path, monkeypatch,
+                                                                      capsys):
+    """A real run in one process with int8 gradients, where the last stage's input gradient of
+    micro-batch 3 holds one inf: the run ends with the one-line non-finite error, and no
+    stage's weights have changed since that gradient was made."""
+    from conftest import QUICK, ROOT
+    from petra_mpi.engine.worker import StageWorker
+    from petra_mpi.train import main
+
+    workers, at_injection = [], []
+    begin, forward_backward = StageWorker.begin_segment, StageWorker.forward_backward
+
+    def begin_segment(self, n):
+        if self not in workers:
+            workers.append(self)
+        begin(self, n)
+
+    def poisoned(self, b, x, labels):
+        loss, logits, grad_x = forward_backward(self, b, x, labels)
+        if b == 3:
+            grad_x = grad_x.clone()
+            grad_x.view(-1)[0] = float("inf")
+            at_injection.extend([p.detach().clone() for w in workers
+                                 for p in w.stage.parameters()])
+        return loss, logits, grad_x
+
+    monkeypatch.setattr(StageWorker, "begin_segment", begin_segment)
+    monkeypatch.setattr(StageWorker, "forward_backward", poisoned)
+    monkeypatch.chdir(ROOT)
+    capsys.readouterr()
+    status = main(["configs/quickstart.yaml", "--set", f"run.out_dir={tmp_path}", *QUICK,
+                   "--set", "comm.gradient=int8"])
+    err = capsys.readouterr().err
+    assert status == 1, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    assert "non-finite values (inf or NaN) in the gradient stage" in errors[0], errors
+    now = [p.detach() for w in workers for p in w.stage.parameters()]
+    assert at_injection and len(now) == len(at_injection)
+    assert all(torch.equal(a, b) for a, b in zip(now, at_injection)), "a stage used the gradient"
