@@ -13,7 +13,7 @@ import torch
 
 from petra_mpi.checkpoint import complete_checkpoints
 from petra_mpi.stopping import EXIT_REQUEUE
-from conftest import QUICK, ROOT
+from conftest import QUICK, ROOT, mpirun
 
 # The estimated split: the interrupted and the uninterrupted runs are separate starts, and a
 # measured split could differ between them (a resumed run keeps its checkpoint's split).
@@ -112,6 +112,26 @@ def test_sigterm_mid_segment_stops_drains_and_resumes(tmp_path):
     kinds = [e["event"] for e in events(tmp_path)]
     assert kinds.count("resume") == 1 and kinds[-1] == "checkpoint"
     assert (tmp_path / "summary.json").exists()
+
+
+@pytest.mark.extended  # two runs under mpirun; tests/unit/test_checkpoint_durability.py in one
+def test_a_damaged_file_of_one_rank_sends_every_rank_back_to_the_previous_checkpoint(tmp_path):
+    """Rank 1 cannot read its file of the newest checkpoint (zero-filled by a crash), rank 0
+    can: both resume from the previous complete checkpoint, and rank 0 says so once."""
+    every_4 = ["--set", f"run.out_dir={tmp_path}", *QUICK, "--set", "run.threads=1",
+               "--set", "run.checkpoint_every_microbatches=4"]
+    train = ["-m", "petra_mpi.train", "configs/quickstart.yaml", *every_4]
+    first = mpirun(2, train, timeout=120)
+    assert first.returncode == 0, first.stderr[-3000:]
+    older, newest = complete_checkpoints(str(tmp_path))
+    damaged = Path(newest) / "stage1.pt"
+    damaged.write_bytes(bytes(damaged.stat().st_size))
+    again = mpirun(2, train, timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    said = [line for line in again.stderr.splitlines() if newest in line]
+    assert len(said) == 1 and "stage1.pt" in said[0] and older in said[0], again.stderr[-3000:]
+    (resumed,) = [e for e in events(tmp_path) if e["event"] == "resume"]
+    assert resumed["from"] == older
 
 
 # ---------------------------------------------------------------- CUDA random state, without CUDA
