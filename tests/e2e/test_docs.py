@@ -1,0 +1,281 @@
+"""Docs that run: every shell command of README.md and docs/*.md is classified below, and the
+ones that run here are run in document order in a fresh directory, as a new user would, checking
+the exit status and the line each one promises.
+
+A command missing from KINDS fails test_every_documented_command_is_classified: adding a command
+to the docs means saying here what it is (and, when it runs here, what it prints). Training
+commands are shortened only by SHORTEN (docs/testing.md gives it to readers); everything else
+runs as written. The default selection runs the `run` kind (a few seconds each); the extended
+one runs `run` and `long` together, in order, since a long command may use an earlier one's
+outputs.
+"""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from doc_commands import ROOT, SHORTEN, extract
+
+# exact command text -> (kind, what its output must contain: a regex, for `run` and `long`)
+# kinds: see doc_commands.py. A command met again is not run again.
+KINDS = {
+    # README.md
+    'pip install torch==2.13.0': ("install", None),
+    'pip install -e ".[mpich,dev]"': ("install", None),
+    'python -m petra_mpi.train configs/quickstart.yaml': ("run", r"outputs in runs/quickstart$"),
+    'python -m pytest -q': ("suite", None),
+    'mpirun -n 4 python -m petra_mpi.train configs/quickstart.yaml --set run.out_dir=runs/quickstart_mpi':
+        # the run log's first line says what is in force
+        ("run", r"\Apetra_mpi: 4 ranks, \d+ torch thread[\s\S]*outputs in runs/quickstart_mpi$"),
+    'module load openmpi cuda': ("site", None),
+    'MPICC=mpicc pip install --no-binary=mpi4py mpi4py': ("install", None),
+    'pip install -e .': ("install", None),
+    'python -m data_prep.cifar --variant cifar10 --source data/ --out data/cifar10.h5 --download':
+        ("download", None),
+    'sbatch slurm/revnet18_cifar10.sh': ("slurm", None),
+    'python -m pytest -q -m ""': ("suite", None),
+    'python -m petra_mpi.schedule --method petra --stages 4 --microbatches 8':
+        ("run", r"^rank 3 +\|.*FB7 S"),
+    'SOURCE=/datasets/ILSVRC2012 sbatch slurm/pack_imagenet.sh': ("slurm", None),
+    'sbatch slurm/revnet50_imagenet.sh': ("slurm", None),
+    'mpirun -n 10 python -m petra_mpi.train configs/cifar10.yaml': ("download", None),
+    'python -m petra_mpi.train CONFIG.yaml --dry-run': ("usage", None),
+    'bash scripts/gpu_validate.sh': ("gpu", None),
+    'python -m petra_mpi.export runs/quickstart --out model.pt':
+        ("run", r"^exported revnet18 from \S*runs/quickstart/checkpoints/ckpt-e00001"),
+    'python -m petra_mpi.evaluate model.pt': ("long", r"^revnet18 on synthetic \(val, 1000 "
+                                                      r"images\): .*top-1 0\.\d+"),
+    'python -m petra_mpi.bench overhead': ("long", r'^\{"bench": "overhead"'),
+    'mpirun -n 2 python -m petra_mpi.bench pipeline': ("long", r'^\{"bench": "pipeline"'),
+    'mpirun -n 10 python -m petra_mpi.bench emulate': ("site", None),
+    'mpirun -n 2 python -m petra_mpi.bench emulate --costs measured --width 32 --batch 64 --real':
+        ("long", r'^\{"bench": "emulate"'),
+    'mpirun -n 2 python -m petra_mpi.bench peers': ("long", r'^\{"bench": "peers"'),
+    'mpirun -n 2 python -m petra_mpi.bench scaling --rounds 2 --microbatches 12':
+        ("long", r'^\{"bench": "scaling"'),
+    'mpirun -n 2 python -m petra_mpi.bench replicas': ("long", r'^\{"bench": "replicas"'),
+    'python -m petra_mpi.bench data synthetic --pipeline revnet18':
+        ("long", r'^\{"bench": "data".*"pipeline"'),
+    'python -m petra_mpi.bench data synthetic --jpeg-demo': ("long", r'^\{"bench": "data"'),
+    'python -m petra_mpi.bench memory': ("long", r'^\{"bench": "memory", "arch": "revnet50"'),
+    'python -m petra_mpi.bench memory --arch irevnet50':
+        ("long", r'^\{"bench": "memory", "arch": "irevnet50"'),
+    'python -m petra_mpi.train configs/quickstart.yaml --set model.arch=irevnet18 --set train.method=petra --set run.out_dir=runs/qi_petra':
+        ("long", r"outputs in runs/qi_petra$"),
+    'python -m petra_mpi.train configs/quickstart_revvit.yaml --set train.method=petra --set run.out_dir=runs/qr_petra':
+        ("long", r"outputs in runs/qr_petra$"),
+    'python -m petra_mpi.bench overhead --arch revvit --width 192 --depth 8 --heads 3 --threads 2':
+        ("long", r'^\{"bench": "overhead"'),
+    'python -m petra_mpi.bench memory --arch revvit --width 192 --depth 8':
+        ("long", r'^\{"bench": "memory", "arch": "revvit"'),
+    'python -m petra_mpi.plot': ("usage", None),  # the program named in prose
+    # docs/benchmarks.md
+    'python -m petra_mpi.train configs/quickstart.yaml --set run.out_dir=runs/qs':
+        ("long", r"outputs in runs/qs$"),
+    'python -m petra_mpi.export runs/qs --out runs/qs/model.pt':
+        ("long", r"^exported revnet18 from \S*runs/qs/"),
+    'python -m petra_mpi.evaluate runs/qs/model.pt': ("long", r"top-1 0\.\d+"),
+    'python -m petra_mpi.train configs/quickstart.yaml --set model.balance=estimate --set run.threads=1 --set run.seed=SEED --set train.diag_every=25 --set comm.forward=int8 --set comm.rebuilt=int8 --set comm.gradient=int8':
+        ("usage", None),
+    'C="--set model.balance=estimate --set data.synthetic_val=10000 --set run.threads=1 --set run.seed=SEED"':
+        ("usage", None),
+    'python -m petra_mpi.train configs/quickstart.yaml $C &': ("usage", None),
+    'python -m petra_mpi.train configs/quickstart.yaml $C --set comm.forward=bf16 --set comm.rebuilt=bf16 --set comm.gradient=bf16; wait':
+        ("usage", None),
+    'for m in petra backprop; do python -m petra_mpi.train configs/quickstart_revvit.yaml --set train.method=$m --set run.seed=SEED --set run.threads=1 --set run.out_dir=runs/qr_$m & done; wait':
+        ("usage", None),
+    'for m in petra backprop; do python -m petra_mpi.train configs/quickstart.yaml --set model.arch=irevnet18 --set train.method=$m --set run.seed=SEED --set run.threads=1 --set run.out_dir=runs/qi_$m & done; wait':
+        ("usage", None),
+    'for m in petra backprop; do python -m petra_mpi.train configs/quickstart.yaml --set model.arch=irevnet18 --set model.balance=estimate --set data.path=cifar10.h5 --set train.epochs=16 --set "optim.milestones=[12]" --set train.method=$m --set run.seed=SEED --set run.threads=1 --set run.out_dir=runs/ci_$m & done; wait':
+        ("usage", None),
+    'python -m petra_mpi.bench NAME': ("usage", None),
+    'mpirun -n 2 python -m petra_mpi.bench pipeline --rounds 2': ("long", r'^\{"bench": "pipeline"'),
+    'mpirun -n J python -m petra_mpi.bench emulate [--arch revnet34] --framework J2.txt':
+        ("usage", None),
+    'mpirun -n N python -m petra_mpi.bench replicas [--stages J] [--accumulation k]':
+        ("usage", None),
+    'bash scripts/gpu_validate.sh cpu': ("site", None),  # layouts that want more than 2 cores
+    'python -m petra_mpi.bench data FILE.h5': ("usage", None),
+    'python -m data_prep.cifar --variant cifar10': ("usage", None),
+    'python -m data_prep.cifar': ("usage", None),
+    # docs/clusters.md
+    'python -m venv ~/venvs/petra': ("install", None),
+    'source ~/venvs/petra/bin/activate': ("install", None),
+    'pip install torch': ("install", None),
+    'python -c "from mpi4py import MPI; print(MPI.Get_library_version())"': ("site", None),
+    'GPUS_PER_NODE=8 slurm/submit.sh slurm/revnet50_imagenet.sh': ("slurm", None),
+    'GPUS_PER_NODE=8 slurm/submit.sh slurm/fig4_revnet18_imagenet.sh --array=3': ("slurm", None),
+    'sbatch slurm/table4_revnet18.sh': ("slurm", None),
+    'sbatch --array=3 slurm/fig4_revnet18_imagenet.sh': ("slurm", None),
+    'CONFIG=configs/table2/cifar10/revnet18_backprop.yaml sbatch slurm/revnet18_cifar10.sh':
+        ("slurm", None),
+    'EXTRA_ARGS="--set train.epochs=1 --set train.limit_batches=50" sbatch slurm/revnet18_cifar10.sh':
+        ("slurm", None),
+    'CONFIG=configs/quickstart.yaml EXTRA_ARGS="--set run.device=cpu --set train.epochs=1 --set train.limit_batches=8" sbatch --nodes=1 --ntasks=2 --ntasks-per-node=2 --gpus-per-node=0 slurm/revnet18_cifar10.sh':
+        ("slurm", None),
+    'squeue --me': ("slurm", None),
+    'tail -f runs/table2/cifar10/revnet18_petra/logs/train.log': ("slurm", None),
+    'tail -f runs/table2/cifar10/revnet18_petra/metrics.jsonl': ("slurm", None),
+    'CONFIG=configs/table2/cifar10/resnet18_backprop.yaml sbatch slurm/revnet18_cifar10.sh':
+        ("slurm", None),
+    'DRY_RUN=1 bash slurm/<script>.sh': ("usage", None),
+    'mpirun -n N python -m petra_mpi.bench replicas [--stages J]': ("usage", None),
+    'python -m data_prep.imagenet merge --out data/imagenet.h5 data/imagenet_parts/part*.h5':
+        ("download", None),
+    'sbatch --array=7 slurm/pack_imagenet.sh': ("slurm", None),
+    'python -m data_prep.cifar ...': ("usage", None),
+    'python -m data_prep.imagenet32 ...': ("usage", None),
+    'python -m petra_mpi.train CONFIG --dry-run': ("usage", None),
+    'DRY_RUN=1 bash slurm/revnet50_imagenet.sh': ("slurm", None),
+    'python -m petra_mpi.elastic CONFIG RANKS': ("usage", None),
+    'python -m petra_mpi.plot RUN_DIR [RUN_DIR ...]': ("usage", None),
+    # docs/data.md
+    'python -m data_prep.cifar --variant cifar100 --source data/ --out data/cifar100.h5 --download [--labels fine|coarse]':
+        ("usage", None),
+    'python -m data_prep.imagenet32 --source Imagenet32/ --out data/imagenet32.h5':
+        ("download", None),
+    'python -m data_prep.imagenet --source ILSVRC2012/ --out data/imagenet.h5 [--size 256] [--workers 16] [--val-labels FILE [--synsets FILE]]':
+        ("usage", None),
+    'python -m data_prep.imagenet --source ILSVRC2012/ --out part0.h5 --shard 0/4':
+        ("download", None),
+    'python -m data_prep.imagenet merge --out data/imagenet.h5 part0.h5 part1.h5 part2.h5 part3.h5 [--copy]':
+        ("usage", None),
+    'python -m data_prep.synthetic --out data/synthetic.h5 [--train 50000 --val 10000 --seed 0]':
+        ("usage", None),
+    'python -m data_prep.verify data/imagenet.h5 [--sample 1000]': ("usage", None),
+    'python -m data_prep.idx --source /usr/share/datasets/fashion-mnist --out data/fashion_mnist.h5 [--dataset fashion-mnist|mnist|kmnist|emnist] [--prefix emnist-balanced-] [--num-classes N]':
+        ("usage", None),
+    # docs/design.md
+    'mpirun -n J python -m petra_mpi.train CONFIG.yaml [--set key.sub=value ...]': ("usage", None),
+    'sbatch slurm/<name>.sh': ("usage", None),
+    'python -m data_prep.<source> --source PATH --out FILE.h5 [options]': ("usage", None),
+    'python -m data_prep.verify FILE.h5': ("usage", None),
+    'python -m petra_mpi.bench NAME [options]': ("usage", None),
+    # docs/experiments.md
+    'python -m petra_mpi.train FILE --dry-run': ("usage", None),
+    'mpirun -n 10 python -m petra_mpi.train configs/table2/cifar10/revnet18_petra.yaml':
+        ("download", None),
+    'mpirun -n 18 python -m petra_mpi.train configs/table2/imagenet32/revnet50_petra.yaml':
+        ("download", None),
+    'mpirun -n 10 python -m petra_mpi.train configs/table2/imagenet/resnet18_backprop.yaml':
+        ("download", None),
+    'mpirun -n 10 python -m petra_mpi.train configs/fig4/revnet18_imagenet_k8.yaml':
+        ("download", None),
+    'python -m petra_mpi.train configs/table3/revnet50_imagenet_petra.yaml --dry-run':
+        ("long", r"^total estimated memory"),
+    'mpirun -n 18 python -m petra_mpi.train configs/table3/revnet50_imagenet_petra.yaml --set train.epochs=1 --set train.limit_batches=200':
+        ("download", None),
+    'mpirun -n 18 python -m petra_mpi.train configs/table4/revnet34_delayed_inputs.yaml':
+        ("download", None),
+    'mpirun -n 10 python -m petra_mpi.train configs/table5/revnet18_petra.yaml': ("download", None),
+    'python -m petra_mpi.train configs/table5/revnet18_petra.yaml --dry-run':
+        ("long", r"^total estimated memory"),
+    'python -m petra_mpi.train configs/fig5/revnet18_cifar10_diag.yaml': ("download", None),
+    'mpirun -n 10 python -m petra_mpi.train configs/invertible/cifar10_petra.yaml':
+        ("download", None),
+    'mpirun -n 18 python -m petra_mpi.train configs/invertible/imagenet_petra.yaml':
+        ("download", None),
+    'python -m petra_mpi.train configs/fashion_mnist.yaml': ("download", None),
+    'sbatch slurm/fashion_mnist.sh': ("slurm", None),
+    'for k in 1 2 4 8 16 32; do mpirun -n 10 python -m petra_mpi.train configs/fig4/revnet18_imagenet_k$k.yaml; done':
+        ("download", None),
+    # docs/gpu.md, peers.md, performance.md
+    'python -m petra_mpi.bench data synthetic --jpeg-demo --threads N [--decode-pool both]':
+        ("usage", None),
+    'python -m petra_mpi.bench overhead --device cuda [--precision bf16] [--batch 256]':
+        ("usage", None),
+    'mpirun -n J python -m petra_mpi.bench pipeline --device cuda [--precision bf16]':
+        ("usage", None),
+    'mpirun -n J python -m petra_mpi.bench peers [--width 32] [--batch 64] [--microbatches 24]':
+        ("usage", None),
+    'mpirun -n J python -m petra_mpi.bench pipeline': ("usage", None),
+    '[mpirun -n P] python -m petra_mpi.bench scaling': ("usage", None),
+    'mpirun -n J python -m petra_mpi.bench emulate': ("usage", None),
+    'mpirun -n J python -m petra_mpi.bench peers': ("usage", None),
+    # docs/plots.md, revvit.md
+    "pip install -e '.[plot]'": ("install", None),
+    'python -m petra_mpi.plot RUN_DIR [RUN_DIR ...] [--out DIR] [--labels A,B] [--trace-window S] [--trace-start S]':
+        ("usage", None),
+    'sbatch slurm/revvit_cifar10.sh': ("slurm", None),
+    # docs/running.md
+    'mpirun -n 2 python -m petra_mpi.train configs/quickstart.yaml --set model.stages=0 --set run.out_dir=runs/quickstart_j2':
+        ("long", r"outputs in runs/quickstart_j2$"),
+    '[mpirun -n J] python -m petra_mpi.train CONFIG.yaml [--set section.key=value ...] [--dry-run [--profile]]':
+        ("usage", None),
+    'python -m petra_mpi.train configs/table2/cifar10/revnet18_petra.yaml --set data.path=synthetic --set train.epochs=1 --set train.limit_batches=8 --set train.limit_eval_batches=2 --set run.device=cpu --set run.out_dir=runs/smoke':
+        ("long", r"outputs in runs/smoke$"),
+    'mpirun -n 5 python -m petra_mpi.train configs/table2/cifar10/revnet18_petra.yaml --set model.stages=5 --set run.out_dir=runs/table2/cifar10/revnet18_petra_j5':
+        ("download", None),
+    'mpirun -n 10 python -m petra_mpi.train configs/table2/imagenet32/revnet18_petra.yaml --set train.accumulation=8 --set run.out_dir=runs/table2/imagenet32/revnet18_petra_k8':
+        ("download", None),
+    'python -m petra_mpi.export RUN_DIR [--checkpoint PATH] --out model.pt': ("usage", None),
+    # docs/testing.md
+    'python -m pytest -q -m extended': ("suite", None),
+    'bash scripts/gpu_validate.sh gpu': ("gpu", None),
+    # docs/timeline.md
+    'mpirun -n 4 python -m petra_mpi.train configs/quickstart.yaml --set run.trace=true --set train.limit_batches=40 --set train.epochs=1 --set run.out_dir=runs/timeline':
+        ("long", r"outputs in runs/timeline$"),
+    'python -m petra_mpi.plot runs/timeline': ("long", r"^runs/timeline/timeline\.png$"),
+    'mpirun -n 4 python -m petra_mpi.bench pipeline --trace pipeline.json':
+        ("long", r'^\{"bench": "pipeline"'),
+    'python -m petra_mpi.plot pipeline.json': ("long", r"^\./timeline\.png$|^timeline\.png$"),
+    'python -m petra_mpi.schedule': ("run", r"^rank 0 +\|"),
+}
+RUNS_HERE = ("run", "long")
+KNOWN = {"run", "long", "usage", "install", "site", "slurm", "gpu", "download", "suite"}
+
+
+def test_every_documented_command_is_classified():
+    found = extract()
+    assert len(found) > 50  # the extraction still finds the docs' commands
+    missing = [f"{name}:{line}: {command}" for name, line, command in found
+               if command not in KINDS]
+    assert not missing, ("documented commands not classified in tests/e2e/test_docs.py "
+                         "KINDS:\n" + "\n".join(missing))
+    for command, (kind, expect) in KINDS.items():
+        assert kind in KNOWN, (command, kind)
+        assert (expect is not None) == (kind in RUNS_HERE), command
+
+
+def fresh_directory(tmp_path) -> Path:
+    """A directory like a new clone's root for the commands: the repository's configs, SLURM
+    scripts and scripts, nothing else (no runs/, no data/)."""
+    for name in ("configs", "slurm", "scripts"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    return tmp_path
+
+
+def shortened(command: str) -> str:
+    if "petra_mpi.train" in command and "--dry-run" not in command:
+        return command + " " + " ".join(SHORTEN)
+    return command
+
+
+def run_in_order(tmp_path, kinds):
+    cwd = fresh_directory(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    ran = set()
+    for name, line, command in extract():
+        kind, expect = KINDS[command]
+        if kind not in kinds or command in ran:  # met again: the reader has run it already
+            continue
+        proc = subprocess.run(["bash", "-c", shortened(command)], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=900)
+        out = proc.stdout + proc.stderr
+        where = f"{name}:{line}: {shortened(command)}\n{out[-3000:]}"
+        assert proc.returncode == 0, where
+        assert re.search(expect, out, re.M), f"expected /{expect}/ in the output of {where}"
+        ran.add(command)
+    return len(ran)
+
+
+def test_quick_documented_commands_run_in_order(tmp_path):
+    assert run_in_order(tmp_path, {"run"}) >= 4
+
+
+@pytest.mark.slow
+def test_every_documented_command_that_runs_here_runs_in_order(tmp_path):
+    assert run_in_order(tmp_path, set(RUNS_HERE)) >= 20
