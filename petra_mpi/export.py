@@ -10,8 +10,13 @@ petra_mpi.models.build_network builds, saved with that function's arguments:
 
 --format torch.export writes a torch.export program instead (the model in eval mode, any batch
 size), which loads with torch alone: torch.export.load("model.pt2").module().
+
+Both compute in float32 without rounding. The saved model also records how the run evaluated
+(`saved["evaluation"]`: run.precision, comm.forward and the stage split), which
+`as_evaluated` (and so petra_mpi.evaluate) applies to reproduce the run's own evaluation.
 """
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -19,7 +24,8 @@ import sys
 import torch
 
 from .checkpoint import LAYOUT_FREE, MANIFEST, complete_checkpoints, is_complete, read_blocks
-from .models import build_network
+from .compress import Codec
+from .models import build_network, set_precision
 
 MODEL_FORMAT = "petra_mpi.model/1"
 
@@ -42,7 +48,8 @@ def find_checkpoint(run_dir: str, checkpoint: str | None = None) -> str:
 
 def exported_model(checkpoint: str) -> dict:
     """What `export` saves for a checkpoint: the network's arguments, its state_dict (on the
-    CPU) and what evaluating it the way the run did needs (its data settings and dtype)."""
+    CPU) and what evaluating it the way the run did needs (its data settings, dtype, and the
+    precision, forward compression and stage split of its evaluation)."""
     with open(os.path.join(checkpoint, MANIFEST)) as f:
         manifest = json.load(f)
     if manifest.get("format") != LAYOUT_FREE:
@@ -56,7 +63,13 @@ def exported_model(checkpoint: str) -> dict:
     config = manifest["config"]
     data = {key: config["data"][key] for key in ("path", "batch_size", "synthetic_train",
                                                  "synthetic_val", "synthetic_seed", "crop")}
+    # The run's evaluation: blocks in run.precision, each stage's output rounded to the nearest
+    # in comm.forward before the next stage (Outbox.put with evaluation=True).
+    evaluation = {"precision": config["run"].get("precision", "fp32"),
+                  "forward": config.get("comm", {}).get("forward", "none"),
+                  "partition": manifest["partition"]}
     return {"format": MODEL_FORMAT, "network": network, "state_dict": state,
+            "evaluation": evaluation,
             "dtype": config["run"]["dtype"], "data": data, "seed": config["run"]["seed"],
             "epoch": trainer["epoch"], "position": trainer["position"],
             "checkpoint": os.path.abspath(checkpoint)}
@@ -67,6 +80,31 @@ def load_model(saved: dict) -> torch.nn.Module:
     model = build_network(**saved["network"])
     model.load_state_dict(saved["state_dict"])
     return model.eval()
+
+
+class AsEvaluated(torch.nn.Module):
+    """A network as a pipeline evaluates it: its blocks compute in `precision`, and the output
+    of each stage of `partition` (blocks per stage) is rounded to the nearest in the `forward`
+    format, as the message to the next stage is."""
+
+    def __init__(self, network, precision="fp32", forward="none", partition=()):
+        super().__init__()
+        set_precision(network.blocks, precision)
+        self.network, self.codec = network, Codec(forward)
+        self.ends = set(itertools.accumulate(partition[:-1]))  # blocks before each message
+
+    def forward(self, x):
+        for i, block in enumerate(self.network.blocks):
+            x = block(x)
+            if i + 1 in self.ends:
+                x = self.codec.roundtrip(x, evaluation=True)
+        return x
+
+
+def as_evaluated(saved: dict) -> torch.nn.Module:
+    """The exported model as the run's own evaluation computed it, in eval mode (a model
+    exported before the export recorded the evaluation: the plain module)."""
+    return AsEvaluated(load_model(saved), **saved.get("evaluation", {})).eval()
 
 
 def write_torch_export(saved: dict, out: str):

@@ -149,12 +149,20 @@ def backward_microbatch(method: str, num_stages: int, stage: int, tick: int, n: 
     return schedule_for(method, num_stages).backward_microbatch(stage, tick, n)
 
 
-def stop_count(schedule: PetraSchedule, tick: int, n: int, margin: int = 0) -> int:
-    """The segment length when a stop is applied at `tick`: what has entered plus `margin`
-    (the MPI engine covers the receives a rank may already have posted), at most n. The local
-    engine applies a stop at once, the MPI engine one vote later, so a run stopped mid-segment
-    is not comparable between the two engines."""
-    return min(n, schedule.entered_before(tick) + margin)
+# Micro-batches a stopped segment keeps beyond what has entered stage 0 when the stop applies.
+# At least 1: micro-batch entered_before(t) - 1 may already have had its backward on some stage
+# (J = 1, backprop), which decided "no step" with the old length, and must not become the last.
+# At least the MPI engine's receives posted ahead per stream (transport.RECEIVE_DEPTH = 2): a
+# rank has posted receives up to micro-batch entered_before(t) - 1 + 2, and they must all come.
+# Both engines use this one margin, so that a stop leaves the same state in either.
+STOP_MARGIN = 3
+
+
+def stop_count(schedule: PetraSchedule, tick: int, n: int) -> int:
+    """The segment length when a stop applies at `tick`: what has entered plus STOP_MARGIN, at
+    most n. Every action before `tick` is then the same in the segment of n and in the shorter
+    one, so the drain leaves every stage with its gradients applied."""
+    return min(n, schedule.entered_before(tick) + STOP_MARGIN)
 
 
 def grid(schedule: PetraSchedule, n: int) -> str:

@@ -5,6 +5,8 @@ import signal
 import sys
 import time
 
+from .schedule import stop_count
+
 EXIT_REQUEUE = 3
 STOP_CHECK_TICKS = 8  # ticks between agreements on a stop request (MPI: one Iallreduce each)
 
@@ -23,6 +25,33 @@ class StopRequest:
             print(f"petra_mpi: received {signal.Signals(signum).name}: draining, checkpointing "
                   f"and stopping", file=sys.stderr, flush=True)
         self.requested = True
+
+
+class SegmentVotes:
+    """When a stop request shortens a segment: one rule for both engines, so that a stop leaves
+    the same state in either. Every STOP_CHECK_TICKS ticks, while two checks remain, the request
+    is read (the MPI engine posts a non-blocking all-reduce of every rank's flag), and what was
+    read one check earlier applies (by then the all-reduce has completed): the segment becomes
+    schedule.stop_count micro-batches long from that tick."""
+
+    def __init__(self, schedule, read):
+        """read(): reads the request now and returns a callable that gives what it read (the
+        MPI engine's waits for the all-reduce)."""
+        self.schedule, self.read = schedule, read
+        self.pending = None
+
+    def length(self, tick: int, n: int) -> int:
+        """The segment's length from `tick` on, where n is its length so far; called at every
+        tick before its actions."""
+        if tick % STOP_CHECK_TICKS:
+            return n
+        if self.pending is not None:
+            result, self.pending = self.pending, None
+            if result():
+                return stop_count(self.schedule, tick, n)
+        if tick + 2 * STOP_CHECK_TICKS < self.schedule.num_ticks(n):
+            self.pending = self.read()
+        return n
 
 
 # What the engines' stop vote carries (they take its maximum over the ranks): a stop outranks a

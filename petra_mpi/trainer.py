@@ -429,7 +429,7 @@ class Trainer:
         cfg, world, where, J, R = self.cfg, self.world, self.where, self.where.J, self.where.R
         compression = Compression.from_config(cfg.comm, cfg.run.seed)
         stages = []
-        for _ in range(1 if world else R):  # in one process: R identical replicas, in rank order
+        for r in range(1 if world else R):  # in one process: R identical replicas, in rank order
             stages += build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, J,
                                    seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
                                    partition=partition, buffer_inputs=cfg.train.buffer_inputs,
@@ -438,7 +438,8 @@ class Trainer:
                                    image_size=self.input_shape[-1],  # the loader's image side
                                    only=where.stage if world else None,
                                    model_kw=model_kwargs(cfg), precision=cfg.run.precision,
-                                   compression=compression)
+                                   compression=compression,
+                                   replica=where.replica if world else r)
         self.stages = stages
         self.steps_per_epoch = -(-self.n // cfg.train.accumulation)
         self.schedule = lr_schedule(cfg, self.steps_per_epoch, R)

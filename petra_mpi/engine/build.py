@@ -15,12 +15,14 @@ def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, se
                  buffer_inputs: bool = False, stash_weights: bool = False,
                  device="cpu", dtype=torch.float32, only: int | None = None,
                  model_kw: dict | None = None, precision: str = "fp32",
-                 compression=None) -> list[Stage]:
+                 compression=None, replica: int = 0) -> list[Stage]:
     """All stages (or just stage `only`), with weights that depend on the seed alone: every rank
     builds the whole net from the same seed and keeps its own part. `model_kw`: depth, heads and
     patch of revvit/vit (config.model_kwargs). precision: fp32, or bf16 (autocast inside each
     block; the tensors between blocks keep `dtype`). Placed by devices.place (channels-last on
-    CUDA). compression (compress.Compression): its `buffers` format packs the FIFO entries."""
+    CUDA). compression (compress.Compression): its `buffers` format packs the FIFO entries, each
+    stage's with the random stream of its own stage and `replica` (the replica these stages
+    belong to: stochastic rounding draws differently in every replica, as their messages do)."""
     torch.manual_seed(seed)
     blocks = build_blocks(arch, width, num_classes, imagenet_stem, image_size=image_size,
                           **(model_kw or {}))
@@ -34,7 +36,7 @@ def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, se
                       stash_weights=stash_weights)
         stage.partition = sizes  # blocks per stage of the whole split (checked on resume)
         if compression is not None:
-            stage.buffer_codec = compression.codec("buffers", s)
+            stage.buffer_codec = compression.codec("buffers", s, replica)
         stages.append(place(stage, device, dtype))
     return stages
 

@@ -5,8 +5,8 @@ from collections import deque
 import torch
 
 from ..compress import NO_COMPRESSION
-from ..schedule import Kind, schedule_for, stop_count
-from ..stopping import STOP_CHECK_TICKS
+from ..schedule import Kind, schedule_for
+from ..stopping import SegmentVotes
 from .evaluation import EvalTotals
 
 
@@ -29,7 +29,8 @@ class LocalEngine:
     def train_segment(self, batches, n: int, on_loss=None, stop=None) -> int:
         """Train on the next n micro-batches of `batches` (an iterator of (x, labels); with
         replicas, a list of one iterator per replica), from an empty pipeline to a full drain; a
-        stop request ends the segment early. on_loss(b, loss, logits, labels) sees each result
+        stop request ends the segment early, at the tick and length the MPI engine would
+        (stopping.SegmentVotes). on_loss(b, loss, logits, labels) sees each result
         of replica 0. Returns the number of micro-batches trained."""
         J, R = self.J, self.replicas
         feeds = list(batches) if R > 1 else [batches]
@@ -39,10 +40,15 @@ class LocalEngine:
         # per replica: activations waiting at stage s, (ỹ, δy) waiting at stage s, labels
         queues = [([deque() for _ in range(J)], [deque() for _ in range(J)], deque())
                   for _ in range(R)]
+        def read_stop():  # the MPI engine's all-reduce over the ranks: here the request itself
+            level = stop.requested
+            return lambda: level
+        votes = None if stop is None else SegmentVotes(self.schedule, read_stop)
         t = 0
         while t < self.schedule.num_ticks(n):
-            if stop is not None and stop.requested and t % STOP_CHECK_TICKS == 0:
-                n = stop_count(self.schedule, t, n)
+            shorter = n if votes is None else votes.length(t, n)
+            if shorter != n:
+                n = shorter
                 for w in self.workers:
                     w.begin_segment(n)  # the last backward now steps the optimizer
             # Every replica through tick t before tick t + 1: a stage's average needs all of them.

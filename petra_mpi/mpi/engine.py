@@ -17,10 +17,14 @@ import torch
 from .transport import (CONTIGUOUS, RECEIVE_DEPTH, TAG_ACTIVATION, TAG_GRADIENT, TAG_LABELS,
                     TAG_REBUILT, Inbox, Outbox, Transport, cuda_aware_mpi, in_layout, layout_of)
 from ..compress import NO_COMPRESSION
-from ..schedule import Kind, schedule_for, stop_count
-from ..stopping import STOP_CHECK_TICKS
+from ..schedule import STOP_MARGIN, Kind, schedule_for
+from ..stopping import SegmentVotes
 from ..engine.evaluation import EvalTotals
 from ..watchdog import start_watchdog
+
+# A stop keeps STOP_MARGIN micro-batches beyond what has entered: enough for the receives each
+# stream has posted ahead (up to RECEIVE_DEPTH past the last one received), which must all come.
+assert RECEIVE_DEPTH <= STOP_MARGIN
 
 STOP_VOTE = "stop vote"  # what Transport.blocked holds while a rank waits for the vote
 STREAM_NAMES = {TAG_ACTIVATION: "activation", TAG_REBUILT: "rebuilt input",
@@ -69,7 +73,8 @@ class MPIEngine:
         self.outboxes = [b for b in self.streams.values() if isinstance(b, Outbox)]
         self.compute_seconds = 0.0  # in the stage's own work (forward, backward, optimizer step)
         # ends this rank with a report when it hangs (watchdog.py)
-        self.watchdog = start_watchdog(watchdog_s, world, self.pending_messages)
+        self.watchdog = start_watchdog(watchdog_s, world, self.pending_messages,
+                                       self.schedule.num_ticks(1))
 
     def _open_streams(self, compression, dtype, batch_size, in_spec, out_spec) -> dict:
         """The streams, by the name the trace shows; a stream this rank does not use is absent.
@@ -187,11 +192,15 @@ class MPIEngine:
         # Large messages move only while MPI is called: poll between blocks (docs/performance.md).
         w.stage.between_blocks = self.transport.poll if self.poll_between_blocks else None
         self._expect(n)
-        self.vote = None
+        votes = None if stop is None else SegmentVotes(self.schedule, lambda: self._vote(stop, t))
         t = 0
         while t < self.schedule.num_ticks(n):
-            if stop is not None and t % STOP_CHECK_TICKS == 0:
-                n = self._vote(t, n, stop)
+            shorter = n if votes is None else votes.length(t, n)
+            if shorter != n:
+                for box in self.inboxes:  # every receive already posted still comes
+                    box.shrink(n - shorter)
+                w.begin_segment(shorter)
+                n = shorter
             # w.tracer.plan passes the actions through (it records the tick when tracing is on)
             for action in w.tracer.plan(t, self.schedule.actions(w.index, t, n)):
                 self.watchdog.beat(t, action.kind.value, action.microbatch)
@@ -199,7 +208,7 @@ class MPIEngine:
             t += 1
         # A vote is posted only while 2 checks remain, so none is pending here; a request that
         # arrives later is seen by the trainer's stop check at the drain.
-        assert self.vote is None
+        assert votes is None or votes.pending is None
         w.settle()  # the segment's last step, when it waited for the replicas' average
         self._flush()
         self.watchdog.idle()
@@ -231,29 +240,23 @@ class MPIEngine:
         self.compute_seconds += time.perf_counter() - start
         return out
 
-    def _vote(self, t, n, stop):
-        """Every STOP_CHECK_TICKS ticks each rank contributes its stop flag to a non-blocking
-        all-reduce and reads the previous one: all ranks see the same result at the same tick
-        and shorten the segment identically, with no extra waiting in the common case."""
+    def _vote(self, stop, tick):
+        """Posts this rank's stop flag to a non-blocking all-reduce over every rank; returns the
+        wait for its result, which SegmentVotes reads one check later: all ranks see the same
+        result at the same tick and shorten the segment identically, with no extra waiting in
+        the common case."""
         from mpi4py import MPI
-        if self.vote is not None:
-            request, flag = self.vote
+        flag = np.array([int(stop.requested)], dtype=np.int32)
+        request = self.world.comm.Iallreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
+
+        def result():
             self.transport.post_all()
             self.transport.blocked = STOP_VOTE
             request.Wait()
             self.transport.blocked = None
-            self.vote = None
-            if flag[0]:
-                # what has entered, plus what a rank may already have posted receives for
-                shorter = stop_count(self.schedule, t, n, RECEIVE_DEPTH + 1)
-                for box in self.inboxes:
-                    box.shrink(n - shorter)
-                self.w.begin_segment(shorter)
-                return shorter
-        if t + 2 * STOP_CHECK_TICKS < self.schedule.num_ticks(n):
-            flag = np.array([int(stop.requested)], dtype=np.int32)
-            self.vote = (self.world.comm.Iallreduce(MPI.IN_PLACE, flag, op=MPI.MAX), flag)
-        return n
+            self.watchdog.agreed(tick)  # every rank is past the ticks before `tick`
+            return int(flag[0])
+        return result
 
     def _send_down(self, x, grad_x):
         if "rebuilt out" in self.streams:

@@ -67,9 +67,11 @@ def one_thread():
 
 
 def test_wall_time_checkpoints_in_one_process(tmp_path, monkeypatch, one_thread):
-    """A clock that passes a second at every reading (the engine reads it every tick) and a
-    6-second cadence: checkpoints fall due inside each epoch, and the run still finishes."""
-    monkeypatch.setattr(stopping, "_now", Clock(1.0))
+    """A clock that passes 10 seconds at every reading (the engine reads it at each stop vote
+    it posts, every 8 ticks) and a 6-second cadence: a checkpoint is due at every vote, so the
+    first segment of each epoch is shortened, checkpoints fall inside each epoch, and the run
+    still finishes."""
+    monkeypatch.setattr(stopping, "_now", Clock(10.0))
     cfg = config(tmp_path, "--set", "run.checkpoint_every_minutes=0.1")
     assert train.run(cfg, None, stop=StopRequest()) == 0
     mid_epoch = [e for e in events(tmp_path, "checkpoint") if 0 < e["position"] < 16]

@@ -17,8 +17,9 @@ J, N = 3, 40
 
 
 def local_run(n):
-    """An uninterrupted segment of n micro-batches in one process (the local engine applies a stop
-    differently, so the comparison is with a run of the MPI engine's resulting length)."""
+    """An uninterrupted segment of n micro-batches in one process: the MPI run stopped mid-segment
+    must equal it for the length it returned (test_stop_engines_agree.py compares the stopped
+    runs of both engines)."""
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     try:
