@@ -31,6 +31,7 @@ micro-batch) and every receive and send still pending with the peer rank and its
 line alone says which neighbours went silent. docs/running.md, "A rank stalled", reads one.
 """
 import os
+import re
 import select
 import signal
 import socket
@@ -315,3 +316,126 @@ def _watch_startup(pipe, deadline_s, where, rank_pid):
         if readable and not os.read(pipe, 4096):
             return
     os.kill(rank_pid, signal.SIGKILL)
+
+
+# ------------------------------------------------------------------ reading the reports back
+# After a stalled run, the batch script asks which rank the reports point at: each report names
+# the rank it waited on, so the waits form chains, and a chain ends at the rank that is lost or
+# stalled itself (it printed no report, or its report says it was not waiting on MPI).
+
+_REPORT = re.compile(r"petra_mpi: watchdog: rank (\d+)(?: \(([^,)]+)[,)])?")
+_WAITED_ON = re.compile(r"waiting on the (?:receive|send) of .*? (?:from|to) rank (\d+)"
+                        r"(?: \(([^)]+)\))?: ")
+# srun's line for the first task that ended: the step is being torn down after it, and a rank
+# that was stopped (SIGSTOP, a suspended node) may still report then, blaming a live neighbour.
+_STEP_ENDING = re.compile(r"^srun: error: (?:\S+: tasks? [\d,-]+: |Node failure)")
+OWN_WORK = "own work"  # a report's wait when the rank was not waiting on MPI
+
+
+def read_reports(log_text: str):
+    """The watchdog reports of a launch's part of the log, up to srun's first task end: returns
+    ({rank: the rank it waited on, OWN_WORK, or None (a collective, the start-up)}, {rank: host}
+    as the reports name them)."""
+    waits, hosts = {}, {}
+    for line in log_text.splitlines():
+        if _STEP_ENDING.match(line):
+            break
+        report = _REPORT.search(line)
+        if not report or int(report.group(1)) in waits:
+            continue
+        rank = int(report.group(1))
+        if report.group(2):
+            hosts[rank] = report.group(2)
+        peer = _WAITED_ON.search(line)
+        if peer:
+            waits[rank] = int(peer.group(1))
+            if peer.group(2):
+                hosts.setdefault(waits[rank], peer.group(2))
+        else:
+            waits[rank] = OWN_WORK if "not waiting on MPI" in line else None
+    return waits, hosts
+
+
+def _ranks(ranks) -> str:
+    """'rank 4' or 'ranks 4–5, 7': consecutive ranks as ranges."""
+    ranks, spans = sorted(ranks), []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(f"{a}" if a == b else f"{a}–{b}" for a, b in spans)
+    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
+
+
+def diagnose(waits: dict, hosts: dict, size: int | None = None):
+    """From read_reports' waits and hosts, and the number of ranks when known: (the hosts of the
+    ranks to blame, one line saying which). The chains of waits end at a rank that did not
+    report or whose own work stalled; where the reports name no rank (a collective, the
+    start-up), the ranks that did not report are to blame. ([], "") without reports."""
+    if not waits:
+        return [], ""
+    named = {p for p in waits.values() if isinstance(p, int)}
+    silent = sorted(set(range(size) if size else named) - set(waits))
+    ends = []
+    for r in sorted(waits):
+        seen = set()
+        while isinstance(waits.get(r), int) and r not in seen:
+            seen.add(r)
+            r = waits[r]
+        if r not in seen and r not in ends and (r not in waits or waits[r] == OWN_WORK):
+            ends.append(r)  # (a chain that runs into a cycle of waits blames no rank)
+
+    def at(r):
+        return f"rank {r}" + (f" on {hosts[r]}" if r in hosts else "")
+
+    lines = [f"{at(r)} is lost or stalled: {_ranks(silent)} did not report" if r not in waits
+             else f"{at(r)} stalled in its own work (it was not waiting on MPI)" for r in ends]
+    if not ends and silent:
+        ends = silent
+        lines.append(f"{', '.join(at(r) for r in silent)}: lost or stalled (no report; the "
+                     f"others' reports name no rank they waited on)")
+    if not lines:
+        lines.append("every rank reported waiting on another: no rank stands out")
+    return sorted({hosts[r] for r in ends if r in hosts}), "; ".join(lines)
+
+
+def _placement(run_dir):
+    """rank -> host of the newest start or resume record of run_dir/metrics.jsonl, or {}."""
+    import json
+    hosts = {}
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            for line in f:
+                if '"placement"' in line:
+                    record = json.loads(line)
+                    if record.get("event") in ("start", "resume") and record.get("placement"):
+                        hosts = {p["rank"]: p["host"] for p in record["placement"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return hosts
+
+
+def main(argv=None) -> int:
+    """`python -m petra_mpi.watchdog --diagnose RUN_DIR [--log-from BYTES]`: read the reports in
+    RUN_DIR/logs/train.log (from byte BYTES: the launch that stalled) and print two lines: the
+    hosts to blame (comma-separated, empty when none stands out), then the diagnosis (empty
+    without reports)."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m petra_mpi.watchdog")
+    parser.add_argument("--diagnose", metavar="RUN_DIR", required=True)
+    parser.add_argument("--log-from", type=int, default=0, metavar="BYTES")
+    args = parser.parse_args(argv)
+    with open(os.path.join(args.diagnose, "logs", "train.log"), "rb") as f:
+        f.seek(args.log_from)
+        text = f.read().decode(errors="replace")
+    placement = _placement(args.diagnose)
+    waits, hosts = read_reports(text)
+    avoid, line = diagnose(waits, {**placement, **hosts}, len(placement) or None)
+    print(",".join(avoid))
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

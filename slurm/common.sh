@@ -12,6 +12,10 @@
 #   SRUN_MPI    the srun --mpi plugin (default: none given, so srun uses the site's MpiDefault)
 #   DRY_RUN=1   only run the trainer's --dry-run in one process (no srun/mpirun) and exit
 #   MAX_REQUEUES  stop requeueing after this many restarts (default 100)
+#   STALL_RESTARTS  after a stall (exit 5), requeue at most this many times in a row without a
+#               newer complete checkpoint (default 2)
+#   EXCLUDE_STALLED=0  do not keep a job requeued after a stall off the node the watchdog
+#               reports blame (default 1: scontrol update ExcNodeList)
 #   ELASTIC=1   fit the layout to the ranks this job got (SLURM_NTASKS): `python -m
 #               petra_mpi.elastic` gives the ranks to launch and the stage count that fits them,
 #               and the trainer resumes its layout-free checkpoint on that layout
@@ -28,7 +32,8 @@
 # Exit statuses of a job: 0 finished, or checkpointed and requeued; 2 a problem of this script
 # (config not found, bad LAUNCHER...); 3 checkpointed but not requeued (MAX_REQUEUES reached, or
 # scontrol requeue refused): resubmit to resume; 4 checkpointed after SIGTERM, not requeued;
-# 5 a rank's watchdog ended the run (a lost node or a hang) and it was not requeued here;
+# 5 a rank's watchdog ended the run (a lost node or a hang) and it was not requeued here (SLURM
+# ends the job, MAX_REQUEUES, or STALL_RESTARTS stalls in a row without progress);
 # anything else the trainer's failure (1 a training error, 2 a config error, >128 a signal).
 
 # ============================== site settings: edit for your cluster ==============================
@@ -189,12 +194,18 @@ petra_requeue() {
     exit "$EXIT_REQUEUE"
 }
 
-# A rank's watchdog ended the run (its report in the log names the rank and host it waited on).
-# When SLURM itself is ending the job (a node failure: SIGTERM reached us) it requeues a --requeue
-# job on its own; otherwise (a hang, a node that came back in time) requeue it ourselves.
+# A rank's watchdog ended the run. The reports name the rank each one waited on; the chain of
+# waits ends at the rank that is lost or stalled, and the requeued job avoids its node. When
+# SLURM itself is ending the job (a node failure: SIGTERM reached us) it requeues a --requeue job
+# on its own; otherwise (a hang, a node that came back in time) requeue it ourselves, within the
+# stall budget.
 petra_stalled() {
     petra_say "a rank stopped making progress (exit $EXIT_STALLED, see 'watchdog' in $PETRA_LOG);" \
               "the run resumes from its last complete checkpoint"
+    local avoid="" why=""
+    { read -r avoid; read -r why; } < <("$PYTHON" -m petra_mpi.watchdog --diagnose "$OUT_DIR" \
+                                          --log-from "$PETRA_LOGGED")
+    if [[ -n $why ]]; then petra_say "watchdog reports: $why"; fi
     if [[ $PETRA_SIGNAL == *TERM* ]]; then
         petra_say "SLURM is ending this job (node failure or cancel): not requeueing it here"
         exit "$EXIT_STALLED"
@@ -203,8 +214,54 @@ petra_stalled() {
         petra_say "not requeueing: restarted ${SLURM_RESTART_COUNT:-0} times (MAX_REQUEUES)"
         exit "$EXIT_STALLED"
     fi
-    scontrol requeue "$SLURM_JOB_ID" && exit 0
+    petra_stall_budget || exit "$EXIT_STALLED"
+    # SLURM ends this shell once the job is requeued (SIGTERM, then SIGKILL after KillWait): ignore
+    # the TERM, here and in scontrol, so that the exclusion, which only a pending job takes, is
+    # made.
+    trap '' TERM
+    if scontrol requeue "$SLURM_JOB_ID"; then
+        petra_say "requeued job $SLURM_JOB_ID"
+        petra_exclude "$avoid"
+        exit 0
+    fi
     exit "$EXIT_STALLED"
+}
+
+# Whether one more requeue after a stall is within the budget: STALL_RESTARTS (default 2) restarts
+# in a row that each stalled again with no newer complete checkpoint end the job (a fault that
+# comes back every time would otherwise requeue it up to MAX_REQUEUES times). Counted per job in
+# $OUT_DIR/logs/stalls: "job id, stalls in a row, the newest complete checkpoint".
+petra_stall_budget() {
+    local file="$OUT_DIR/logs/stalls" newest job="" count=0 seen=""
+    newest=$(ls -d "$OUT_DIR"/checkpoints/ckpt-*/manifest.json 2>/dev/null | sort | tail -n 1)
+    newest=${newest%/manifest.json}
+    newest=${newest##*/}
+    newest=${newest:-none}
+    if [[ -f $file ]]; then read -r job count seen <"$file"; fi
+    if [[ $job == "$SLURM_JOB_ID" && $seen == "$newest" ]]; then
+        count=$((count + 1))
+    else
+        count=1
+    fi
+    echo "$SLURM_JOB_ID $count $newest" >"$file"
+    ((count > ${STALL_RESTARTS:-2})) || return 0
+    petra_say "not requeueing: $count stall(s) in a row with no newer complete checkpoint than" \
+              "$newest (STALL_RESTARTS=${STALL_RESTARTS:-2}): a fault that comes back; see the" \
+              "watchdog reports in $PETRA_LOG, then resubmit to resume"
+    return 1
+}
+
+# Keep the requeued job off the hosts the watchdog reports blame (EXCLUDE_STALLED=0: never):
+# a node whose GPU or file system hangs would stall the run again.
+petra_exclude() {
+    [[ -n $1 && ${EXCLUDE_STALLED:-1} == 1 ]] || return 0
+    local old
+    old=$(scontrol -o show job "$SLURM_JOB_ID" | sed -n 's/.* ExcNodeList=\([^ ]*\).*/\1/p')
+    if [[ $old == "(null)" ]]; then old=""; fi
+    if scontrol update "jobid=$SLURM_JOB_ID" "ExcNodeList=${old:+$old,}$1"; then
+        petra_say "the requeued job avoids $1 (to allow it again: scontrol update" \
+                  "jobid=$SLURM_JOB_ID ExcNodeList=${old})"
+    fi
 }
 
 # RANKS and FIT_ARGS: the ranks to launch on this allocation and the trainer overrides that fit
@@ -242,7 +299,12 @@ petra_launch() {
                 export SLURM_CPUS_PER_TASK=$SLURM_CPUS_PER_GPU
                 unset SLURM_CPUS_PER_GPU
             fi
-            launch=(srun "--cpus-per-task=${SLURM_CPUS_PER_TASK:-1}" --gpu-bind=none)
+            # --kill-on-bad-exit=1: when a rank exits with an error (a watchdog's 5, a crash),
+            # srun ends the others; SLURM's default (KillOnBadExit=0, WaitTime=0) waits for
+            # every rank, and one that cannot exit (a GPU or I/O hang) would hold the job until
+            # its time limit. --wait: the same, a minute after a rank exited 0.
+            launch=(srun "--cpus-per-task=${SLURM_CPUS_PER_TASK:-1}" --gpu-bind=none
+                    --kill-on-bad-exit=1 --wait=60)
             if [[ -n $SRUN_MPI ]]; then launch+=("--mpi=$SRUN_MPI"); fi
             if [[ $RANKS != "${SLURM_NTASKS:-1}" ]]; then launch+=("--ntasks=$RANKS"); fi
             # after a lost node the old step lingers (its node cannot confirm the end) and
@@ -269,19 +331,45 @@ petra_launch() {
     # In the background, so the traps run while we wait; a trap interrupts `wait` (status > 128),
     # so wait again until the launcher has really exited. The launcher may exit while a trap runs,
     # after the interrupted `wait`: the last `wait` then reaps its real status (bash keeps it).
-    local logged
-    logged=$(stat -c %s "$PETRA_LOG" 2>/dev/null || echo 0)
+    PETRA_LOGGED=$(stat -c %s "$PETRA_LOG" 2>/dev/null || echo 0)  # where this launch's part starts
     "${launch[@]}" "${trainer[@]}" >>"$PETRA_LOG" 2>&1 &
     PETRA_PID=$!
     while kill -0 "$PETRA_PID" 2>/dev/null; do wait "$PETRA_PID"; done
     wait "$PETRA_PID"
     status=$?
     PETRA_PID=""
-    # A watchdog's rank exits with EXIT_STALLED, but the launcher then kills the other ranks and
-    # may pass on one of theirs (9, 137) instead: the watchdog's report in this launch's part of
-    # the log is what says the run stalled.
-    if [[ $status != 0 && $status != "$EXIT_REQUEUE" ]] &&
-           tail -c +$((logged + 1)) "$PETRA_LOG" | grep -q 'petra_mpi: watchdog: '; then
+    petra_step_end
+}
+
+# MPICH names a node's shared-memory segment after the job and step ids, and a rank killed before
+# MPI_Finalize leaves it behind: the first step of a requeued job (same job id, step ids from 0
+# again) on that node would open it and fail in MPI_Init. Empty steps first, so that the
+# trainer's step id is the restart count, one that no earlier run of this job used.
+petra_skip_step_ids() {
+    local n
+    for ((n = 0; n < ${SLURM_RESTART_COUNT:-0}; n++)); do
+        srun --ntasks=1 --nodes=1 true >/dev/null 2>&1
+    done
+}
+
+# How the launch ended, in `status`, read from this launch's part of the log: the launcher's own
+# status is that of a rank it killed after the first one ended (srun: 143 or 137; mpirun: 9).
+# srun names the first rank to end: its exit code is the run's (3 a checkpointed stop, 5 a
+# watchdog), and a rank ended by a signal (a segfault, an OOM kill) is a crash, not a stall:
+# PETRA_CRASH holds srun's line ("n2: task 3: Segmentation fault"). mpirun names nobody: a
+# watchdog's report in the log says the run stalled.
+petra_step_end() {
+    local first
+    PETRA_CRASH=""
+    first=$(tail -c +$((PETRA_LOGGED + 1)) "$PETRA_LOG" |
+                grep -m1 -E '^srun: error: [^ ]+: tasks? [0-9,-]+: ')
+    if [[ $first =~ :\ Exited\ with\ exit\ code\ ([0-9]+)$ ]]; then
+        status=${BASH_REMATCH[1]}
+    elif [[ -n $first ]]; then
+        PETRA_CRASH=${first#srun: error: }
+        if ((status <= 128)); then status=1; fi  # never one of the statuses that requeue
+    elif [[ $status != 0 && $status != "$EXIT_REQUEUE" ]] &&
+             tail -c +$((PETRA_LOGGED + 1)) "$PETRA_LOG" | grep -q 'petra_mpi: watchdog: '; then
         status=$EXIT_STALLED
     fi
 }
@@ -325,6 +413,7 @@ petra_train() {
     PETRA_LOG="$OUT_DIR/logs/train.log"
     petra_lock
     local status trainer launch  # set by petra_launch
+    if [[ $LAUNCHER == srun ]]; then petra_skip_step_ids; fi
     petra_launch
     # ELASTIC=1 (slurm/submit.sh with ELASTIC_NODES, which submits with --no-kill): a lost node
     # leaves the job running on the nodes left; launch again on the layout that fits them, and
@@ -342,6 +431,10 @@ petra_train() {
                 petra_say "the run ended with status $status after SIGUSR1, before it could" \
                           "checkpoint; it resumes from its last complete checkpoint"
                 petra_requeue
+            fi
+            if [[ -n $PETRA_CRASH ]]; then
+                petra_say "a rank crashed, $PETRA_CRASH (srun's first line about a task):" \
+                          "not requeueing; resubmit to resume from the last complete checkpoint"
             fi
             petra_say "failed with status $status (see $PETRA_LOG)"; exit "$status" ;;
     esac

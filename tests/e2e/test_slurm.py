@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -181,16 +182,18 @@ def run_batch_script(tmp_path, path, **env):
 
 
 def test_srun_line(tmp_path):
-    """srun gets the job's --cpus-per-task (srun 22.05-23.02 ignores SLURM_CPUS_PER_TASK) and
-    --gpu-bind=none, and --mpi only when SRUN_MPI names a plugin (else the site's MpiDefault)."""
+    """srun gets the job's --cpus-per-task (srun 22.05-23.02 ignores SLURM_CPUS_PER_TASK),
+    --gpu-bind=none, ends the step when a rank fails (whatever KillOnBadExit and WaitTime the site
+    set), and --mpi only when SRUN_MPI names a plugin (else the site's MpiDefault)."""
     args = tmp_path / "args"
     path = fake_commands(tmp_path / "bin", srun=f'echo "$@" >{args}')
+    always = ["--cpus-per-task=8", "--gpu-bind=none", "--kill-on-bad-exit=1", "--wait=60"]
     proc = run_batch_script(tmp_path, path, SLURM_CPUS_PER_TASK="8")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert args.read_text().split()[:3] == ["--cpus-per-task=8", "--gpu-bind=none", "python"]
+    assert args.read_text().split()[:5] == always + ["python"]
     proc = run_batch_script(tmp_path, path, SLURM_CPUS_PER_TASK="8", SRUN_MPI="pmi2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert args.read_text().split()[:3] == ["--cpus-per-task=8", "--gpu-bind=none", "--mpi=pmi2"]
+    assert args.read_text().split()[:5] == always + ["--mpi=pmi2"]
 
 
 def test_mpirun_refused_on_several_nodes(tmp_path):
@@ -287,7 +290,8 @@ def test_smoke_job(cluster, tmp_path):
     assert any(r["event"] == "train" for r in read_jsonl(out / "metrics.jsonl"))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stages"] == 2 and summary["epochs"] == 1
-    assert "run.resume=auto" in log and "srun --cpus-per-task=1 --gpu-bind=none --mpi=pmi2" in log
+    assert "run.resume=auto" in log and ("srun --cpus-per-task=1 --gpu-bind=none "
+                                         "--kill-on-bad-exit=1 --wait=60 --mpi=pmi2") in log
 
 
 @pytest.mark.extended
@@ -730,3 +734,216 @@ def test_ranks_of_a_cpus_per_gpu_job_get_their_cpus(affinity_cluster, tmp_path):
     (job,) = affinity_cluster.wait(jobid, timeout=90)
     assert job["JobState"] == "COMPLETED", job_output(affinity_cluster, job)
     assert (tmp_path / "cpus.0").read_text().strip() == "2"
+
+
+# ---------------------------------------------------------------- how a launch's end is read
+# The batch script as a job runs it, with a fake srun that prints what a real one prints at the
+# end of a step (the ranks' lines, then its own "task N: ..." lines, first task first) and a fake
+# scontrol that records what it is asked.
+
+STALL_REPORT = ("petra_mpi: watchdog: rank 0 (n1, stage 0): no progress for 3 s (run.watchdog_s) "
+                "after tick 5, forward of micro-batch 5; waiting on the receive of gradient from "
+                "rank 1 (n2): that rank or its node is lost or stalled; exit status 5")
+
+
+def end_of_step(tmp_path, lines, srun_status, **env):
+    """Run the batch script with an srun that prints `lines` and exits `srun_status`; returns
+    (the script's result, the scontrol commands it ran, its log)."""
+    calls = tmp_path / "scontrol.calls"
+    calls.unlink(missing_ok=True)
+    printed = tmp_path / "srun.out"
+    printed.write_text("".join(line + "\n" for line in lines))
+    path = fake_commands(
+        tmp_path / "bin", srun=f"cat {printed} >&2; exit {srun_status}",
+        scontrol=f'echo "$@" >>{calls}\n'
+                 f'if [[ $1 == -o ]]; then echo "JobId=$4 JobState=COMPLETED ExcNodeList=(null)"; fi')
+    proc = run_batch_script(tmp_path, path, PYTHON=sys.executable, **env)
+    log = (tmp_path / "run" / "logs" / "train.log").read_text()
+    return proc, calls.read_text().splitlines() if calls.exists() else [], log
+
+
+def test_a_stall_is_read_from_the_first_rank_out_diagnosed_and_its_node_excluded(tmp_path):
+    """srun passes on the status of a rank it killed (137): the first task's exit code, 5, says
+    the run stalled. The reports name rank 1 on n2, which never reported: the job is requeued and
+    kept off n2."""
+    proc, calls, log = end_of_step(tmp_path, [
+        STALL_REPORT, "srun: error: n1: task 0: Exited with exit code 5",
+        "srun: launch/slurm: _step_signal: Terminating StepId=7.0",
+        "srun: error: n2: task 1: Killed"], 137)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "watchdog reports: rank 1 on n2 is lost or stalled: rank 1 did not report" in log, log
+    assert calls == ["requeue 7", "-o show job 7", "update jobid=7 ExcNodeList=n2"], calls
+
+
+def test_a_checkpointed_stop_is_read_from_the_first_rank_out(tmp_path):
+    """Every rank exits 3 after a checkpoint, but srun ends the others once the first is out:
+    srun's own status is theirs (143), and the job must still requeue."""
+    proc, calls, log = end_of_step(tmp_path, [
+        "stopped on request at epoch 1, micro-batch 8: checkpoint complete, exit status 3",
+        "srun: error: n1: task 1: Exited with exit code 3",
+        "srun: error: n1: task 0: Terminated"], 143)
+    assert proc.returncode == 0 and calls == ["requeue 7"], proc.stdout + log
+
+
+def test_a_crashed_rank_fails_the_job_though_a_watchdog_reported_after_it(tmp_path):
+    """Rank 1 segfaults; rank 0, left waiting on it until srun's kill lands, reports through its
+    watchdog: a crash, not a stall, so no requeue (it would crash again, MAX_REQUEUES times)."""
+    proc, calls, log = end_of_step(tmp_path, [
+        "srun: error: n2: task 1: Segmentation fault", STALL_REPORT,
+        "srun: error: n1: task 0: Exited with exit code 5"], 143)
+    assert proc.returncode == 143 and not asked_to_requeue(calls), proc.stdout + log
+    assert "a rank crashed, n2: task 1: Segmentation fault" in log, log
+
+
+def test_the_stall_budget_ends_a_job_that_stalls_again_without_progress(tmp_path):
+    """STALL_RESTARTS=2: two requeues after stalls with no newer complete checkpoint, and the
+    third stall ends the job (status 5); a new checkpoint, or another job, starts the count
+    again."""
+    stall = [STALL_REPORT, "srun: error: n1: task 0: Exited with exit code 5"]
+    for _ in range(2):
+        proc, calls, log = end_of_step(tmp_path, stall, 5)
+        assert proc.returncode == 0 and calls[0] == "requeue 7", proc.stdout + log
+    proc, calls, log = end_of_step(tmp_path, stall, 5)
+    assert proc.returncode == 5 and not asked_to_requeue(calls), proc.stdout + log
+    assert ("not requeueing: 3 stall(s) in a row with no newer complete checkpoint than none "
+            "(STALL_RESTARTS=2)") in log, log
+    checkpoint = tmp_path / "run" / "checkpoints" / "ckpt-e00001-b00000000"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "manifest.json").write_text("{}")
+    proc, calls, log = end_of_step(tmp_path, stall, 5)
+    assert proc.returncode == 0 and calls[0] == "requeue 7", proc.stdout + log
+    proc, calls, log = end_of_step(tmp_path, stall, 5, STALL_RESTARTS="1")
+    assert proc.returncode == 5 and not asked_to_requeue(calls), proc.stdout + log
+    proc, calls, log = end_of_step(tmp_path, stall, 5, STALL_RESTARTS="1", SLURM_JOB_ID="8")
+    assert proc.returncode == 0 and asked_to_requeue(calls), proc.stdout + log
+
+
+def asked_to_requeue(calls):
+    return any(c.startswith("requeue ") for c in calls)
+
+
+def waiting_trainer(tmp_path):
+    """A stand-in for the trainer (through PYTHON): each rank says it runs (a file named by job
+    and rank), then waits for the file `go` and exits 0."""
+    trainer = tmp_path / "trainer"
+    trainer.write_text(f"#!/bin/bash\ntouch {tmp_path}/running.$SLURM_JOB_ID.$SLURM_PROCID\n"
+                       f"until [[ -e {tmp_path}/go ]]; do sleep 0.1; done\n")
+    trainer.chmod(0o755)
+    return str(trainer)
+
+
+def wait_running(cluster, jobid, tmp_path):
+    cluster.wait(jobid, lambda jobs: all((tmp_path / f"running.{jobid}.{r}").exists()
+                                         for r in (0, 1))
+                 or jobs[0]["JobState"] in slurm_cluster.TERMINAL, timeout=90, what="to start")
+
+
+@pytest.mark.extended
+def test_one_job_per_run_directory(cluster, tmp_path):
+    """A job given the run directory of a job still running refuses to start (status 2, naming
+    that job) rather than train beside it on one set of checkpoints; once that job has ended,
+    the next one runs."""
+    env = {"CONFIG": "configs/quickstart.yaml", "OUT_DIR": str(tmp_path / "run"),
+           "PYTHON": waiting_trainer(tmp_path)}
+    first = submit(cluster, tmp_path, "revnet18_cifar10.sh", **env)
+    wait_running(cluster, first, tmp_path)
+    second = submit(cluster, tmp_path, "revnet18_cifar10.sh", **env)
+    (job,) = cluster.wait(second, timeout=60)
+    assert (job["JobState"], job["ExitCode"]) == ("FAILED", "2:0"), job_output(cluster, job)
+    assert f"is the run directory of job {first} (RUNNING)" in open(job["StdOut"]).read()
+    assert not list(tmp_path.glob(f"running.{second}.*"))
+    (tmp_path / "go").touch()
+    (job,) = cluster.wait(first, timeout=60)
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), job_output(cluster, job)
+    third = submit(cluster, tmp_path, "revnet18_cifar10.sh", **env)
+    (job,) = cluster.wait(third, timeout=60)
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), job_output(cluster, job)
+
+
+def wrapped_trainer(tmp_path, *faulty):
+    """A PYTHON for the batch script that runs the trainer (or tests/programs/faulty_train.py
+    with `faulty` arguments) after writing its pid to tmp_path/pid.RANK."""
+    wrapper = tmp_path / "python"
+    program = (f"{conftest.PROGRAMS / 'faulty_train.py'} {' '.join(faulty)}" if faulty
+               else "-m petra_mpi.train")
+    wrapper.write_text(f"""#!/bin/bash
+if [[ $1 == -m && $2 == petra_mpi.train ]]; then
+    echo $$ >{tmp_path}/pid.${{PMI_RANK:-$SLURM_PROCID}}
+    exec {sys.executable} {program} "${{@:3}}"
+fi
+exec {sys.executable} "$@"
+""")
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+LONGER = SMOKE.replace("train.limit_batches=8", "train.limit_batches=0").replace(
+    "train.epochs=1", "train.epochs=2").replace("synthetic_train=1024", "synthetic_train=6400")
+
+
+def stop_rank_1_once_training(cluster, jobid, tmp_path, out, starts):
+    """Once this launch (the `starts`-th start record) trains, SIGSTOP rank 1: it can neither
+    make progress nor exit, like a rank in a GPU or I/O hang."""
+    pid = tmp_path / "pid.1"
+
+    def training(jobs):
+        assert jobs[0]["JobState"] not in slurm_cluster.TERMINAL, job_output(cluster, jobs[0])
+        if not (pid.exists() and (out / "metrics.jsonl").exists()):
+            return False
+        events = [r["event"] for r in read_jsonl(out / "metrics.jsonl")]
+        return events.count("start") == starts and events[-1] == "train"
+
+    cluster.wait(jobid, training, timeout=120, what="to train")
+    os.kill(int(pid.read_text()), signal.SIGSTOP)
+    pid.unlink()
+
+
+@pytest.mark.extended
+def test_a_stopped_rank_ends_the_step_is_named_excluded_and_the_stall_budget_ends_the_job(
+        cluster, tmp_path):
+    """Rank 1 is stopped (SIGSTOP) mid-run. Rank 0's watchdog exits 5 and srun ends rank 1, so
+    the job does not wait for its time limit; the batch script names rank 1 and its host from
+    the reports, requeues the job and keeps it off that host. The requeued job (let back on the
+    one node) stalls the same way with no newer checkpoint: with STALL_RESTARTS=1 it ends."""
+    out = tmp_path / "run"
+    jobid = submit(cluster, tmp_path, "revnet18_cifar10.sh", CONFIG="configs/quickstart.yaml",
+                   OUT_DIR=str(out), EXTRA_ARGS=LONGER + " --set run.watchdog_s=3",
+                   PYTHON=str(wrapped_trainer(tmp_path)), STALL_RESTARTS="1")
+    stop_rank_1_once_training(cluster, jobid, tmp_path, out, starts=1)
+    (job,) = cluster.wait(jobid, lambda jobs: (jobs[0]["Restarts"], jobs[0]["JobState"])
+                          == ("1", "PENDING") or jobs[0]["JobState"] in slurm_cluster.TERMINAL,
+                          timeout=120, what="to end its step")
+    log = (out / "logs" / "train.log").read_text()
+    assert (job["JobState"], job["Restarts"]) == ("PENDING", "1"), job_output(cluster, job) + log
+    assert (f"watchdog reports: rank 1 on {cluster.host} is lost or stalled: rank 1 did not "
+            "report") in log, log[-3000:]
+    assert job["ExcNodeList"] == cluster.host, job
+
+    # the one node is all there is: let the job back on it, now rather than after the requeue
+    # delay (not within the second of the requeue: see the preemption test)
+    time.sleep(2)
+    cluster.run("scontrol", "update", f"jobid={jobid}", "ExcNodeList=", "starttime=now")
+    stop_rank_1_once_training(cluster, jobid, tmp_path, out, starts=2)
+    (job,) = cluster.wait(jobid, lambda jobs: jobs[0]["Restarts"] == "2"
+                          or jobs[0]["JobState"] in slurm_cluster.TERMINAL, timeout=120)
+    log = (out / "logs" / "train.log").read_text()
+    assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("FAILED", "5:0", "1"), \
+        job_output(cluster, job) + log[-3000:]
+    assert "not requeueing: 2 stall(s) in a row with no newer complete checkpoint than none" \
+        in log, log[-3000:]
+
+
+@pytest.mark.extended
+def test_a_rank_killed_by_a_signal_fails_the_job_without_requeue(cluster, tmp_path):
+    """Rank 0 kills itself with SIGKILL (as the OOM killer would) mid-run: a crash, which would
+    come back on every restart, so the job fails with a line naming it, not requeued though
+    rank 1's watchdog may report after it."""
+    out = tmp_path / "run"
+    jobid = submit(cluster, tmp_path, "revnet18_cifar10.sh", CONFIG="configs/quickstart.yaml",
+                   OUT_DIR=str(out), EXTRA_ARGS=SMOKE + " --set run.watchdog_s=3",
+                   PYTHON=str(wrapped_trainer(tmp_path, "kill", "0", "5")))
+    (job,) = cluster.wait(jobid, lambda jobs: jobs[0]["Restarts"] != "0"
+                          or jobs[0]["JobState"] in slurm_cluster.TERMINAL, timeout=120)
+    log = (out / "logs" / "train.log").read_text()
+    assert (job["JobState"], job["Restarts"]) == ("FAILED", "0"), job_output(cluster, job) + log
+    assert re.search(r"a rank crashed, \S+: task 0: Killed", log), log[-3000:]

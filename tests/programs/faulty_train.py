@@ -1,11 +1,14 @@
 """Run the real trainer with one rank made to fail or stall mid-run (for the fault and watchdog
-tests): its forward of one micro-batch raises or sleeps far longer than any test's
-run.watchdog_s (fail, stall), or it sleeps in its first stop vote at a drain instead of voting
+tests): its forward of one micro-batch raises, sleeps far longer than any test's
+run.watchdog_s, or kills its own process with SIGKILL as an OOM killer would (fail, stall,
+kill), or it sleeps in its first stop vote at a drain instead of voting
 (stall-vote, MICROBATCH unused): the other ranks then wait inside that collective.
 
-Usage: mpirun -n J python tests/programs/faulty_train.py (fail|stall|stall-vote) RANK MICROBATCH
-       CONFIG [--set ...]
+Usage: mpirun -n J python tests/programs/faulty_train.py (fail|stall|kill|stall-vote) RANK
+       MICROBATCH CONFIG [--set ...]
 """
+import os
+import signal
 import sys
 import time
 
@@ -15,7 +18,7 @@ from petra_mpi import train, trainer
 from petra_mpi.engine.worker import StageWorker
 
 fault, fault_rank, fault_b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-assert fault in ("fail", "stall", "stall-vote"), fault
+assert fault in ("fail", "stall", "kill", "stall-vote"), fault
 if MPI.COMM_WORLD.Get_rank() == fault_rank and fault == "stall-vote":
     def agree(world, interrupts):
         time.sleep(3600)
@@ -28,6 +31,8 @@ elif MPI.COMM_WORLD.Get_rank() == fault_rank:
         if b == fault_b:
             if fault == "fail":
                 raise RuntimeError(f"injected failure at micro-batch {b}")
+            if fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(3600)
         return original(self, b, x)
 

@@ -1,0 +1,97 @@
+"""Reading the watchdog reports back after a stalled run (petra_mpi/watchdog.py: read_reports,
+diagnose, and `python -m petra_mpi.watchdog --diagnose`): which rank the chain of waits ends at,
+and its host. The reports are written by the real Watchdog, so a change of their wording that the
+reader no longer understands fails here."""
+import io
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+from petra_mpi.watchdog import OWN_WORK, Watchdog, diagnose, read_reports
+
+HOSTS = ["n1", "n1", "n2", "n2", "n3", "n3"]  # 6 ranks, 2 a node
+
+
+def report(rank, waits_on=None, collective=None):
+    """The report of `rank` as its watchdog writes it: waiting on the receive from rank
+    `waits_on`, inside `collective` ("stop vote"), or (neither) in its own work."""
+    out = io.StringIO()
+    pending = [] if waits_on is None else [
+        (True, "receive", "rebuilt input", f"rank {waits_on} ({HOSTS[waits_on]})", 1),
+        (False, "send", "activation", f"rank {waits_on} ({HOSTS[waits_on]})", 1)]
+    dog = Watchdog(3600, f"rank {rank} ({HOSTS[rank]}, stage {rank})", lambda: pending, out=out)
+    try:
+        last = (0.0, None, collective, None) if collective else (0.0, 41, "backward", 33)
+        dog._report(5.0, last)
+    finally:
+        dog.close()
+    return out.getvalue()
+
+
+def test_the_chain_of_waits_ends_at_the_rank_that_did_not_report():
+    """Ranks 0-3 each wait on the next; rank 4's node (n3, ranks 4-5) is gone."""
+    log = "".join(report(r, r + 1) for r in (2, 0, 3, 1))  # in any order
+    waits, hosts = read_reports(log)
+    assert waits == {0: 1, 1: 2, 2: 3, 3: 4}
+    assert diagnose(waits, hosts, 6) == (
+        ["n3"], "rank 4 on n3 is lost or stalled: ranks 4–5 did not report")
+
+
+def test_chains_from_both_sides_end_at_the_same_rank():
+    """The stages before rank 2 wait on its activations, the ones after it on its gradients."""
+    log = report(0, 1) + report(1, 2) + report(3, 2) + report(4, 3) + report(5, 4)
+    waits, hosts = read_reports(log)
+    assert diagnose(waits, hosts, 6) == (
+        ["n2"], "rank 2 on n2 is lost or stalled: rank 2 did not report")
+
+
+def test_a_rank_whose_own_work_stalled_is_the_end_of_the_chain():
+    log = report(0, 1) + report(1, None)
+    waits, hosts = read_reports(log)
+    assert waits == {0: 1, 1: OWN_WORK}
+    assert diagnose(waits, hosts, 2) == (
+        ["n1"], "rank 1 on n1 stalled in its own work (it was not waiting on MPI)")
+
+
+def test_inside_a_collective_the_ranks_that_did_not_report_are_to_blame():
+    log = "".join(report(r, collective="stop vote") for r in (0, 1, 2, 3))
+    waits, hosts = read_reports(log)
+    assert waits == {0: None, 1: None, 2: None, 3: None}
+    assert diagnose(waits, {**dict(enumerate(HOSTS)), **hosts}, 6) == (
+        ["n3"], "rank 4 on n3, rank 5 on n3: lost or stalled (no report; the others' reports "
+                "name no rank they waited on)")
+
+
+def test_reports_after_the_step_began_to_end_are_not_read():
+    """A rank that was stopped (SIGSTOP) and resumed by the launcher's kill reports late, blaming
+    a neighbour that already exited: only what came before srun's first task end counts."""
+    log = (report(0, 1) + "srun: error: vm: task 0: Exited with exit code 5\n"
+           + "srun: launch/slurm: _step_signal: Terminating StepId=7.0\n" + report(1, 0))
+    waits, hosts = read_reports(log)
+    assert waits == {0: 1}
+    assert diagnose(waits, hosts, 2) == (
+        ["n1"], "rank 1 on n1 is lost or stalled: rank 1 did not report")
+
+
+def test_no_reports_no_diagnosis_and_a_cycle_blames_no_rank():
+    assert diagnose(*read_reports("epoch 1/2: train loss 2.3\n"), 2) == ([], "")
+    waits, hosts = read_reports(report(0, 1) + report(1, 0))
+    assert diagnose(waits, hosts, 2) == (
+        [], "every rank reported waiting on another: no rank stands out")
+
+
+def test_the_command_reads_the_launch_part_of_the_log_and_the_placement(tmp_path):
+    """Hosts of silent ranks come from the run's placement (metrics.jsonl); --log-from skips an
+    earlier launch's reports."""
+    (tmp_path / "logs").mkdir()
+    earlier = report(2, 3)
+    (tmp_path / "logs" / "train.log").write_text(earlier + report(0, 1))
+    placement = [{"rank": r, "host": f"h{r}", "stage": r, "replica": 0} for r in range(2)]
+    (tmp_path / "metrics.jsonl").write_text(
+        json.dumps({"event": "start", "placement": placement}) + "\n")
+    out = subprocess.run([sys.executable, "-m", "petra_mpi.watchdog", "--diagnose",
+                          str(tmp_path), "--log-from", str(len(earlier.encode()))],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60, check=True)
+    assert out.stdout.splitlines() == [
+        "n1", "rank 1 on n1 is lost or stalled: rank 1 did not report"]
