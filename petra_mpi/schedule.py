@@ -152,9 +152,10 @@ def backward_microbatch(method: str, num_stages: int, stage: int, tick: int, n: 
 # Micro-batches a stopped segment keeps beyond what has entered stage 0 when the stop applies.
 # At least 1: micro-batch entered_before(t) - 1 may already have had its backward on some stage
 # (J = 1, backprop), which decided "no step" with the old length, and must not become the last.
-# At least the MPI engine's receives posted ahead per stream (transport.RECEIVE_DEPTH = 2): a
-# rank has posted receives up to micro-batch entered_before(t) - 1 + 2, and they must all come.
-# Both engines use this one margin, so that a stop leaves the same state in either.
+# At least RECEIVE_DEPTH (2) under MPI: a stream posts receives up to RECEIVE_DEPTH micro-batches
+# past the last one it received, at most micro-batch entered_before(t) - 1, and every posted
+# receive must still get its message. 3 keeps one micro-batch of slack over both bounds. Both
+# engines use this one margin, so that a stop leaves the same state in either.
 STOP_MARGIN = 3
 
 

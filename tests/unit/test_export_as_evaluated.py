@@ -26,6 +26,7 @@ def bf16_compressed_run(tmp_path_factory):
     try:
         code = train.main(["configs/quickstart.yaml", *QUICK, "--set", f"run.out_dir={out}",
                            "--set", "train.limit_batches=4", "--set", "run.threads=1",
+                           "--set", "data.batch_size=32", "--set", "data.synthetic_val=64",
                            "--set", "run.precision=bf16", "--set", "comm.forward=int8_channel",
                            "--set", "model.balance=estimate"])
     finally:
