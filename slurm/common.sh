@@ -79,9 +79,9 @@ cd "${PETRA_ROOT:-${SLURM_SUBMIT_DIR:-.}}" || petra_die "cannot cd to the reposi
 # the site block: every srun of this job passes this shell's whole environment on.
 if [[ -n ${SLURM_JOB_ID:-} ]]; then
     if [[ -n ${SLURM_EXPORT_ENV:-} && ${SLURM_EXPORT_ENV^^} != ALL* ]]; then
-        petra_say "warning: submitted with --export=$SLURM_EXPORT_ENV: CONFIG, EXTRA_ARGS, OUT_DIR" \
-                  "and the other overrides of your shell did not reach this job; submit with" \
-                  "slurm/submit.sh or sbatch --export=ALL"
+        petra_say "warning: submitted with --export=$SLURM_EXPORT_ENV: CONFIG, EXTRA_ARGS," \
+                  "OUT_DIR and the other overrides of your shell did not reach this job;" \
+                  "submit with slurm/submit.sh or sbatch --export=ALL"
     fi
     export SLURM_EXPORT_ENV=ALL
 fi

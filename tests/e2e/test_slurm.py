@@ -224,7 +224,8 @@ def test_pack_merge_submission(tmp_path):
     assert proc.returncode == 0 and "submitted merge job 6" in proc.stdout, proc.stdout + proc.stderr
     given = args.read_text().split()
     assert {"--account=proj", "--partition=cpu", "--qos=normal", "--reservation=maint",
-            "--dependency=afterok:5", "--kill-on-invalid-dep=yes", "--export=ALL"} <= set(given), given
+            "--dependency=afterok:5", "--kill-on-invalid-dep=yes",
+            "--export=ALL"} <= set(given), given
     path = fake_commands(tmp_path / "bin", sbatch="echo 'sbatch: error: no account' >&2; exit 1")
     proc = subprocess.run(["bash", "slurm/pack_imagenet.sh"], cwd=ROOT, timeout=30, text=True,
                           capture_output=True, env={**env, "PATH": path})
@@ -725,7 +726,8 @@ def test_ranks_of_a_cpus_per_gpu_job_get_their_cpus(affinity_cluster, tmp_path):
     trainer.chmod(0o755)
     script = tmp_path / "per_gpu.sh"
     text = open(os.path.join(ROOT, "slurm", "revnet18_cifar10.sh")).read()
-    script.write_text(re.sub(r"(?m)^#SBATCH --cpus-per-task=\d+$", "#SBATCH --cpus-per-gpu=2", text))
+    script.write_text(re.sub(r"(?m)^#SBATCH --cpus-per-task=\d+$", "#SBATCH --cpus-per-gpu=2",
+                             text))
     jobid = affinity_cluster.sbatch(
         str(script), "--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--gpus-per-node=1",
         f"--output={tmp_path}/slurm-%j.out", cwd=ROOT,

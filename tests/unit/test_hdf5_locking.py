@@ -4,7 +4,8 @@ stand-in for libc's flock, preloaded into a fresh interpreter, makes it fail tha
 HDF5 itself. Packing ImageNet in two shards, joining them (a virtual dataset whose shard files
 HDF5 opens on its own), verifying and reading the join must all work there, with no
 HDF5_USE_FILE_LOCKING in the environment; and with h5py builds that refuse `locking=` (h5py
-before 3.5, or HDF5 before 1.12.1 / 1.10.7), given the batch scripts' HDF5_USE_FILE_LOCKING=FALSE."""
+before 3.5, or HDF5 before 1.12.1 / 1.10.7), given the batch scripts'
+HDF5_USE_FILE_LOCKING=FALSE."""
 import os
 import shutil
 import subprocess

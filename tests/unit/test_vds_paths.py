@@ -62,7 +62,8 @@ def test_shards_found_through_hdf5_vds_prefix(shards, tmp_path):
                          + [str(tmp_path / "a" / "parts" / p.name) for p in parts]) in (0, None)
     (tmp_path / "b").mkdir()
     os.rename(tmp_path / "a" / "parts", tmp_path / "b" / "parts")
-    check = ("import sys\nfrom data_prep import verify\nfrom petra_mpi.data.source import open_split\n"
+    check = ("import sys\nfrom data_prep import verify\n"
+             "from petra_mpi.data.source import open_split\n"
              "assert verify.main([sys.argv[1]]) == 0\n"
              "s = open_split(sys.argv[1], 'train')\nimages, labels = s.read(0, len(s))\n"
              "print(sum(map(len, images)), labels.tolist())\n")
