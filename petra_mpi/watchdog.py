@@ -389,7 +389,12 @@ def diagnose(waits: dict, hosts: dict, size: int | None = None):
     def at(r):
         return f"rank {r}" + (f" on {hosts[r]}" if r in hosts else "")
 
-    lines = [f"{at(r)} is lost or stalled: {_ranks(silent)} did not report" if r not in waits
+    def beside(r):
+        """The silent ranks of r's host (the ranks elsewhere that were ended before their own
+        watchdogs fired are beside the point)."""
+        return [s for s in silent if r not in hosts or hosts.get(s) == hosts[r]]
+
+    lines = [f"{at(r)} is lost or stalled: {_ranks(beside(r))} did not report" if r not in waits
              else f"{at(r)} stalled in its own work (it was not waiting on MPI)" for r in ends]
     if not ends and silent:
         ends = silent

@@ -219,12 +219,18 @@ def test_a_lost_node_ends_with_one_clear_line_requeues_and_resumes(nodes, cifar_
         else:
             nodes.link("n3", up=True)
     print(f"\nnode {how}: the job left its nodes {ended:.1f} s later")
+    # SLURM counts the restart while the batch script still writes its last lines
+    nodes.wait(jobid, lambda jobs: "watchdog reports: " in (out / "logs" / "train.log").read_text(),
+               timeout=60, what="to name the lost rank")
     log = (out / "logs" / "train.log").read_text()
     lost = re.findall(r"petra_mpi: watchdog: rank 3 \(n2, stage 3\): .*", log)
     assert len(lost) == 1 and re.search(r"waiting on the \w+ of [\w ]+ (from|to) rank 4 \(n3\): "
                                         r"that rank or its node is lost or stalled", lost[0]), \
         log[-4000:]
     assert "Segmentation fault" not in log
+    # the batch script followed the reports' chain of waits to the lost node
+    assert "watchdog reports: rank 4 on n3 is lost or stalled: ranks 4–5 did not report" in log, \
+        log[-4000:]
 
     (job,) = nodes.wait(jobid, timeout=300)
     assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), explain(job, out)

@@ -34,7 +34,16 @@ def test_the_chain_of_waits_ends_at_the_rank_that_did_not_report():
     log = "".join(report(r, r + 1) for r in (2, 0, 3, 1))  # in any order
     waits, hosts = read_reports(log)
     assert waits == {0: 1, 1: 2, 2: 3, 3: 4}
-    assert diagnose(waits, hosts, 6) == (
+    assert hosts == {0: "n1", 1: "n1", 2: "n2", 3: "n2", 4: "n3"}
+    assert diagnose(waits, {**dict(enumerate(HOSTS)), **hosts}, 6) == (
+        ["n3"], "rank 4 on n3 is lost or stalled: ranks 4–5 did not report")
+
+
+def test_the_silent_ranks_named_are_those_of_the_lost_rank_host():
+    """Only rank 3 reported before the launcher ended every rank: ranks 0-2 never got to
+    report, but their host is alive; the ranks of rank 4's host are the ones that went silent."""
+    waits, hosts = read_reports(report(3, 4))
+    assert diagnose(waits, {**dict(enumerate(HOSTS)), **hosts}, 6) == (
         ["n3"], "rank 4 on n3 is lost or stalled: ranks 4–5 did not report")
 
 
