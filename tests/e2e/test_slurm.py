@@ -949,3 +949,19 @@ def test_a_rank_killed_by_a_signal_fails_the_job_without_requeue(cluster, tmp_pa
     log = (out / "logs" / "train.log").read_text()
     assert (job["JobState"], job["Restarts"]) == ("FAILED", "0"), job_output(cluster, job) + log
     assert re.search(r"a rank crashed, \S+: task 0: Killed", log), log[-3000:]
+
+
+@pytest.mark.extended
+def test_a_stopped_rank_under_mpirun_ends_the_job(cluster, tmp_path):
+    """LAUNCHER=mpirun: rank 1 stopped (SIGSTOP) mid-run; mpirun ends it once rank 0's watchdog
+    has exited, and the job ends as stalled (MAX_REQUEUES=0: not requeued) with rank 1 named."""
+    out = tmp_path / "run"
+    jobid = submit(cluster, tmp_path, "revnet18_cifar10.sh", CONFIG="configs/quickstart.yaml",
+                   OUT_DIR=str(out), EXTRA_ARGS=LONGER + " --set run.watchdog_s=3",
+                   PYTHON=str(wrapped_trainer(tmp_path)), LAUNCHER="mpirun", MAX_REQUEUES="0")
+    stop_rank_1_once_training(cluster, jobid, tmp_path, out, starts=1)
+    (job,) = cluster.wait(jobid, timeout=120, what="to end")
+    log = (out / "logs" / "train.log").read_text()
+    assert (job["JobState"], job["ExitCode"]) == ("FAILED", "5:0"), job_output(cluster, job) + log
+    assert (f"watchdog reports: rank 1 on {cluster.host} is lost or stalled: rank 1 did not "
+            "report") in log, log[-3000:]
