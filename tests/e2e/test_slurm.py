@@ -758,7 +758,8 @@ def end_of_step(tmp_path, lines, srun_status, **env):
     path = fake_commands(
         tmp_path / "bin", srun=f"cat {printed} >&2; exit {srun_status}",
         scontrol=f'echo "$@" >>{calls}\n'
-                 f'if [[ $1 == -o ]]; then echo "JobId=$4 JobState=COMPLETED ExcNodeList=(null)"; fi')
+                 'if [[ $1 == -o ]]; then\n'
+                 '    echo "JobId=$4 JobState=COMPLETED ExcNodeList=(null)"\nfi')
     proc = run_batch_script(tmp_path, path, PYTHON=sys.executable, **env)
     log = (tmp_path / "run" / "logs" / "train.log").read_text()
     return proc, calls.read_text().splitlines() if calls.exists() else [], log
