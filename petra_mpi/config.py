@@ -68,6 +68,11 @@ class RunConfig:
     prints its last action and pending messages and ends the job with exit status 5 (a lost node
     or a hang; docs/running.md). None: 20 times the slowest gap between two actions so far, at
     least 120 s; 0: off."""
+    startup_s: Annotated[float, AtLeast(0)] = 600.0
+    """Under a launcher (mpirun, srun): a rank whose start-up (MPI's start, the device, opening
+    the data, building the stages, loading a checkpoint, and every stage's first micro-batch)
+    takes longer than this many seconds reports where it stood and exits with status 5, like
+    the watchdog (docs/running.md); 0: not watched."""
     trace: bool = False
     """Write a per-rank timeline of this job (forward, backward, step, loss, MPI waits, planned
     ticks) to out_dir/trace.json in Chrome-trace format, for Perfetto; see docs/timeline.md."""

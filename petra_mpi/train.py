@@ -14,6 +14,7 @@ import sys
 
 from .config import ConfigError, load_config, validate
 from .stopping import StopRequest
+from .watchdog import begin_startup, startup_step
 
 
 def parse_args(argv):
@@ -58,8 +59,12 @@ def main(argv=None) -> int:
     stop = StopRequest().install()  # first: a signal during start-up still means "stop cleanly"
     from .mpi.world import LaunchError, World, launcher_rank_and_size
     launched = launcher_rank_and_size()
-    if launched and checked_config(args, *launched) is None:  # before torch loads (bind_early)
-        return 2
+    if launched:
+        cfg = checked_config(args, *launched)  # before torch loads (bind_early)
+        if cfg is None:
+            return 2
+        if not args.dry_run:  # from here a hang (MPI, the GPU, the data) ends the rank
+            begin_startup(cfg.run.startup_s, launched[0])
     _bind_gpu_before_mpi(args)
     try:
         world = World.from_environment()
@@ -70,6 +75,7 @@ def main(argv=None) -> int:
     cfg = checked_config(args, rank, size)  # MPI's world size: a launcher not known above
     if cfg is None:
         return 2
+    startup_step("loading torch")
     from .checkpoint import CheckpointError
     from .compress import NonFiniteError
     from .trainer import TrainingError

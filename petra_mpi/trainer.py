@@ -29,7 +29,8 @@ from .metrics import MetricsWriter, Progress, fmt_time, stage_memory, write_json
 from .models import num_blocks
 from .optim import LRSchedule, peak_lr
 from .stopping import EVAL_CHECK_BATCHES, EXIT_REQUEUE, STOP, Interrupts, agree
-from .watchdog import CHECKPOINT_GRACE_S, NoWatchdog
+from .watchdog import (CHECKPOINT_GRACE_S, EVALUATION_GRACE_S, NoWatchdog, end_startup,
+                       startup_step)
 from . import trace
 
 
@@ -347,12 +348,15 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
     """Train on this process's stages; `world` is the MPI context (None in one process);
     `stop` is set by SIGUSR1/SIGTERM; `profile` (with dry_run) measures the blocks' costs.
     Returns the exit status: 0 when the run finished, EXIT_REQUEUE when it stopped on request."""
+    startup_step("setting up the device")
     where = place(cfg, world)
     if dry_run:
         from .dryrun import report
         return report(cfg, where.J, world, device=where.device, dtype=where.dtype,
                       profile=profile)
     trainer = Trainer(cfg, world, where, stop)
+    if world is None:
+        end_startup()  # no neighbours wait for this process's first micro-batch
     try:
         if trainer.already_finished:  # its outputs stay as they are
             return 0
@@ -372,6 +376,8 @@ class Trainer:
         self.reads_data = where.stage == 0
         self.writes = world.is_writer if world else True
         self.train_loaders, self.val_loader = [], None
+        startup_step(f"opening the data ({cfg.data.path})" if self.reads_data else
+                     "waiting for stage 0 to open the data")
         lengths = self._open_data()
         self.n, self.m = segment_lengths(cfg, *lengths[:2])
         self.input_shape = lengths[2]
@@ -381,6 +387,7 @@ class Trainer:
         partition = choose_partition(cfg, where.J, world, where.device, where.dtype,
                                      self.input_shape, resume)
         self.epoch = 0  # the epoch being trained: diagnostics records carry it
+        startup_step("building the stages")
         self._build_engine(partition)
         self.writer = MetricsWriter(cfg.run.out_dir, cfg.run.tensorboard) if self.writes else None
         self._describe_checkpoints()
@@ -388,6 +395,7 @@ class Trainer:
                               "wall_time_s": 0.0})
         changes = []
         if resume:
+            startup_step(f"loading the checkpoint {resume}")
             # the newest checkpoint every rank can read (a crash may have damaged the newest)
             resume, (state, changes) = resume_readable(
                 resume, lambda path: resume_from(path, self.identity, self.layout, self.workers,
@@ -402,6 +410,7 @@ class Trainer:
                                      keeps_clock=where.rank == 0)
         self.stopping = False  # every rank agreed to stop (a signal or a due wall-time stop)
         self.start = time.perf_counter()
+        startup_step("training the first micro-batch")
 
     def _open_data(self):
         """Open this process's loaders (stage 0 only) and return (training batches, validation
@@ -645,9 +654,16 @@ class Trainer:
             self.val_loader.load_state_dict({"epoch": 0, "position": 0})
             val_batches = _as_dtype(itertools.islice(iter(self.val_loader), self.m),
                                     self.where.dtype)
+        # Replica 0 evaluates, the other replicas wait for it in the vote after each piece (the
+        # last piece's is end_epoch's): every rank allows for the piece until that vote.
+        def vote_then_allow():
+            level = self.vote()
+            self.watchdog.allow("evaluation", EVALUATION_GRACE_S)
+            return level
+        self.watchdog.allow("evaluation", EVALUATION_GRACE_S)
         with self.tracer.span(trace.EVAL):
             totals, self.stopping = evaluate_in_pieces(self.engine, val_batches, self.m,
-                                                       self.vote)
+                                                       vote_then_allow)
         return totals
 
     # ------------------------------------------------------------------ the end

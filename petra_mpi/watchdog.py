@@ -225,15 +225,16 @@ _startup_pipe = None
 
 
 def begin_startup(deadline_s, rank):
-    """Watch this rank's start-up from now on, for deadline_s seconds (run.startup_s; 0: not at
-    all), from a child process: call before MPI starts. When the deadline passes, the watcher
-    reports like the watchdog and makes the rank exit with EXIT_STALLED: the rank's handler of
-    signal EXIT_STALLED (SIGTRAP) is the C library's _exit, which the kernel calls with the
-    signal's number, so it exits even while its interpreter is held in native code; SIGKILL
-    follows when even that cannot run (the report is written either way)."""
+    """Watch this rank's start-up from now on from a child process: each step (startup_step) may
+    take deadline_s seconds (run.startup_s; 0: not watched). Call it before MPI starts. When a
+    step outlasts the deadline, the watcher reports like the watchdog and makes the rank exit
+    with EXIT_STALLED: the rank's handler of signal EXIT_STALLED (SIGTRAP) is the C library's
+    _exit, which the kernel calls with the signal's number, so the rank exits even while its
+    interpreter is held in native code; SIGKILL follows when even that cannot run (the report
+    is written either way)."""
     global _startup_pipe
-    if not deadline_s or _startup_pipe is not None:
-        return
+    if not deadline_s or _startup_pipe is not None or "mpi4py.MPI" in sys.modules:
+        return  # (a process forked after MPI started is unsafe on some interconnects)
     import ctypes
     assert signal.SIGTRAP == EXIT_STALLED
     libc = ctypes.CDLL(None, use_errno=True)
@@ -291,7 +292,7 @@ def end_startup():
 
 def _watch_startup(pipe, deadline_s, where, rank_pid):
     """The watcher's loop: read the rank's steps until it says the start-up is over (or dies:
-    end of file); at the deadline, report and end it."""
+    end of file); when a step outlasts the deadline, report and end the rank."""
     step, pending, left = "starting", b"", deadline_s
     while left > 0:
         asked = min(1.0, deadline_s / 10)
@@ -306,7 +307,7 @@ def _watch_startup(pipe, deadline_s, where, rank_pid):
                 return  # started, or the rank is gone
             *lines, pending = (pending + data).split(b"\n")
             if lines:
-                step = lines[-1].decode(errors="replace")
+                step, left = lines[-1].decode(errors="replace"), deadline_s
     _write(sys.stderr, f"petra_mpi: watchdog: {where}: no progress for {deadline_s:g} s "
                        f"(run.startup_s) in the start-up, at: {step}; exit status {EXIT_STALLED}")
     os.kill(rank_pid, signal.SIGTRAP)

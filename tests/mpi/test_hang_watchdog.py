@@ -1,8 +1,17 @@
 """The hang watchdog in a real MPI run: one rank stalls, every rank reports and the job ends with
 the watchdog's exit status instead of hanging."""
+import glob
+import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
-from conftest import PROGRAMS, QUICK, mpirun
+import pytest
+
+from conftest import PROGRAMS, QUICK, ROOT, mpirun
 from petra_mpi.watchdog import EXIT_STALLED
 
 
@@ -50,3 +59,121 @@ def test_a_rank_lost_before_a_stop_vote_ends_the_job(tmp_path):
         assert head == (f"no progress for 3 s (run.watchdog_s) in the stop vote, a collective of "
                         f"every rank: a rank or its node is lost or stalled; exit status "
                         f"{EXIT_STALLED}"), head
+
+
+# ------------------------------------------------------------------ waits the watchdog allows for
+
+def test_replicas_wait_for_replica_0s_evaluation_within_its_grace(tmp_path):
+    """Two replicas of one stage: replica 0 evaluates 200 batches in one piece while replica 1,
+    which does not evaluate, waits for it in the next stop vote, far longer than
+    run.watchdog_s=2 (but within the evaluation's grace). The run finishes."""
+    proc = mpirun(2, ["-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",
+                      f"run.out_dir={tmp_path}", *QUICK, "--set", "train.limit_batches=4",
+                      "--set", "model.stages=1", "--set", "train.replicas=2", "--set",
+                      "data.synthetic_val=12800", "--set", "model.balance=estimate", "--set",
+                      "run.threads=1", "--set", "run.watchdog_s=2"], timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "watchdog" not in out, out[-3000:]
+    evals = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+             if r["event"] == "eval"]
+    assert len(evals) == 1
+
+
+def launch(n, args, **kw):
+    """mpirun, its stdout and stderr together."""
+    cmd = ["mpirun", "-n", str(n), sys.executable, *map(str, args)]
+    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            **kw)
+
+
+def signal_job(pid, sig):
+    """Send sig to the process `pid` and to every process below it (mpirun, its proxy and the
+    ranks, each of which Hydra starts in a session of its own), as SLURM signals every process
+    of a job."""
+    children = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.split("/")[2]))
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+
+
+def finish(proc, timeout):
+    """(exit status, output) of a launch; the job is killed if it outlives timeout."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        signal_job(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"the job hung:\n{out[-3000:]}") from None
+    return proc.returncode, out
+
+
+def test_a_suspended_job_goes_on_when_resumed(tmp_path):
+    """Every process of the job is stopped (SIGSTOP, as SLURM suspends a job) mid-training for
+    three times run.watchdog_s, then continued: no watchdog fires and the run finishes."""
+    metrics = tmp_path / "metrics.jsonl"
+    proc = launch(2, ["-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",
+                      f"run.out_dir={tmp_path}", *QUICK, "--set", "train.limit_batches=28",
+                      "--set", "data.synthetic_train=4096", "--set", "run.log_every=1",
+                      "--set", "model.balance=estimate", "--set", "run.threads=1",
+                      "--set", "run.watchdog_s=2"])
+    try:
+        # past the start-up: micro-batch 20 at least has been trained (k = 2)
+        while proc.poll() is None and not any(
+                r["event"] == "train" and r["step"] >= 10
+                for r in map(json.loads, metrics.read_text().splitlines()
+                             if metrics.exists() else [])):
+            time.sleep(0.1)
+        signal_job(proc.pid, signal.SIGSTOP)
+        time.sleep(6.0)  # the suspension: three times run.watchdog_s
+        signal_job(proc.pid, signal.SIGCONT)
+    finally:
+        status, out = finish(proc, timeout=300)
+    assert status == 0 and "watchdog" not in out, out[-3000:]
+    assert any(json.loads(r)["event"] == "eval" for r in metrics.read_text().splitlines())
+
+
+START_UP = ["configs/quickstart.yaml", *QUICK, "--set", "data.synthetic_train=256", "--set",
+            "data.synthetic_val=64", "--set", "model.balance=estimate", "--set", "run.threads=1"]
+
+
+def test_a_rank_stuck_in_mpis_start_ends_the_job(tmp_path):
+    """Rank 1 stops as it starts MPI: rank 0 hangs in MPI's start (holding Python's interpreter
+    lock, so no thread of it could report). The start-up watchers report and the job ends with
+    the watchdog's status instead of hanging."""
+    proc = launch(2, [PROGRAMS / "stop_at_startup.py", "mpi", 1, *START_UP, "--set",
+                      f"run.out_dir={tmp_path}", "--set", "run.startup_s=3"])
+    status, out = finish(proc, timeout=120)
+    assert status in ENDED_BY_WATCHDOG, out[-3000:]
+    reports = re.findall(r"^petra_mpi: watchdog: rank (\d) \(\S+\): (.*)$", out, re.M)
+    assert reports and all(
+        line == f"no progress for 3 s (run.startup_s) in the start-up, at: starting MPI; exit "
+                f"status {EXIT_STALLED}" for _, line in reports), out[-3000:]
+
+
+@pytest.mark.extended
+def test_a_rank_stopped_before_its_first_tick_ends_the_job(tmp_path):
+    """Rank 1 stops just before it trains: rank 0 waits for it in its first ticks, where the
+    watchdog does not watch yet (a neighbour may still be loading a checkpoint or warming up).
+    The start-up deadline ends the job; the reports name the step. (run.startup_s=30: every
+    earlier step of the start-up must fit in it on a crowded machine.)"""
+    proc = launch(2, [PROGRAMS / "stop_at_startup.py", "first-tick", 1, *START_UP, "--set",
+                      f"run.out_dir={tmp_path}", "--set", "run.startup_s=30"])
+    status, out = finish(proc, timeout=240)
+    assert status in ENDED_BY_WATCHDOG, out[-3000:]
+    reports = re.findall(r"^petra_mpi: watchdog: rank (\d) \(\S+\): (.*)$", out, re.M)
+    assert "0" in dict(reports), out[-3000:]
+    assert all(line == f"no progress for 30 s (run.startup_s) in the start-up, at: training the "
+                       f"first micro-batch; exit status {EXIT_STALLED}" for _, line in reports)

@@ -1,6 +1,12 @@
 """The hang watchdog on its own (petra_mpi/watchdog.py), with a fake rank: no MPI."""
 import io
+import signal
+import subprocess
+import sys
 import threading
+import time
+
+from conftest import ROOT
 
 from petra_mpi.watchdog import AUTO_FLOOR_S, AUTO_TICKS, EXIT_STALLED, Watchdog, auto_limit
 
@@ -84,3 +90,46 @@ def test_after_a_collective_the_rank_is_idle_and_its_length_is_no_gap():
     assert dog.limit() == AUTO_FLOOR_S  # the vote's 500 s did not count as a gap
     dog.close()
     assert rank.out.getvalue() == ""
+
+
+def test_a_steps_grace_lasts_until_the_next_agreement():
+    """A rank that does not evaluate itself waits for replica 0's evaluation in the next stop
+    vote: the step's grace covers that wait, and the vote completing ends it."""
+    rank = FakeRank()
+    dog = Watchdog(0.2, "rank 1 (n1, stage 0)", rank.pending, out=rank.out, exit=rank.exit)
+    dog.allow("evaluation", 1.0)
+    with dog.collective("stop vote"):
+        assert not rank.exited.wait(0.6)  # past the limit, within the grace
+    assert dog.grace == 0  # agreed: every rank is past the evaluation
+    with dog.collective("stop vote"):
+        assert rank.exited.wait(30), "the watchdog never fired"
+    dog.close()
+    assert rank.out.getvalue() == (
+        "petra_mpi: watchdog: rank 1 (n1, stage 0): no progress for 0.2 s (run.watchdog_s) in "
+        f"the stop vote, a collective of every rank: a rank or its node is lost or stalled; exit "
+        f"status {EXIT_STALLED}\n")
+
+
+def test_a_process_stopped_and_continued_restarts_its_beat():
+    """A child process beats between pieces of work under a 1 s watchdog; stopped (SIGSTOP, as
+    SLURM suspends a job) for 3 s and continued, it goes on and ends by itself with status 0.
+    The work (hashing, which releases Python's lock as a computation or an MPI wait does) is
+    most likely under way when the process is continued, so the watch loop runs before the
+    next beat."""
+    program = ("import hashlib\n"
+               "from petra_mpi.watchdog import Watchdog\n"
+               "dog = Watchdog(1.0, 'rank 0', lambda: [])\n"
+               "blob = bytes(16 << 20)\n"
+               "for i in range(60):\n"
+               "    dog.beat(i, 'forward', i)\n"
+               "    print(i, flush=True)\n"
+               "    hashlib.sha256(blob).digest()\n")
+    proc = subprocess.Popen([sys.executable, "-c", program], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == "0"  # beating
+    proc.send_signal(signal.SIGSTOP)
+    time.sleep(3.0)  # the suspension: three times the limit
+    proc.send_signal(signal.SIGCONT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and err == "", err
+    assert out.split()[-1] == "59"
