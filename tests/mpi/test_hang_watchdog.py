@@ -66,12 +66,14 @@ def test_a_rank_lost_before_a_stop_vote_ends_the_job(tmp_path):
 def test_replicas_wait_for_replica_0s_evaluation_within_its_grace(tmp_path):
     """Two replicas of one stage: replica 0 evaluates 200 batches in one piece while replica 1,
     which does not evaluate, waits for it in the next stop vote, far longer than
-    run.watchdog_s=2 (but within the evaluation's grace). The run finishes."""
+    run.watchdog_s=2 (a training action takes a few hundredths of that), but within the
+    evaluation's grace. The run finishes."""
     proc = mpirun(2, ["-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",
                       f"run.out_dir={tmp_path}", *QUICK, "--set", "train.limit_batches=4",
                       "--set", "model.stages=1", "--set", "train.replicas=2", "--set",
-                      "data.synthetic_val=12800", "--set", "model.balance=estimate", "--set",
-                      "run.threads=1", "--set", "run.watchdog_s=2"], timeout=300)
+                      "data.synthetic_val=12800", "--set", "model.width=8", "--set",
+                      "model.balance=estimate", "--set", "run.threads=1", "--set",
+                      "run.watchdog_s=2"], timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "watchdog" not in out, out[-3000:]
     evals = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
