@@ -12,7 +12,6 @@ outputs.
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -212,6 +211,7 @@ KINDS = {
     'mpirun -n 10 python -m petra_mpi.train configs/table2/imagenet32/revnet18_petra.yaml --set train.accumulation=8 --set run.out_dir=runs/table2/imagenet32/revnet18_petra_k8':
         ("download", None),
     'python -m petra_mpi.export RUN_DIR [--checkpoint PATH] --out model.pt': ("usage", None),
+    'python -m petra_mpi.watchdog --diagnose RUN_DIR': ("usage", None),
     # docs/testing.md
     'python -m pytest -q -m extended': ("suite", None),
     'bash scripts/gpu_validate.sh gpu': ("gpu", None),
