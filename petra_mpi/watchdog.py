@@ -274,8 +274,7 @@ def startup_watched() -> bool:
 def startup_step(what):
     """Tell the start-up watcher what this rank starts now ("opening the data"): its report
     names the last step."""
-    if _startup_pipe is not None:
-        os.write(_startup_pipe, (what.replace("\n", " ") + "\n").encode())
+    _tell_watcher((what.replace("\n", " ") + "\n").encode())
 
 
 def end_startup():
@@ -284,10 +283,19 @@ def end_startup():
     global _startup_pipe
     if _startup_pipe is None:
         return
-    os.write(_startup_pipe, b"\0\n")
+    _tell_watcher(b"\0\n")
     os.close(_startup_pipe)
     _startup_pipe = None
     signal.signal(signal.SIGTRAP, signal.SIG_DFL)
+
+
+def _tell_watcher(data):
+    if _startup_pipe is None:
+        return
+    try:
+        os.write(_startup_pipe, data)
+    except OSError:  # the watcher was killed: the start-up goes on unwatched
+        pass
 
 
 def _watch_startup(pipe, deadline_s, where, rank_pid):
