@@ -143,7 +143,7 @@ def test_rerun_resumes_by_default_and_none_refuses_to_mix(tmp_path):
     proc = train("--set", f"run.out_dir={tmp_path}", *QUICK)
     assert proc.returncode == 0, proc.stderr[-3000:]
     again = train("--set", f"run.out_dir={tmp_path}", *QUICK, timeout=60)  # resume: auto
-    assert again.returncode == 0 and "resumed from" in again.stderr
+    assert again.returncode == 0 and "already finished, nothing to do" in again.stderr
     fresh = train("--set", f"run.out_dir={tmp_path}", *QUICK, "--set", "run.resume=none",
                   timeout=60)
     assert fresh.returncode == 1 and "holds checkpoints of an earlier run" in fresh.stderr
