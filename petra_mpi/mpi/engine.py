@@ -250,9 +250,8 @@ class MPIEngine:
         request = self.world.comm.Iallreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
 
         def result():
-            self.transport.post_all()
             self.transport.blocked = STOP_VOTE
-            request.Wait()
+            self.transport.wait(request)
             self.transport.blocked = None
             self.watchdog.agreed(tick)  # every rank is past the ticks before `tick`
             return int(flag[0])

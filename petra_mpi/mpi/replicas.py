@@ -57,7 +57,7 @@ class MPIMean:
     summed by a non-blocking Iallreduce. On a GPU the bucket (or its pinned host copy, queued
     behind the backward) is handed to MPI once an event after it has completed: posted by a
     poll between blocks, or before the rank blocks, polling the transport meanwhile. The host
-    never waits for the GPU. It joins the transport's boxes, so that polls and post_all reach it."""
+    never waits for the GPU. It joins the transport's boxes, so that polls and waits reach it."""
 
     def __init__(self, comm, transport, path):
         self.comm, self.transport, self.path = comm, transport, path
@@ -105,10 +105,11 @@ class MPIMean:
             self.request.Get_status()  # drives MPI's progress
 
     def finish(self, worker):
-        self.transport.post_all()  # a neighbour we never wait for may wait for our sends
-        self.post_ready(wait=True)  # (post_all has posted it, unless a caller emptied the boxes)
+        # both waits post the other boxes' sends as their data become ready (a neighbour may
+        # wait for one of them) but never wait for data the all-reduce does not need
+        self.post_ready(wait=True)
         start = time.perf_counter()
-        self.request.Wait()
+        self.transport.wait(self.request)
         self.waited += time.perf_counter() - start
         (flat, host, params), self.request, self.held = self.held, None, None
         if host is not None:

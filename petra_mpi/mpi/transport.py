@@ -224,13 +224,6 @@ class Transport:
         for box in self.boxes:
             box.poll()
 
-    def post_all(self):
-        """Post every send still waiting for its GPU data: called before this rank blocks, since
-        the neighbour it waits for may itself be waiting for one of them."""
-        for box in self.boxes:
-            if hasattr(box, "post_ready"):
-                box.post_ready(wait=True)
-
     def wait_for(self, event):
         """Return once the GPU has passed `event`, polling the transport meanwhile: blocking in
         event.synchronize() would stop every transfer in flight until the GPU catches up."""

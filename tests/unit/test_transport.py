@@ -128,25 +128,6 @@ class FakeComm:
         return FakeRequest(self.log, "allreduce")
 
 
-def test_posting_gpu_sends_polls_mpi_instead_of_blocking():
-    """Before a rank blocks it posts every send still waiting for its GPU data: while an event is
-    not ready it must drive the receives and sends in flight, then post in order, each once."""
-    comm, transport = FakeComm(), Transport(torch.device("cpu"), cuda_aware=False)
-    inbox = Inbox(comm, transport, 0, TAG_ACTIVATION, (2, 3), torch.float32)
-    inbox.expect(1)
-    outbox = Outbox(comm, transport, 1, TAG_ACTIVATION, depth=4)
-    outbox.put(torch.zeros(2))  # a CPU send: posted at once
-    first, second = FakeEvent(3), FakeEvent(0)
-    outbox.unposted.extend([("a", None, first), ("b", None, second)])
-    transport.post_all()
-    sends = [what for kind, what in comm.log if kind == "send"][1:]
-    assert sends == ["a", "b"], "GPU sends posted out of order or twice"
-    before_a = comm.log[:comm.log.index(("send", "a"))]
-    assert ("progress", "receive") in before_a, "receives in flight were not driven"
-    assert ("progress", "host tensor") in before_a, "sends in flight were not driven"
-    assert not outbox.unposted and first.polls == 0
-
-
 def test_a_poll_posts_only_what_is_ready():
     comm, transport = FakeComm(), Transport(torch.device("cpu"), cuda_aware=False)
     outbox = Outbox(comm, transport, 1, TAG_ACTIVATION)
@@ -213,6 +194,25 @@ def test_a_receive_does_not_wait_for_the_gpu_data_of_earlier_sends():
     held.released = True
     transport.poll()
     assert [w for k, w in comm.log if k == "send"] == ["ready soon", "behind kernels"]
+
+
+def test_finishing_the_replica_average_does_not_wait_for_other_sends_gpu_data():
+    """The all-reduce of the replicas' average waits for its own bucket only: a send queued
+    behind kernels elsewhere stays unposted while the average completes, and sends whose data
+    become ready during the wait go out in order, each once."""
+    comm, transport = ArrivingComm(), Transport(torch.device("cpu"), cuda_aware=False)
+    mean = MPIMean(comm, transport, "cpu")
+    worker = FakeWorker([[2.0, 4.0]])
+    mean.start(worker)
+    mean.request = ArrivingRequest(comm.log, "allreduce", tests=4)
+    outbox = Outbox(comm, transport, 1, TAG_ACTIVATION, depth=4)
+    held = HeldEvent()
+    outbox.unposted.extend([("a", None, FakeEvent(1)), ("b", None, FakeEvent(0)),
+                            ("behind kernels", None, held)])
+    mean.finish(worker)
+    assert [w for k, w in comm.log if k == "send"] == ["a", "b"]
+    assert held.queries > 0 and len(outbox.unposted) == 1  # polled, not waited for
+    assert [p.grad.tolist() for p in worker.optimizer.params] == [[1.0, 2.0]]
 
 
 def test_making_room_for_a_send_waits_for_the_oldest_send_not_the_gpu():
