@@ -2,10 +2,10 @@
 model.arch and model.stages with these before any rank loads torch (models/ builds the nets)."""
 import typing
 
-# Every model.arch: the CNNs of the paper, the fully invertible RevNets (models/invertible.py)
-# and the transformers (models/vit.py).
+# Every model.arch: the CNNs of the paper, the fully invertible RevNets (models/invertible.py),
+# the vision transformers (models/vit.py) and the causal language models (models/lm.py).
 Arch = typing.Literal["resnet18", "resnet34", "resnet50", "revnet18", "revnet34", "revnet50",
-                      "irevnet18", "irevnet34", "irevnet50", "revvit", "vit"]
+                      "irevnet18", "irevnet34", "irevnet50", "revvit", "vit", "revlm", "lm"]
 ARCH_NAMES = typing.get_args(Arch)
 
 ARCHS = {  # name: (reversible, bottleneck, blocks per layer)
@@ -22,6 +22,7 @@ INVERTIBLE_ARCHS = {  # name: (bottleneck branches, blocks per layer), the RevNe
     "irevnet50": (True, (3, 4, 6, 3)),
 }
 VIT_ARCHS = ("revvit", "vit")
+LM_ARCHS = ("revlm", "lm")  # [embedding, depth decoder blocks, head], like the ViTs
 DEFAULT_DEPTH = 8  # transformer blocks of revvit/vit when model.depth is 0
 
 
@@ -32,7 +33,7 @@ def vit_num_blocks(depth: int) -> int:
 def num_blocks(arch: str, depth: int = 0) -> int:
     """Number of blocks (stem + residual or transformer blocks + head): the most stages the net can
     be split into. `depth`: transformer blocks of revvit/vit (0: the default)."""
-    if arch in VIT_ARCHS:
+    if arch in VIT_ARCHS or arch in LM_ARCHS:
         return vit_num_blocks(depth)
     if arch in INVERTIBLE_ARCHS:
         return sum(INVERTIBLE_ARCHS[arch][1]) + 2

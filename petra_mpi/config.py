@@ -14,7 +14,7 @@ import yaml
 
 # No torch here (nor through these imports): every rank checks its config and the world size
 # before it loads torch, which takes seconds per rank on a crowded node.
-from .archs import Arch, VIT_ARCHS, default_heads, num_blocks
+from .archs import LM_ARCHS, Arch, VIT_ARCHS, default_heads, num_blocks
 
 
 class ConfigError(ValueError):
@@ -93,8 +93,15 @@ class ModelConfig:
     """revvit/vit: attention heads, dividing model.width; 0: one per 64 features (at least 1)."""
     patch: int = 4
     """revvit/vit: patch side in pixels; must divide the image side."""
+    context: Annotated[int, AtLeast(1)] = 64
+    """revlm/lm: context length in tokens (the position embedding's size; the training windows
+    have this length)."""
+    tie_weights: bool = False
+    """revlm/lm: the head's projection reuses the token embedding's table. One weight copy per
+    stage allows it only when the embedding and the head share a stage (J = 1)."""
     num_classes: Annotated[int, AtLeast(2)] = 10
-    """Classes of the head; must match the dataset."""
+    """Classes of the head; must match the dataset. For revlm/lm the vocabulary size (the token
+    file's `num_classes`: 256 for bytes)."""
     stem: Literal["cifar", "imagenet"] = "cifar"
     """cifar (3x3 conv) or imagenet (7x7 stride-2 conv and max-pool)."""
     stages: Annotated[int, AtLeast(0)] = 0
@@ -345,6 +352,15 @@ def validate(cfg: Config, world_size: int | None = None):
         need(cfg.model.width % heads == 0, "model.heads",
              f"{heads} heads must divide model.width {cfg.model.width}")
         need(cfg.model.patch >= 1, "model.patch", "must be >= 1")
+    if cfg.model.arch in LM_ARCHS:
+        need(cfg.model.depth >= 1, "model.depth", "must be >= 1")
+        need(cfg.model.heads >= 0, "model.heads", "must be >= 0 (0: one per 64 features)")
+        heads = cfg.model.heads or default_heads(cfg.model.width)
+        need(cfg.model.width % heads == 0, "model.heads",
+             f"{heads} heads must divide model.width {cfg.model.width}")
+        need(not cfg.model.tie_weights or num_stages(cfg, world_size or 1) == 1,
+             "model.tie_weights", "needs the embedding and the head on one stage (J = 1): with "
+             "one weight copy per stage a table cannot live on two stages")
     blocks = num_blocks(cfg.model.arch, cfg.model.depth)
     need(0 <= cfg.model.stages <= blocks, "model.stages",
          f"{cfg.model.arch} has {blocks} blocks: use 1 to {blocks} stages (0: automatic)")
@@ -404,7 +420,11 @@ def num_replicas(cfg: Config, world_size: int = 1) -> int:
 
 def model_kwargs(cfg: Config) -> dict:
     """The model keys beyond arch/width/classes/stem that build_stages needs (model_kw), and that a
-    checkpoint must share: depth, heads and patch for revvit/vit, nothing for the CNNs."""
+    checkpoint must share: depth, heads and patch for revvit/vit, depth, heads, context and
+    tie_weights for revlm/lm, nothing for the CNNs."""
+    if cfg.model.arch in LM_ARCHS:
+        return {"depth": cfg.model.depth, "heads": cfg.model.heads,
+                "context": cfg.model.context, "tie_weights": cfg.model.tie_weights}
     if cfg.model.arch not in VIT_ARCHS:
         return {}
     return {"depth": cfg.model.depth, "heads": cfg.model.heads, "patch": cfg.model.patch}

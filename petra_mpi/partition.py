@@ -30,7 +30,10 @@ def block_costs(blocks, image_size: int) -> list[float]:
              if not list(m.children())]
     was_training = [b.training for b in blocks]
     try:
-        x = torch.zeros(1, 3, image_size, image_size)
+        # a language model's embedding takes a context of token ids, not an image
+        context = getattr(blocks[0], "context", None)
+        x = (torch.zeros(1, context, dtype=torch.long) if context
+             else torch.zeros(1, 3, image_size, image_size))
         with torch.no_grad():
             for b in blocks:
                 b.eval()

@@ -6,16 +6,24 @@ one for the head (10 stages for the 18-layer nets, 18 for the 34/50-layer nets).
 """
 from torch import nn
 
-from ..archs import ARCH_NAMES, ARCHS, INVERTIBLE_ARCHS, VIT_ARCHS, num_blocks  # noqa: F401
+from ..archs import (ARCH_NAMES, ARCHS, INVERTIBLE_ARCHS, VIT_ARCHS, default_heads,  # noqa: F401
+                     num_blocks)
 from .blocks import (DownsampleBlock, Head, PadShortcut, ResidualBlock, ReversibleBlock, Stem,
                      basic_branch, bottleneck_branch, conv_bn)
 from .invertible import build_invertible_blocks
+from .lm import LM_ARCHS, build_lm_blocks
 from .vit import build_vit_blocks
 
 
 def build_blocks(arch: str, width: int = 64, num_classes: int = 10, imagenet_stem: bool = False,
                  *, image_size: int = 32, **vit_kw) -> list[nn.Module]:
-    """The block list; `image_size` and `vit_kw` (depth, heads, patch) concern revvit/vit only."""
+    """The block list; `image_size` and `vit_kw` (depth, heads, patch) concern revvit/vit only;
+    for revlm/lm num_classes is the vocabulary and `vit_kw` holds depth, heads, context and
+    tie_weights (models/lm.py)."""
+    if arch in LM_ARCHS:
+        kw = dict(vit_kw)
+        kw["heads"] = kw.get("heads") or default_heads(width)
+        return build_lm_blocks(arch, width, num_classes, **kw)
     if arch in VIT_ARCHS:
         return build_vit_blocks(arch, width, num_classes, image_size=image_size, **vit_kw)
     if arch in INVERTIBLE_ARCHS:
