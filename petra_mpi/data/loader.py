@@ -168,6 +168,8 @@ class BatchLoader:
                 dy, dx, flip = A.crop_params(rng, len(idx))
                 flip &= self.src.hflip  # drawn all the same: the other draws stay put
                 item["params"] = torch.from_numpy(np.stack([dy, dx, flip.astype(np.int64)]))
+        elif self.src.kind == "tokens":  # (inputs, next-token targets): no augmentation
+            item["images"] = torch.from_numpy(images)
         else:
             flip, uniforms = A.rrc_uniforms(rng, len(idx)) if rng is not None else (None, None)
             if self._gpu_decode:
@@ -226,6 +228,8 @@ class BatchLoader:
             x = A.crop_flip(x, dy, dx, flip.bool())
         elif "flip" in item:
             x = A.flip_images(x, item["flip"].to(dev, non_blocking=nb))
+        if self.src.kind == "tokens":
+            return x, y  # token ids, not pixels
         return A.normalize(x, self._scale, self._shift), y
 
     # ---- iteration -------------------------------------------------------------------------

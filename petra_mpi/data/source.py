@@ -54,6 +54,9 @@ def open_split(path, split, *, synthetic_sizes=(50_000, 10_000), seed=0, in_memo
                                         seed if split == "train" else seed + 1)
         return ArraySource(images, labels, num_classes=SYNTHETIC_CLASSES, mean=mean, std=std,
                            name=f"synthetic/{split}")
+    from .text import TokenSource, is_token_file  # token files of the language models
+    if is_token_file(path):
+        return TokenSource(path, split)
     return H5Source(path, split, in_memory=in_memory)
 
 

@@ -1,0 +1,120 @@
+"""Token files (data_prep/text.py) and their reader (petra_mpi/data/text.py) through BatchLoader:
+the schema, next-token windows, seeded shuffles, replica shards, mid-epoch resume, bad input."""
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from tests.support.paths import ROOT
+from petra_mpi.data import BatchLoader, open_split
+
+TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer\n"
+
+
+def pack(tmp_path, *args, text=TEXT * 20, name="a.txt"):
+    """Run the packer on one file of `text` (a str, or bytes as they are); returns the result."""
+    src = tmp_path / name
+    src.write_bytes(text.encode("utf-8") if isinstance(text, str) else text)
+    out = tmp_path / "text.h5"
+    return subprocess.run([sys.executable, "-m", "data_prep.text", "--source", str(src),
+                           "--out", str(out), *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=60), out
+
+
+def test_bytes_schema_and_split(tmp_path):
+    r, out = pack(tmp_path, "--val-fraction", "0.25")
+    assert r.returncode == 0, r.stderr
+    data = (TEXT * 20).encode()
+    with h5py.File(out, "r") as f:
+        assert f.attrs["kind"] == "tokens" and f.attrs["num_classes"] == 256
+        assert f.attrs["vocab"] == "bytes" and f.attrs["bytes_per_token"] == 1.0
+        train, val = f["train/tokens"][()], f["val/tokens"][()]
+    n_val = round(len(data) * 0.25)
+    assert bytes(train) == data[:-n_val] and bytes(val) == data[-n_val:]  # the tail is val
+
+
+def test_char_vocabulary(tmp_path):
+    text = "héllo wörld, ünïcode\n" * 30
+    r, out = pack(tmp_path, "--vocab", "char", text=text)
+    assert r.returncode == 0, r.stderr
+    with h5py.File(out, "r") as f:
+        vocab = f["vocab"][()].decode()
+        assert f.attrs["num_classes"] == len(vocab) == len(set(text))
+        ids = np.concatenate([f["train/tokens"][()], f["val/tokens"][()]])
+        assert f.attrs["bytes_per_token"] > 1.0  # accented letters take 2 bytes
+    assert "".join(vocab[i] for i in ids) == text
+
+
+@pytest.mark.parametrize("case,text,args,message", [
+    ("empty", b"", (), "a.txt: the file is empty"),
+    ("undecodable", b"abc\xff\xfedef" * 10, ("--vocab", "char"), "a.txt: byte 3 is not UTF-8"),
+    ("too short", b"ab", (), "too few to split"),
+])
+def test_bad_input_one_line_nothing_left(tmp_path, case, text, args, message):
+    r, out = pack(tmp_path, *args, text=text)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]  # no output, no temporary
+
+
+def test_undecodable_bytes_are_fine_as_bytes(tmp_path):
+    r, _ = pack(tmp_path, text=b"abc\xff\xfedef" * 10)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    r, out = pack(tmp_path, "--val-fraction", "0.2")
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_windows_are_inputs_and_next_tokens(token_file):
+    src = open_split(token_file, "train").set_context(16)
+    tokens = src.tokens
+    assert len(src) == (len(tokens) - 1) // 16
+    x, y = src.take([0, 3])
+    assert x.shape == (2, 16) and y.shape == (32,)
+    assert np.array_equal(x[1], tokens[48:64]) and np.array_equal(y[16:], tokens[49:65])
+    with pytest.raises(ValueError, match="fewer than model.context 100000 \\+ 1"):
+        open_split(token_file, "val").set_context(100_000)
+
+
+def batches(loader):
+    return [(x.clone(), y.clone()) for x, y in loader]
+
+
+def test_loader_seeded_sharded_and_resumable(token_file):
+    def loader(seed=0, shard=(0, 1)):
+        return BatchLoader(open_split(token_file, "train").set_context(8), 4, train=True,
+                           seed=seed, prefetch=0, shard=shard)
+    first = batches(loader())
+    assert first[0][0].dtype == torch.int64 and first[0][0].shape == (4, 8)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(first, batches(loader())))
+    assert not torch.equal(first[0][0], batches(loader(seed=1))[0][0])
+    epoch1 = loader()
+    epoch1.set_epoch(1)
+    assert not torch.equal(first[0][0], batches(epoch1)[0][0])  # a new order every epoch
+    # replicas read disjoint windows of the same epoch
+    shares = [loader(shard=(r, 2)) for r in range(2)]
+    windows = [i for share in shares for b in range(len(share)) for i in share.batch_indices(b)]
+    assert len(shares[0]) == len(first) // 2
+    assert len(windows) == len(set(windows)) == 2 * len(shares[0]) * 4
+    x, _ = next(iter(shares[1]))
+    assert torch.equal(x, torch.from_numpy(shares[1].src.take(shares[1].batch_indices(0))[0]))
+    # mid-epoch resume: a fresh loader at the saved position goes on with the same batches
+    run = loader()
+    it = iter(run)
+    for _ in range(3):
+        next(it)
+    state = run.state_dict()
+    resumed = loader()
+    resumed.load_state_dict(state)
+    rest = batches(resumed)
+    assert len(rest) == len(first) - 3
+    assert all(torch.equal(a, b) and torch.equal(c, d)
+               for (a, c), (b, d) in zip(first[3:], rest))
