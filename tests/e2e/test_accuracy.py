@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.extended  # minutes of training each
 

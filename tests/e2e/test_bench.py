@@ -8,7 +8,9 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, check_png, mpirun
+from tests.support.launch import mpirun
+from tests.support.outputs import check_png
+from tests.support.paths import ROOT
 
 # Each bench costs a launch or two; the engine they time is tested in unit/ and mpi/.
 pytestmark = pytest.mark.extended

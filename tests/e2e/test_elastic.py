@@ -4,7 +4,7 @@ import pytest
 
 from petra_mpi.config import load_config, validate
 from petra_mpi.elastic import fit
-from conftest import ROOT
+from tests.support.paths import ROOT
 from test_slurm import fake_commands, run_batch_script
 
 QUICK = ROOT / "configs" / "quickstart.yaml"  # RevNet18: 10 blocks, model.stages 4

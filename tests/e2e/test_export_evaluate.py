@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from petra_mpi.checkpoint import complete_checkpoints
-from conftest import ROOT, mpirun
+from tests.support.launch import mpirun
+from tests.support.paths import ROOT
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -116,7 +117,7 @@ def test_the_documented_three_lines_load_the_checkpoints_weights(quickstart, tmp
 
 @pytest.mark.extended
 def test_exported_model_on_a_packed_cifar_file_evaluates_to_the_runs_final_evaluation(tmp_path):
-    from upstream_formats import make_cifar10
+    from tests.support.upstream_formats import make_cifar10
     make_cifar10(tmp_path / "src", n=40, n_test=70)  # 200 train, 70 val images of 10 classes
     data = tmp_path / "cifar10.h5"
     proc = python("-m", "data_prep.cifar", "--variant", "cifar10", "--source", tmp_path / "src",
@@ -137,7 +138,7 @@ def test_exported_model_on_a_packed_cifar_file_evaluates_to_the_runs_final_evalu
 
 @pytest.mark.extended
 def test_evaluate_refuses_a_data_set_with_other_classes(quickstart, tmp_path):
-    from upstream_formats import make_cifar100
+    from tests.support.upstream_formats import make_cifar100
     make_cifar100(tmp_path / "src")
     data = tmp_path / "cifar100.h5"
     proc = python("-m", "data_prep.cifar", "--variant", "cifar100", "--source", tmp_path / "src",

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from conftest import ROOT, check_png
-from idx_files import make_set, pack
+from tests.support.outputs import check_png
+from tests.support.paths import ROOT
+from tests.support.idx_files import make_set, pack
 
 TINY = ["model.width=4", "train.epochs=1", "train.limit_batches=3", "data.batch_size=16",
         "run.threads=1", "run.progress=false", "run.device=cpu"]

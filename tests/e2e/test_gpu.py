@@ -6,7 +6,9 @@ import os
 import pytest
 import torch
 
-from conftest import PROGRAMS, QUICK, ROOT, check_run_outputs, mpirun
+from tests.support.launch import mpirun
+from tests.support.outputs import check_run_outputs
+from tests.support.paths import PROGRAMS, QUICK, ROOT
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.extended]
@@ -14,7 +16,7 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CU
 
 def test_stage_backward_on_gpu_matches_cpu():
     from petra_mpi.engine.build import build_stages
-    from helpers import make_batches, run_engine
+    from tests.support.nets import make_batches, run_engine
     batches = make_batches(5, dtype=torch.float64)
     cpu = run_engine("revnet18", 4, 2, batches, lr=0.1)
     gpu_batches = [(x.cuda(), y.cuda()) for x, y in batches]

@@ -15,8 +15,9 @@ import torch
 
 import netns_cluster
 import slurm_cluster
-from conftest import ROOT, mpirun
-from upstream_formats import make_cifar10
+from tests.support.launch import mpirun
+from tests.support.paths import ROOT
+from tests.support.upstream_formats import make_cifar10
 
 pytestmark = pytest.mark.extended  # each test runs a cluster job for a minute or more
 

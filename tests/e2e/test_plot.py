@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from conftest import ROOT, check_png, run_plot
+from tests.support.launch import run_plot
+from tests.support.outputs import check_png
+from tests.support.paths import ROOT
 from petra_mpi import plot
 
 BASIC = ["loss.png", "accuracy.png", "lr.png", "throughput.png"]

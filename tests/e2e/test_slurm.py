@@ -1,5 +1,5 @@
 """The batch scripts in slurm/: syntax and config checks, then real jobs on a throwaway one-node
-SLURM cluster (tests/slurm_cluster.py): a smoke run, a failing run, preemption with checkpoint,
+SLURM cluster (tests/e2e/slurm_cluster.py): a smoke run, a failing run, preemption with checkpoint,
 requeue and resume, a job array, and the ImageNet packing array with its dependent merge."""
 import glob
 import json
@@ -14,11 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-import conftest
 import slurm_cluster
 from petra_mpi.config import load_config, num_replicas, num_stages, validate
+from tests.support import paths
 
-ROOT = str(conftest.ROOT)
+ROOT = str(paths.ROOT)
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "slurm", "*.sh")))
 HELPERS = ("common.sh", "submit.sh")  # sourced or run by hand, not submitted
 EXPERIMENTS = [s for s in SCRIPTS if os.path.basename(s) not in HELPERS + ("pack_imagenet.sh",)]
@@ -316,7 +316,7 @@ def test_a_stalled_run_ends_as_stalled_whatever_status_the_launcher_passes_on(cl
     wrapper = tmp_path / "python"
     wrapper.write_text(f"""#!/bin/bash
 if [[ $1 == -m && $2 == petra_mpi.train ]]; then
-    exec {sys.executable} {conftest.PROGRAMS / "faulty_train.py"} stall-vote 1 0 "${{@:3}}"
+    exec {sys.executable} {paths.PROGRAMS / "faulty_train.py"} stall-vote 1 0 "${{@:3}}"
 fi
 exec {sys.executable} "$@"
 """)
@@ -510,7 +510,7 @@ def test_job_array(cluster, tmp_path):
 @pytest.mark.extended
 def test_pack_imagenet_array_and_merge(cluster, tmp_path):
     """pack_imagenet.sh: two shard tasks, then the merge job that the first task queued."""
-    from upstream_formats import make_imagenet
+    from tests.support.upstream_formats import make_imagenet
     make_imagenet(tmp_path / "src", val_folders=True)
     merged = tmp_path / "imagenet.h5"
     env = {"SOURCE": str(tmp_path / "src"), "OUT": str(merged), "PARTS": str(tmp_path / "parts"),
@@ -867,7 +867,7 @@ def wrapped_trainer(tmp_path, *faulty):
     """A PYTHON for the batch script that runs the trainer (or tests/programs/faulty_train.py
     with `faulty` arguments) after writing its pid to tmp_path/pid.RANK."""
     wrapper = tmp_path / "python"
-    program = (f"{conftest.PROGRAMS / 'faulty_train.py'} {' '.join(faulty)}" if faulty
+    program = (f"{paths.PROGRAMS / 'faulty_train.py'} {' '.join(faulty)}" if faulty
                else "-m petra_mpi.train")
     wrapper.write_text(f"""#!/bin/bash
 if [[ $1 == -m && $2 == petra_mpi.train ]]; then

@@ -8,7 +8,7 @@ import time
 import pytest
 
 import slurm_cluster
-from conftest import ROOT
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.extended
 

@@ -13,7 +13,8 @@ from petra_mpi.config import load_config, validate
 from petra_mpi.engine.local import LocalEngine
 from petra_mpi.engine.evaluation import EvalTotals
 from petra_mpi.stopping import CHECKPOINT_DUE, EXIT_REQUEUE, STOP, Interrupts, StopRequest, agree
-from conftest import QUICK, mpirun
+from tests.support.launch import mpirun
+from tests.support.paths import QUICK
 
 SMALL = QUICK + ["--set", "train.epochs=2", "--set", "train.limit_batches=16",
                  "--set", "train.limit_eval_batches=6", "--set", "data.batch_size=16",

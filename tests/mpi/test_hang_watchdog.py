@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from conftest import PROGRAMS, QUICK, ROOT, mpirun
+from tests.support.launch import mpirun
+from tests.support.paths import PROGRAMS, QUICK, ROOT
 from petra_mpi.watchdog import EXIT_STALLED
 
 

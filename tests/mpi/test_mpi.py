@@ -11,7 +11,9 @@ from petra_mpi.engine.build import build_stages, build_workers
 from petra_mpi.engine.local import LocalEngine
 from petra_mpi.optim import LRSchedule
 
-from conftest import PROGRAMS, QUICK, check_run_outputs, mpirun
+from tests.support.launch import mpirun
+from tests.support.outputs import check_run_outputs
+from tests.support.paths import PROGRAMS, QUICK
 from equivalence import COMPRESSED, REVVIT, batches, eval_batches
 
 

@@ -19,8 +19,9 @@ from petra_mpi.engine.build import build_stages, build_workers
 from petra_mpi.engine.local import LocalEngine
 from petra_mpi.models import build_network
 from petra_mpi.optim import LRSchedule
-from helpers import make_batches
-from conftest import PROGRAMS, ROOT, mpirun
+from tests.support.nets import make_batches
+from tests.support.launch import mpirun
+from tests.support.paths import PROGRAMS, ROOT
 
 DUMP = PROGRAMS / "resume_dump.py"
 

@@ -15,8 +15,9 @@ from petra_mpi.config import ConfigError, load_config, num_replicas, num_stages,
 from petra_mpi.engine.build import build_workers
 from petra_mpi.engine.local import LocalEngine
 from petra_mpi.optim import StageOptimizer
-from helpers import end_to_end_gradients, max_relative_error
-from conftest import PROGRAMS, QUICK, ROOT, mpirun
+from tests.support.nets import end_to_end_gradients, max_relative_error
+from tests.support.launch import mpirun
+from tests.support.paths import PROGRAMS, QUICK, ROOT
 
 from equivalence import eval_batches
 from replica_run import build, global_batches, schedule, share

@@ -13,7 +13,8 @@ import torch
 
 from petra_mpi.checkpoint import complete_checkpoints
 from petra_mpi.stopping import EXIT_REQUEUE
-from conftest import QUICK, ROOT, mpirun
+from tests.support.launch import mpirun
+from tests.support.paths import QUICK, ROOT
 
 # The estimated split: the interrupted and the uninterrupted runs are separate starts, and a
 # measured split could differ between them (a resumed run keeps its checkpoint's split).

@@ -10,7 +10,8 @@ from petra_mpi.engine.local import LocalEngine
 from petra_mpi.optim import LRSchedule
 from petra_mpi.schedule import num_ticks
 from petra_mpi.stopping import STOP_CHECK_TICKS
-from conftest import PROGRAMS, mpirun
+from tests.support.launch import mpirun
+from tests.support.paths import PROGRAMS
 from equivalence import batches  # the data the MPI script trains on
 
 J, N = 3, 40

@@ -6,7 +6,8 @@ checkpoint, which it refuses while gradients wait for a step."""
 import pytest
 import torch
 
-from conftest import PROGRAMS, mpirun
+from tests.support.launch import mpirun
+from tests.support.paths import PROGRAMS
 from stop_anywhere import run_local
 
 # METHOD:K:N:STAGE:TICK, chosen so that the stop shortens the segment (a stop that the last

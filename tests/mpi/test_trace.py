@@ -7,7 +7,9 @@ from collections import Counter
 
 import pytest
 
-from conftest import QUICK, ROOT, check_png, mpirun, run_plot
+from tests.support.launch import mpirun, run_plot
+from tests.support.outputs import check_png
+from tests.support.paths import QUICK, ROOT
 
 from petra_mpi import trace
 from petra_mpi.schedule import Action, Kind

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from petra_mpi.checkpoint import complete_checkpoints, is_complete
-from conftest import QUICK, ROOT
+from tests.support.paths import QUICK, ROOT
 
 # 12 micro-batches, a checkpoint every 4: ckpt b4, b8 and the end of the epoch (e1 b0)
 EVERY_4 = [*QUICK, "--set", "run.checkpoint_every_microbatches=4"]

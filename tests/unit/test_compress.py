@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import applied_gradients, make_batches, max_relative_error
+from tests.support.nets import applied_gradients, make_batches, max_relative_error
 from petra_mpi.compress import Codec, Compression, Packed
 from petra_mpi.config import ConfigError, load_config
 from petra_mpi.engine.build import build_stages
@@ -251,7 +251,7 @@ def test_a_nonfinite_gradient_stops_the_run_before_any_stage_uses_it(tmp_path, m
     """A real run in one process with int8 gradients, where the last stage's input gradient of
     micro-batch 3 holds one inf: the run ends with the one-line non-finite error, and no
     stage's weights have changed since that gradient was made."""
-    from conftest import QUICK, ROOT
+    from tests.support.paths import QUICK, ROOT
     from petra_mpi.engine.worker import StageWorker
     from petra_mpi.train import main
 

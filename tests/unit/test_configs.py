@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from tests.support.paths import ROOT
 from petra_mpi.config import Config, ConfigError, load_config, num_stages
 from petra_mpi.models import ARCHS, PRECISIONS, num_blocks
 from petra_mpi.models.vit import VIT_ARCHS
@@ -187,7 +187,7 @@ def test_mission_command_cifar10_under_mpirun_10(tmp_path):
     import subprocess
     import sys
 
-    from upstream_formats import make_cifar10
+    from tests.support.upstream_formats import make_cifar10
 
     root = CONFIGS.parent
     make_cifar10(tmp_path / "src", n=80, n_test=64)  # 400 train, 64 val images of 10 classes

@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import ROOT
+from tests.support.paths import ROOT
 from data_prep.common import PrepError, run_cli
 from data_prep.imagenet import encode, ordered_map, read_val_labels
 from data_prep.verify import verify
-from upstream_formats import (CLASSES, TARGET, make_cifar10, make_cifar100, make_imagenet,
+from tests.support.upstream_formats import (CLASSES, TARGET, make_cifar10, make_cifar100, make_imagenet,
                               smooth_image, to_planes)
 
 REPO = str(ROOT)

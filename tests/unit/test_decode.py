@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import ROOT
+from tests.support.paths import ROOT
 
 
 # ---- JPEG decode -------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import QUICK
+from tests.support.paths import QUICK
 from petra_mpi import evaluate, export, train
 
 

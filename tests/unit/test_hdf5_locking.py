@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from conftest import ROOT
-from upstream_formats import TARGET, make_imagenet
+from tests.support.paths import ROOT
+from tests.support.upstream_formats import TARGET, make_imagenet
 
 NO_FLOCK = """#include <errno.h>
 int flock(int fd, int operation) { (void)fd; (void)operation; errno = ENOLCK; return -1; }

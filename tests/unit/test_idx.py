@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, check_run_outputs
+from tests.support.outputs import check_run_outputs
+from tests.support.paths import ROOT
 from data_prep.verify import verify
-from idx_files import make_set, pack, write_idx
+from tests.support.idx_files import make_set, pack, write_idx
 from petra_mpi.data import BatchLoader, open_split
 from petra_mpi.data import augment as A
 

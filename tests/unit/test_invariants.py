@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import (applied_gradients, end_to_end_gradients, flat_params, make_batches,
+from tests.support.nets import (applied_gradients, end_to_end_gradients, flat_params, make_batches,
                      max_relative_error, run_engine)
 from petra_mpi.engine.build import build_stages
 from petra_mpi.models import build_blocks, frozen_bn_stats, num_blocks

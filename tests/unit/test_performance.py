@@ -15,7 +15,7 @@ from petra_mpi.mpi.transport import HostPool
 from petra_mpi.models import build_blocks
 from petra_mpi.partition import balanced_partition, resolve_partition
 from petra_mpi.stages import Stage
-from conftest import ROOT
+from tests.support.paths import ROOT
 
 
 def test_balanced_split_on_measured_costs_is_deterministic():

@@ -3,7 +3,7 @@ in bf16 is in tests/mpi/test_mpi.py, learning in bf16 in tests/e2e/test_accuracy
 import pytest
 import torch
 
-from conftest import ROOT
+from tests.support.paths import ROOT
 
 
 # ---- bf16 --------------------------------------------------------------------------------------

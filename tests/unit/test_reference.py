@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from helpers import make_batches, max_relative_error
+from tests.support.nets import make_batches, max_relative_error
 from petra_mpi.engine.build import build_stages, build_workers
 from petra_mpi.engine.local import LocalEngine
 from petra_mpi.models import frozen_bn_stats

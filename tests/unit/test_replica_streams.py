@@ -3,7 +3,7 @@ stage, the replica and the direction (docs/design.md): the FIFO entries that buf
 (comm.buffers) too, so two replicas never round their FIFOs with the same random numbers."""
 import torch
 
-from conftest import QUICK
+from tests.support.paths import QUICK
 from petra_mpi import train
 from petra_mpi.compress import Compression
 from petra_mpi.engine import local

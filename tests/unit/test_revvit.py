@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT
-from helpers import (applied_gradients, end_to_end_gradients, flat_params, make_batches,
+from tests.support.paths import ROOT
+from tests.support.nets import (applied_gradients, end_to_end_gradients, flat_params, make_batches,
                      max_relative_error)
 from petra_mpi.config import ConfigError, load_config, num_stages
 from petra_mpi.engine.build import build_stages, build_workers

@@ -160,7 +160,7 @@ def test_backward_first_a_stage_holds_its_delay_in_fifo_entries(arch, J):
     """The backward of a tick pops its FIFO entry before the forward pushes the next one, so a
     buffered stage s holds delay(J, s) inputs at its peak, not one more (the last stage, delay 0,
     holds the one its forward_backward uses)."""
-    from helpers import make_batches, run_engine
+    from tests.support.nets import make_batches, run_engine
     one = run_engine(arch, J, 1, make_batches(1))
     many = run_engine(arch, J, 1, make_batches(3 * J))
     for s, (a, b) in enumerate(zip(one, many)):
@@ -171,7 +171,7 @@ def test_backward_first_a_stage_holds_its_delay_in_fifo_entries(arch, J):
 @pytest.mark.parametrize("arch,J", [("resnet18", 3), ("revnet18", 4)])
 def test_the_dry_run_counts_the_fifo_a_run_holds(arch, J):
     """--dry-run's input_fifo_bytes of each stage but the last is the peak of a real segment."""
-    from helpers import make_batches, run_engine
+    from tests.support.nets import make_batches, run_engine
     from petra_mpi.config import load_config
     import torch
     from petra_mpi.dryrun import stage_table

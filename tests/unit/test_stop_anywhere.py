@@ -6,7 +6,7 @@ length. tests/mpi/test_stop_engines_agree.py holds the MPI engine to the same st
 import pytest
 import torch
 
-from helpers import make_batches
+from tests.support.nets import make_batches
 from stop_anywhere import StopAtTick
 from petra_mpi.checkpoint import save_blocks
 from petra_mpi.engine.build import build_stages, build_workers

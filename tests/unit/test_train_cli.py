@@ -10,7 +10,8 @@ import pytest
 
 from petra_mpi.checkpoint import complete_checkpoints, find_resume, is_complete
 from petra_mpi.config import ConfigError, load_config
-from conftest import QUICK, ROOT, check_run_outputs
+from tests.support.outputs import check_run_outputs
+from tests.support.paths import QUICK, ROOT
 
 
 def train(*args, timeout=300):

@@ -10,7 +10,8 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import ROOT, run_plot
+from tests.support.launch import run_plot
+from tests.support.paths import ROOT
 
 TINY = ["--set", "train.epochs=1", "--set", "train.limit_batches=2", "--set",
         "train.limit_eval_batches=1", "--set", "data.synthetic_train=256", "--set",

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from tests.support.paths import ROOT
 from data_prep import imagenet, verify
 from petra_mpi.data.source import open_split
-from upstream_formats import TARGET, make_imagenet
+from tests.support.upstream_formats import TARGET, make_imagenet
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import sys
 import threading
 import time
 
-from conftest import ROOT
+from tests.support.paths import ROOT
 
 from petra_mpi.watchdog import AUTO_FLOOR_S, AUTO_TICKS, EXIT_STALLED, Watchdog, auto_limit
 

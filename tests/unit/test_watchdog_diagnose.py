@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from conftest import ROOT
+from tests.support.paths import ROOT
 from petra_mpi.watchdog import OWN_WORK, Watchdog, diagnose, read_reports
 
 HOSTS = ["n1", "n1", "n2", "n2", "n3", "n3"]  # 6 ranks, 2 a node

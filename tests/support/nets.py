@@ -1,4 +1,4 @@
-"""Small nets and data shared by the tests."""
+"""Small nets, data and gradient helpers of the in-process tests."""
 import torch
 import torch.nn.functional as F
 
