@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from .archs import LM_ARCHS
 from .config import model_kwargs
 from .compress import Codec
 from .engine.build import build_stages
@@ -46,7 +47,8 @@ def stage_table(cfg, num_stages: int, dtype=torch.float32, partition=None,
                           stash_weights=cfg.train.stash_weights, dtype=dtype,
                           image_size=side, model_kw=model_kwargs(cfg))
     batch = cfg.data.batch_size
-    x = torch.zeros(1, 3, side, side, dtype=dtype)
+    x = (torch.zeros(1, cfg.model.context, dtype=torch.long) if cfg.model.arch in LM_ARCHS
+         else torch.zeros(1, 3, side, side, dtype=dtype))  # token ids, or an image
     rows = []
     itemsize = torch.finfo(dtype).bits // 8
     # a FIFO keeps its inputs in comm.buffers' format (an int8 tensor's few scales not counted)
@@ -58,8 +60,9 @@ def stage_table(cfg, num_stages: int, dtype=torch.float32, partition=None,
         fifo = 0
         with torch.no_grad():
             for block, buffered in zip(stage.blocks, stage.buffered):
-                if buffered and not stage.is_last:
-                    fifo += x.numel() * batch * fifo_itemsize
+                if buffered and not stage.is_last:  # token ids are kept as they are
+                    fifo += x.numel() * batch * (fifo_itemsize if x.is_floating_point()
+                                                 else x.element_size())
                 x = block(x)
         params = sum(p.numel() for p in stage.parameters()) * itemsize
         in_flight = (1 if cfg.train.method == "backprop" else

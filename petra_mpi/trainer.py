@@ -20,6 +20,7 @@ import torch
 from .checkpoint import (LAYOUT_FREE, MANIFEST, block_files, checkpoint_dir, find_resume,
                          invalidate, load_blocks, load_stage, prune, read_manifest,
                          resume_readable, save_blocks, write_manifest)
+from .archs import LM_ARCHS
 from .compress import Compression
 from .config import model_kwargs, num_replicas, num_stages
 from .engine.build import build_stages, build_workers
@@ -93,6 +94,16 @@ def open_data(cfg, device, shard=(0, 1), decoders=1):
     if train.num_classes != cfg.model.num_classes:
         raise TrainingError(f"data.path {cfg.data.path} has {train.num_classes} classes but "
                             f"model.num_classes is {cfg.model.num_classes}")
+    if (train.kind == "tokens") != (cfg.model.arch in LM_ARCHS):
+        held = "tokens" if train.kind == "tokens" else "images"
+        raise TrainingError(f"data.path {cfg.data.path} holds {held} but model.arch is "
+                            f"{cfg.model.arch}: token files (data_prep.text) go with revlm/lm")
+    if train.kind == "tokens":  # the windows are the model's context
+        try:
+            train.set_context(cfg.model.context)
+            val.set_context(cfg.model.context)
+        except ValueError as e:
+            raise TrainingError(f"data.path {e}") from None
     jpeg = train.kind == "jpeg"
     if jpeg:
         from .data.augment import has_gpu_decode
@@ -103,10 +114,11 @@ def open_data(cfg, device, shard=(0, 1), decoders=1):
                   prefetch=cfg.data.prefetch, decode_threads=decoders,
                   decode_pool=cfg.data.decode_pool)
     side = cfg.data.crop if jpeg else train.image_size
+    shape = (cfg.model.context,) if train.kind == "tokens" else (3, side, side)
     return (BatchLoader(train, cfg.data.batch_size, train=True, augment=cfg.data.augment,
                         shard=shard, **common),
             BatchLoader(val, cfg.data.batch_size, train=False, augment=False, **common),
-            (3, side, side))
+            shape)
 
 
 # CPUs a stage-0 rank decoding full-size JPEGs on the CPU should have when data.decode_workers
@@ -473,7 +485,9 @@ class Trainer:
             engine = MPIEngine(workers[0], cfg.train.method, world, where.dtype,
                                self.input_shape, cfg.data.batch_size,
                                compression,  # its start-up line shows the compression
-                               watchdog_s=cfg.run.watchdog_s)
+                               watchdog_s=cfg.run.watchdog_s,
+                               labels_per_sample=(cfg.model.context
+                                                  if cfg.model.arch in LM_ARCHS else 1))
             self.watchdog = engine.watchdog  # the trainer's collectives are watched too
         else:
             from .engine.local import LocalEngine
@@ -704,6 +718,10 @@ class Trainer:
 
 
 def log_epoch(cfg, writer, state, epoch, step, train_stats, result):
+    if cfg.model.arch in LM_ARCHS:  # val_loss is nats per token
+        from .data.text import bytes_per_token
+        result = {**result, "val_bpb": result["val_loss"] / math.log(2)
+                  / bytes_per_token(cfg.data.path)}
     best = state["best_val_acc"]
     state["best_val_acc"] = result["val_acc"] if best is None else max(best, result["val_acc"])
     writer.write("eval", epoch=epoch, step=step, **result)
@@ -733,4 +751,4 @@ def write_summary(cfg, state, J, R, n, memory, wall, writer_rank=0):
 def _as_dtype(batches, dtype):
     if dtype == torch.float32:
         return batches
-    return ((x.to(dtype), y) for x, y in batches)
+    return ((x.to(dtype) if x.is_floating_point() else x, y) for x, y in batches)  # ids stay ids

@@ -68,3 +68,10 @@ def is_token_file(path) -> bool:
         return False
     with open_readonly(str(path)) as f:
         return f.attrs.get("kind") == "tokens"
+
+
+def bytes_per_token(path) -> float:
+    """UTF-8 bytes per token of the file's validation text: bits per byte = nats per token /
+    ln 2 / this."""
+    with open_readonly(str(path)) as f:
+        return float(f.attrs.get("bytes_per_token", 1.0))

@@ -61,6 +61,7 @@ class TokenEmbed(MixedPrecision, nn.Module):
     """Token ids (B, T) -> token + position embeddings (B, T, streams·D), the streams copies of
     each other. Buffered: its input is the raw ids, which cost little to keep."""
     reversible = False
+    input_dtype = torch.long  # what a shape probe of its stage must feed it
 
     def __init__(self, vocab, dim, context, streams):
         super().__init__()

@@ -33,9 +33,13 @@ STREAM_NAMES = {TAG_ACTIVATION: "activation", TAG_REBUILT: "rebuilt input",
 
 class MPIEngine:
     def __init__(self, worker, method, world, dtype, input_shape, batch_size,
-                 compression=NO_COMPRESSION, watchdog_s=0, poll_between_blocks=True):
+                 compression=NO_COMPRESSION, watchdog_s=0, poll_between_blocks=True,
+                 labels_per_sample=1):
         """watchdog_s: run.watchdog_s (0: none; None: automatic). poll_between_blocks: drive
-        MPI's progress between the blocks of a stage (off only to measure what that brings)."""
+        MPI's progress between the blocks of a stage (off only to measure what that brings).
+        labels_per_sample: targets per input sample (a language model's context: one per
+        token)."""
+        self.labels_per_sample = labels_per_sample
         self.w, self.method, self.world = worker, method, world
         self.poll_between_blocks = poll_between_blocks
         self.schedule = schedule_for(method, world.stages, worker.k)
@@ -95,7 +99,8 @@ class MPIEngine:
             "gradient in": not last and Inbox(comm, t, r + 1, TAG_GRADIENT, out_shape, dtype,
                                               layout=out_fmt, codec=codec("gradient", r + 1)),
             # with one stage (J = 1, replicas only) the labels never leave the rank
-            "labels in": last and J > 1 and Inbox(comm, t, 0, TAG_LABELS, (batch_size,),
+            "labels in": last and J > 1 and Inbox(comm, t, 0, TAG_LABELS,
+                                                  (batch_size * self.labels_per_sample,),
                                                   torch.int64),
             "activation out": not last and Outbox(comm, t, r + 1, TAG_ACTIVATION, layout=out_fmt,
                                                   codec=codec("forward", r)),
@@ -114,7 +119,10 @@ class MPIEngine:
         was_training = stage.training
         stage.eval()  # running statistics: a shape probe must not touch anything
         try:
-            probe = torch.zeros((1, *in_shape[1:]), device=device, dtype=dtype)
+            # a language model's first stage takes token ids
+            probe_dtype = getattr(stage.blocks[0], "input_dtype", dtype) if stage.is_first \
+                else dtype
+            probe = torch.zeros((1, *in_shape[1:]), device=device, dtype=probe_dtype)
             out = stage.evaluate(in_layout(probe, in_fmt))
             return (in_shape[0], *out.shape[1:]), layout_of(out)
         finally:

@@ -1,10 +1,17 @@
 """The causal language models (models/lm.py) on the PETRA engine: causality, the coupling's
 rebuild with depth in fp32 and bf16, reversible against autograd gradients, PETRA at J = 1
 against reversible backprop, and docs/design.md §1 invariant 1 for the reversible LM."""
+import json
+import math
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.support.launch import mpirun
+from tests.support.paths import ROOT
 from tests.support.nets import applied_gradients, end_to_end_gradients, flat_params, max_relative_error
 from petra_mpi.config import ConfigError, load_config
 from petra_mpi.engine.build import build_stages, build_workers
@@ -189,3 +196,77 @@ def test_config_keys(tmp_path):
                     "tie_weights: true, context: 32}\n")
     cfg = load_config(path)
     assert cfg.model.context == 32 and cfg.model.tie_weights
+
+
+# ---- end to end through the train command ------------------------------------------------------
+
+def tiny_lm_run(tmp_path, token_file, out, *sets):
+    """The train command's arguments for a tiny revlm on `token_file` (2 stages, 2 epochs of 6
+    micro-batches, k = 2, AdamW), one torch thread per rank."""
+    return ["-m", "petra_mpi.train", str(ROOT / "configs/lm/shakespeare_cpu.yaml"),
+            "--set", f"data.path={token_file}", "--set", f"run.out_dir={out}",
+            "--set", "run.threads=1", "--set", "run.progress=false", "--set", "model.width=16",
+            "--set", "model.heads=2", "--set", "model.depth=2", "--set", "model.context=16",
+            "--set", "model.stages=2", "--set", "data.batch_size=4", "--set", "train.epochs=2",
+            "--set", "train.limit_batches=6", "--set", "train.limit_eval_batches=3",
+            "--set", "train.accumulation=2", "--set", "data.prefetch=0", *sets]
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    text = tmp_path / "text.txt"
+    g = torch.Generator().manual_seed(0)
+    words = ["the", "king", "queen", "doth", "speak", "and", "thou", "art", "\n"]
+    text.write_text(" ".join(words[i] for i in torch.randint(0, 9, (3000,), generator=g)))
+    out = tmp_path / "text.h5"
+    subprocess.run([sys.executable, "-m", "data_prep.text", "--source", str(text), "--out",
+                    str(out)], check=True, capture_output=True, cwd=ROOT, timeout=60)
+    return out
+
+
+def final_stages(out):
+    ckpt = sorted((out / "checkpoints").glob("ckpt-e00002-*"))[-1]
+    return [torch.load(p, weights_only=False)["stage"] for p in sorted(ckpt.glob("stage*.pt"))]
+
+
+@pytest.mark.extended  # two runs of the train command, one under mpirun: ~16 s on 2 cores
+def test_train_command_mpi_equals_local_bitwise(tmp_path, token_file):
+    """The train command on a token file, in one process and under mpirun -n 2: the same
+    parameters bit for bit, the same metrics, and the evaluation in nats per token and bits per
+    byte."""
+    local, mpi = tmp_path / "local", tmp_path / "mpi"
+    r = subprocess.run([sys.executable, *tiny_lm_run(tmp_path, token_file, local)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = mpirun(2, tiny_lm_run(tmp_path, token_file, mpi), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    want, got = final_stages(local), final_stages(mpi)
+    assert len(want) == len(got) == 2
+    for w, g in zip(want, got):
+        assert w.keys() == g.keys()
+        assert all(torch.equal(w[k], g[k]) for k in w), "mpirun differs from one process"
+
+    def records(out, event):
+        lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in x.items() if "loss" in k or "bpb" in k}
+                for x in lines if x["event"] == event]
+    evals = records(local, "eval")
+    assert records(mpi, "eval") == evals and records(mpi, "train") == records(local, "train")
+    assert len(evals) == 2 and evals[1]["val_loss"] < evals[0]["val_loss"]  # it learns
+    assert evals[1]["val_bpb"] == pytest.approx(evals[1]["val_loss"] / math.log(2))
+
+
+@pytest.mark.extended  # three starts of the train command: ~15 s
+def test_train_command_refuses_mismatched_data(tmp_path, token_file):
+    """A token file with an image model, an image set with a language model, a context longer
+    than the validation split: one line each, before training."""
+    cases = [(("--set", "model.arch=revvit"), "holds tokens but model.arch is revvit"),
+             (("--set", "data.path=synthetic", "--set", "model.num_classes=10"),
+              "holds images but model.arch is revlm"),
+             (("--set", "model.context=2000"), "fewer than model.context 2000 + 1")]
+    for sets, message in cases:
+        r = subprocess.run([sys.executable, *tiny_lm_run(tmp_path, token_file, tmp_path / "x",
+                                                         *sets)],
+                           capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert r.returncode != 0
+        assert message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
