@@ -1,0 +1,114 @@
+"""`python -m petra_mpi.generate model.pt --prompt "ROMEO:" --tokens 200 [--temperature T]
+[--top-k K] [--seed S] [--data FILE.h5]`
+
+Sample text from an exported language model (model.arch revlm or lm; `python -m petra_mpi.export
+RUN_DIR --out model.pt`): the prompt is encoded with the vocabulary of the token file the run
+trained on (bytes, or the character vocabulary stored in that file; `--data` names the file when
+it has moved), then one token at a time is drawn from the softmax of the last position's logits
+over the last model.context tokens, divided by the temperature and cut to the k most likely.
+Prints the prompt and its continuation.
+"""
+import argparse
+import sys
+
+import torch
+
+from .archs import LM_ARCHS
+
+
+class GenerateError(RuntimeError):
+    pass
+
+
+class Vocabulary:
+    """Token ids <-> text: bytes (256 ids, UTF-8) or the characters of a char token file."""
+
+    def __init__(self, chars=None):
+        self.chars = chars
+        self.index = {c: i for i, c in enumerate(chars)} if chars else None
+
+    @classmethod
+    def of(cls, path, size):
+        try:
+            from .data.text import TokenSource
+            vocab = TokenSource(path, "val").vocab
+        except (OSError, ValueError) as e:
+            if size == 256:  # a byte vocabulary needs nothing from the file
+                return cls()
+            raise GenerateError(f"cannot read the vocabulary: {e}; name the token file the "
+                                f"model trained on with --data") from None
+        if (vocab is None and size != 256) or (vocab is not None and len(vocab) != size):
+            raise GenerateError(f"{path} does not hold the model's vocabulary of {size} tokens")
+        return cls(vocab)
+
+    def encode(self, text):
+        if self.chars is None:
+            return list(text.encode("utf-8"))
+        missing = sorted(set(text) - set(self.index))
+        if missing:
+            raise GenerateError(f"the prompt has characters outside the vocabulary: {missing}")
+        return [self.index[c] for c in text]
+
+    def decode(self, ids):
+        if self.chars is None:
+            return bytes(ids).decode("utf-8", errors="replace")
+        return "".join(self.chars[i] for i in ids)
+
+
+@torch.no_grad()
+def sample(model, ids, tokens, context, temperature=1.0, top_k=0, generator=None):
+    """`ids` followed by `tokens` drawn ones (a list of ints)."""
+    ids = list(ids)
+    for _ in range(tokens):
+        window = torch.tensor([ids[-context:]], dtype=torch.long)
+        logits = model(window)[-1].float()
+        if temperature <= 0:  # greedy
+            ids.append(int(logits.argmax()))
+            continue
+        logits = logits / temperature
+        if top_k:
+            kth = logits.topk(min(top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        ids.append(int(torch.multinomial(logits.softmax(-1), 1, generator=generator)))
+    return ids
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m petra_mpi.generate",
+                                description=__doc__.split("\n\n")[1])
+    p.add_argument("model", help="an exported model (python -m petra_mpi.export)")
+    p.add_argument("--prompt", default="\n", help="the text to continue")
+    p.add_argument("--tokens", type=int, default=200, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="divides the logits (below 1: safer, above 1: wilder; 0: greedy)")
+    p.add_argument("--top-k", type=int, default=0, help="draw among the k most likely (0: all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the draws")
+    p.add_argument("--data", help="the token file of the vocabulary (default: the run's)")
+    args = p.parse_args(argv)
+    try:
+        if args.tokens < 0 or args.top_k < 0:
+            raise GenerateError("--tokens and --top-k must be >= 0")
+        try:
+            saved = torch.load(args.model, map_location="cpu", weights_only=False)
+            network = saved["network"]
+        except (OSError, KeyError, TypeError, RuntimeError) as e:
+            raise GenerateError(f"{args.model}: not an exported model ({e})") from None
+        if network["arch"] not in LM_ARCHS:
+            raise GenerateError(f"{args.model} is a {network['arch']}, not a language model")
+        from .export import load_model
+        model = load_model(saved)
+        vocab = Vocabulary.of(args.data or saved["data"]["path"], network["num_classes"])
+        prompt = vocab.encode(args.prompt)
+        if not prompt:
+            raise GenerateError("--prompt is empty")
+        ids = sample(model, prompt, args.tokens, network["context"], args.temperature,
+                     args.top_k, torch.Generator().manual_seed(args.seed))
+    except GenerateError as e:
+        print(f"petra_mpi.generate: error: {e}", file=sys.stderr)
+        return 2
+    print(vocab.decode(ids))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
