@@ -126,14 +126,12 @@ def test_bench_peers_runs_every_contender():
     assert names <= ran
     assert ran - names <= {"zero_bubble"}
     assert ("zero_bubble" in ran) != ("zero_bubble" in record.get("skipped", {}))
+    # every contender holds something for backward on every rank (the checkpointed one still
+    # keeps its block inputs)
     for name in ran:
         assert record["images_per_s"][name] > 0, name
         peaks = record["peak_activation_bytes"][name]
-        assert len(peaks) == 2 and min(peaks) >= 0, name
-    assert record["peak_activation_bytes"]["petra"][0] > 0
-    # every contender holds something for backward on every rank but the checkpointed one
-    # still keeps its block inputs
-    assert min(record["peak_activation_bytes"]["1f1b_checkpointed"]) > 0
+        assert len(peaks) == 2 and min(peaks) > 0, (name, peaks)
     assert record["petra_vs_1f1b"] > 0 and record["petra_vs_1f1b_checkpointed"] > 0
 
 

@@ -181,21 +181,27 @@ class CountingBox:
 
 def test_waiting_for_gpu_data_polls_mpi():
     """Transport.wait_for on a real event behind a long kernel: the host polls the transport
-    until the GPU passes the event, and returns only then."""
+    until the GPU passes the event, and returns only then: the data the kernels before the event
+    wrote is there when it returns."""
     from petra_mpi.mpi.transport import Transport
     transport = Transport(torch.device("cuda"), cuda_aware=False)
     box = CountingBox()
     transport.boxes.append(box)
+    written = torch.ones(1, device="cuda")
+    landed = torch.zeros(1).pin_memory()  # host memory: reading it does not wait for the GPU
     cycles = 10**8
     while True:
+        landed.zero_()
         torch.cuda._sleep(cycles)
+        landed.copy_(written, non_blocking=True)  # lands only after the sleep
         ready = torch.cuda.Event()
         ready.record()
         if not ready.query():  # still running: the wait below has something to wait for
             break
         cycles *= 4
     transport.wait_for(ready)
-    assert ready.query() and box.polls > 0
+    assert landed.item() == 1.0, "wait_for returned before the GPU passed the event"
+    assert box.polls > 0
 
 
 def test_received_gpu_buffer_stays_reserved_while_the_compute_stream_reads_it():

@@ -224,9 +224,13 @@ def test_quickstart_under_mpirun_4(tmp_path):
 
 
 # ---------------------------------------------------------------- transport
-def test_polling_keeps_the_message_size():
-    proc = mpirun(2, [PROGRAMS / "transport.py"], timeout=120)
+def test_polling_keeps_the_message_size(tmp_path):
+    """A 3-row message into a receive buffer sized for 4 rows, with polls between its arrival
+    and its receive: the receiver gets the 3 rows sent, not the buffer."""
+    proc = mpirun(2, [PROGRAMS / "transport.py", tmp_path / "received.pt"], timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    got = torch.load(tmp_path / "received.pt")
+    assert got.shape == (3, 2) and torch.equal(got, torch.arange(6.0).reshape(3, 2)), got
 
 
 @pytest.mark.extended  # the layouts are tested in one process in unit/test_transport.py

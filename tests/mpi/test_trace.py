@@ -79,10 +79,19 @@ def test_traced_compressed_mpi_run_counts_the_bytes_sent(tmp_path):
     assert gradient == 2 * (activation - 4) and sizes[(0, "activation out")] == activation
     assert sizes[(1, "gradient out")] == gradient
     # each tick's plan span holds what its rank sent in it: the forward ticks of rank 0 one
-    # activation (and the labels), the backward ticks of rank 1 one gradient (and ỹ, float32)
+    # activation (and the labels), the backward ticks of rank 1 one gradient (and ỹ, float32),
+    # the other ticks nothing
+    sent_in_tick = Counter()
     for e in spans:
-        if e["cat"] == "plan":
-            assert e["args"]["bytes"] >= 0
+        if e["cat"] == "wait" and e["name"].endswith(" out") and "tick" in e["args"]:
+            sent_in_tick[(e["pid"], e["args"]["tick"])] += e["args"]["bytes"]
+    plans = [e for e in spans if e["cat"] == "plan"]
+    assert {e["pid"] for e in plans} == {0, 1}
+    for e in plans:
+        sends = "F" in e["name"] if e["pid"] == 0 else "B" in e["name"]
+        least = (activation if e["pid"] == 0 else gradient) if sends else 0
+        assert e["args"]["bytes"] == sent_in_tick[(e["pid"], e["args"]["tick"])], e
+        assert e["args"]["bytes"] >= least and (e["args"]["bytes"] > 0) == sends, e
     sent = sum(e["args"]["bytes"] for e in spans if e["cat"] == "plan" and e["pid"] == 0)
     assert sent == sum(e["args"]["bytes"] for e in waits if e["pid"] == 0
                        and e["name"].endswith(" out"))

@@ -1,7 +1,9 @@
-"""Run under mpirun -n 2: polling the transport between blocks must not lose a message's size.
+"""Run under mpirun -n 2 with an output file: polling the transport between blocks must not lose
+a message's size.
 
 Rank 0 sends a 3-row tensor into rank 1's inbox sized for 4 rows; rank 1 polls after the message
-has surely arrived (the barrier follows the send's completion), then receives it."""
+has surely arrived (the barrier follows the send's completion), then receives it and saves what
+it received (torch.save) to the output file for the test to check."""
 import sys
 
 import torch
@@ -23,7 +25,4 @@ else:
     comm.Barrier()
     for _ in range(3):
         transport.poll()
-    got = box.get()
-    if not torch.equal(got, sent):
-        print(f"received {got.tolist()} instead of {sent.tolist()}", file=sys.stderr)
-        sys.exit(1)
+    torch.save(box.get(), sys.argv[1])
