@@ -15,8 +15,7 @@ holds that stage's blocks under the names of the whole network ("blocks.{g}.{res
 block's index in the network), its optimizer state keyed by the same parameter names, the
 optimizer's counters and the random state; the manifest says which blocks each file holds. A run
 with another number of stages, another split or another number of replicas reads the blocks it
-owns from whichever files hold them. Checkpoints of the earlier format (no "format": stage-local
-names) still load, on the layout that wrote them.
+owns from whichever files hold them. A manifest of another format is refused.
 """
 import errno
 import itertools
@@ -106,14 +105,6 @@ def _load_file(path: str, name: str, device):
     except Exception as e:  # noqa: BLE001 - a damaged file fails in unzipping or unpickling
         first_line = (str(e).splitlines() or [type(e).__name__])[0]
         raise UnreadableCheckpoint(f"{name}: {first_line}") from e
-
-
-def save_stage(path: str, worker) -> tuple[str, int]:
-    """Write one stage's state in the first, per-stage format (weights, batch-norm statistics,
-    optimizer, RNG) atomically; returns (file name, size) for the manifest."""
-    state = {"stage": worker.stage.state_dict(), "optimizer": worker.optimizer.state_dict(),
-             "rng": torch.get_rng_state(), "cuda_rng": cuda_rng_state(stage_device(worker))}
-    return _write_stage_file(path, worker.index, state)
 
 
 def block_offset(stage) -> int:
@@ -289,36 +280,23 @@ def _report_newer_incomplete(out_dir: str, newest):
               f"{what}", file=sys.stderr, flush=True)
 
 
-# What checkpoints of the first format also had to share with the run that resumes them.
-FIRST_FORMAT_LAYOUT = ("stages", "partition", "replicas", "microbatches_per_epoch")
-FIRST_FORMAT_MISSING = ("stem",)  # identity keys those checkpoints do not record
-
-
-def read_manifest(path: str, identity: dict, layout: dict) -> dict:
-    """The manifest, after checking it was written by the same model, data and recipe
-    (`identity`); a checkpoint of the first format must also share the `layout` keys
-    FIRST_FORMAT_LAYOUT. A layout-free checkpoint's layout is the caller's to compare."""
+def read_manifest(path: str, identity: dict) -> dict:
+    """The manifest, after checking it is of this format and was written by the same model, data
+    and recipe (`identity`). Its layout is the caller's to compare."""
     with open(os.path.join(path, MANIFEST)) as f:
         manifest = json.load(f)
     manifest = {**IDENTITY_DEFAULTS, **manifest}
-    layout_free = manifest.get("format") == LAYOUT_FREE
-    if not layout_free and manifest["replicas"] != layout.get("replicas", 1):
-        # Not remapped: checkpoints of the first format are tied to the layout that wrote them.
-        raise CheckpointError(
-            f"cannot resume from {path}: it was written by {manifest['replicas']} replica(s) and "
-            f"this run has {layout.get('replicas', 1)}; a checkpoint of the first format (one "
-            f"file per stage, stage-local names) resumes on its own layout only: run with "
-            f"{manifest['replicas']} replica(s), i.e. mpirun -n {manifest['replicas']} x "
-            f"{manifest.get('stages')}, or start a new run.out_dir")
-    wanted = dict(identity) if layout_free else {
-        **{k: v for k, v in identity.items() if k not in FIRST_FORMAT_MISSING},
-        **{k: layout[k] for k in FIRST_FORMAT_LAYOUT}}
+    if manifest.get("format") != LAYOUT_FREE:
+        raise CheckpointError(f"cannot resume from {path}: its manifest is not of the checkpoint "
+                              f"format this version reads (\"format\": {LAYOUT_FREE}); to start "
+                              f"a new run instead, give it its own directory: --set "
+                              f"run.out_dir=ANOTHER_DIR")
     wrong = [f"{k}: checkpoint has {manifest.get(k)!r}, this run has {v!r}"
-             for k, v in wanted.items() if manifest.get(k) != v]
+             for k, v in identity.items() if manifest.get(k) != v]
     if wrong:
-        why = ("; the model, the data and the training recipe must be the checkpoint's (the "
-               "stages, split, replicas, device and precision may change)" if layout_free else "")
-        raise CheckpointError(f"cannot resume from {path}: " + "; ".join(wrong) + why + "; to "
+        raise CheckpointError(f"cannot resume from {path}: " + "; ".join(wrong) + "; the model, "
+                              "the data and the training recipe must be the checkpoint's (the "
+                              "stages, split, replicas, device and precision may change); to "
                               "start a new run instead, give it its own directory: --set "
                               "run.out_dir=ANOTHER_DIR")
     try:
@@ -327,14 +305,6 @@ def read_manifest(path: str, identity: dict, layout: dict) -> dict:
     except (OSError, ValueError) as e:
         raise UnreadableCheckpoint(f"trainer.json: {e}") from e
     return manifest
-
-
-def load_stage(path: str, worker, device):
-    state = _load_file(path, f"stage{worker.index}.pt", device)
-    worker.stage.load_state_dict(state["stage"])
-    worker.optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"].cpu())  # map_location moved it to the device
-    restore_cuda_rng(state.get("cuda_rng"), torch.device(device))
 
 
 def stage_device(worker) -> torch.device:
@@ -357,10 +327,8 @@ def cuda_rng_state(device: torch.device, cuda=torch.cuda):
 
 def restore_cuda_rng(saved, device: torch.device, cuda=torch.cuda):
     """Put a state saved by cuda_rng_state on this rank's GPU `device`, whatever its index among
-    the GPUs visible now. Nothing for a CPU run, a checkpoint of a CPU run, or a checkpoint of the
-    earlier format (a list of one state per GPU visible then: which of them was this rank's is
-    not recorded, and no training step drew from them)."""
-    if saved is None or isinstance(saved, (list, tuple)) or device.type != "cuda":
+    the GPUs visible now. Nothing for a CPU run or a checkpoint of a CPU run."""
+    if saved is None or device.type != "cuda":
         return
     cuda.set_rng_state(saved.cpu(), device)
 

@@ -53,9 +53,8 @@ def exported_model(checkpoint: str) -> dict:
     with open(os.path.join(checkpoint, MANIFEST)) as f:
         manifest = json.load(f)
     if manifest.get("format") != LAYOUT_FREE:
-        raise ExportError(f"{checkpoint} has the first checkpoint format (stage-local names, no "
-                          f"model arguments): resume the run once, on its own layout, for a "
-                          f"checkpoint that exports")
+        raise ExportError(f"{checkpoint}: its manifest is not of the checkpoint format this "
+                          f"version exports (\"format\": {LAYOUT_FREE})")
     network = manifest["network"]
     with open(os.path.join(checkpoint, "trainer.json")) as f:
         trainer = json.load(f)

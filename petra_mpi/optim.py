@@ -59,7 +59,7 @@ class StageOptimizer:
         self.params = decay + no_decay
         self.schedule = schedule
         self.name = name
-        # self.sgd: the torch optimizer, SGD or AdamW (the name predates AdamW; metrics reads it)
+        # self.sgd: the torch optimizer, SGD or AdamW
         if not self.params:
             self.sgd = None
         elif name == "sgd":

@@ -18,7 +18,7 @@ import time
 import torch
 
 from .checkpoint import (LAYOUT_FREE, MANIFEST, block_files, checkpoint_dir, find_resume,
-                         invalidate, load_blocks, load_stage, prune, read_manifest,
+                         invalidate, load_blocks, prune, read_manifest,
                          resume_readable, save_blocks, write_manifest)
 from .archs import LM_ARCHS
 from .compress import Compression
@@ -173,8 +173,8 @@ def choose_partition(cfg, J, world, device, dtype, input_shape, resume):
     if resume:
         with open(os.path.join(resume, MANIFEST)) as f:
             manifest = json.load(f)
-        # A layout-free checkpoint written with other stages is split afresh below.
-        if manifest.get("format") != LAYOUT_FREE or manifest.get("stages") == J:
+        # A checkpoint written with other stages is split afresh below.
+        if manifest.get("stages") == J:
             return manifest.get("partition")
     if cfg.model.balance != "measure":
         return None
@@ -194,12 +194,8 @@ def resume_from(path, identity, layout, workers, device):
     """Load the checkpoint at `path` into the workers. Returns the trainer state, with the data
     position and the optimizer step counter carried over to this run's layout, and the list of
     layout changes that alter the learning dynamics (empty on the checkpoint's own layout)."""
-    manifest = read_manifest(path, identity, layout)
+    manifest = read_manifest(path, identity)
     state = manifest["trainer"]
-    if manifest.get("format") != LAYOUT_FREE:  # the first format: on its own layout only
-        for w in workers:
-            load_stage(path, w, device)
-        return state, []
     for w in workers:
         load_blocks(path, manifest, w, device)
     old = {k: manifest.get(k) for k in layout}

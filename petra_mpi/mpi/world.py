@@ -206,7 +206,7 @@ class World:
     def _abort(self, message: str):
         """Print why, then abort every rank. The pause lets the launcher forward the message
         first: on MPI_Abort the launcher may tear the job down before it has read what the rank
-        wrote to its stderr pipe (one CI run lost the line that says why the run stopped)."""
+        wrote to its stderr pipe, losing the line that says why the run stopped."""
         print(message, file=sys.stderr, flush=True)
         time.sleep(ABORT_GRACE_S)
         self.comm.Abort(1)

@@ -1,8 +1,8 @@
 """Layout-free checkpoints: the files hold the network's own names, a run on another number of
 stages, another split or another number of replicas resumes with exactly the checkpoint's weights
 and optimizer state (under mpirun where the writer and the reader have several ranks), what
-changes the learning dynamics is reported and what would be wrong is refused, and checkpoints of
-the first format (stage-local names) still load on their own layout."""
+changes the learning dynamics is reported and what would be wrong (another model, data set or
+recipe, another checkpoint format) is refused."""
 import json
 import os
 import subprocess
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from petra_mpi.checkpoint import (CheckpointError, block_files, complete_checkpoints,
-                                  load_blocks, read_manifest, save_blocks, save_stage,
+                                  load_blocks, read_manifest, save_blocks,
                                   write_manifest)
 from petra_mpi.engine.build import build_stages, build_workers
 from petra_mpi.engine.local import LocalEngine
@@ -135,36 +135,13 @@ def manifest_dir(tmp_path, **fields):
 def test_another_model_or_data_set_is_refused_with_the_key(tmp_path, key, value):
     path = manifest_dir(tmp_path, format=2)
     with pytest.raises(CheckpointError, match=f"cannot resume .*{key}: checkpoint has"):
-        read_manifest(path, {**IDENTITY, key: value}, LAYOUT)
+        read_manifest(path, {**IDENTITY, key: value})
 
 
-def test_another_layout_is_accepted_for_a_layout_free_checkpoint_only(tmp_path):
-    other = {"stages": 3, "partition": [3, 3, 4], "replicas": 1, "microbatches_per_epoch": 16}
-    assert read_manifest(manifest_dir(tmp_path, format=2), IDENTITY, other)["trainer"]["epoch"] == 1
-    first_format = manifest_dir(tmp_path)  # no "format": stage-local names
-    with pytest.raises(CheckpointError, match="written by 2 replica"):
-        read_manifest(first_format, IDENTITY, other)
-    with pytest.raises(CheckpointError, match="stages: checkpoint has 2, this run has 3"):
-        read_manifest(first_format, IDENTITY, {**other, "replicas": 2})
-
-
-def test_a_checkpoint_of_the_first_format_still_resumes_on_its_layout(tmp_path):
-    """Stage files with stage-local names and a manifest without "format" (as earlier versions
-    wrote them): the trainer's resume path loads them on the same layout."""
-    from petra_mpi.trainer import resume_from
-    workers = trained_workers([5, 5])
-    files = dict(save_stage(str(tmp_path), w) for w in workers)
-    identity = {k: v for k, v in IDENTITY.items() if k != "stem"}
-    layout = {**LAYOUT, "replicas": 1}
-    write_manifest(str(tmp_path), {**identity, **layout}, {"epoch": 0, "position": 4}, files)
-    loaded = fresh_workers([5, 5])
-    state, changes = resume_from(str(tmp_path), {**identity, "stem": "cifar"}, layout, loaded,
-                                 "cpu")
-    assert state["position"] == 4 and changes == []
-    for a, b in zip(workers, loaded):
-        for (name, x), (_, y) in zip(a.stage.state_dict().items(), b.stage.state_dict().items()):
-            assert torch.equal(x, y), name
-        assert b.optimizer.steps == a.optimizer.steps == 2
+def test_a_manifest_of_another_format_is_refused(tmp_path):
+    assert read_manifest(manifest_dir(tmp_path, format=2), IDENTITY)["trainer"]["epoch"] == 1
+    with pytest.raises(CheckpointError, match="not of the checkpoint format"):
+        read_manifest(manifest_dir(tmp_path), IDENTITY)  # no "format"
 
 
 # ---------------------------------------------------------------- the trainer, under mpirun

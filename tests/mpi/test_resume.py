@@ -190,30 +190,3 @@ def test_cuda_rng_state_is_the_ranks_own_gpu_and_restores_with_fewer_visible():
     restore_cuda_rng(None, torch.device("cuda", 0), one)  # a CPU run's checkpoint
     restore_cuda_rng(saved, torch.device("cpu"), one)  # resumed on the CPU
     assert torch.equal(one.states[0], four.states[2])
-
-
-def test_old_checkpoint_with_a_state_per_visible_gpu_loads_where_fewer_are_visible(
-        tmp_path, monkeypatch):
-    """A checkpoint of the earlier format (one CUDA state per GPU visible then: 4) resumes where
-    the rank sees one GPU; the weights come back and no state is applied to the wrong GPU."""
-    from petra_mpi.checkpoint import load_stage, save_stage
-    from petra_mpi.engine.build import build_stages, build_workers
-    from petra_mpi.optim import LRSchedule
-
-    def worker(seed):
-        (stage,) = build_stages("revnet18", 2, 10, 1, seed=seed)
-        return build_workers([stage], LRSchedule(0.1, 10))[0]
-
-    saved = worker(seed=1)
-    name, _ = save_stage(str(tmp_path), saved)
-    state = torch.load(tmp_path / name, weights_only=False)
-    assert state["cuda_rng"] is None  # a CPU stage saves no CUDA state
-    state["cuda_rng"] = FakeCuda(4).get_rng_state_all()
-    torch.save(state, tmp_path / name)
-    one = fake_cuda(monkeypatch, 1)
-    before = one.states[0].clone()
-    resumed = worker(seed=2)
-    load_stage(str(tmp_path), resumed, "cpu")
-    assert torch.equal(one.states[0], before)
-    for key, value in saved.stage.state_dict().items():
-        assert torch.equal(value, resumed.stage.state_dict()[key]), key
