@@ -66,8 +66,11 @@ class TokenSource:
 def is_token_file(path) -> bool:
     if str(path) == "synthetic" or not os.path.isfile(path):
         return False
-    with open_readonly(str(path)) as f:
-        return f.attrs.get("kind") == "tokens"
+    try:
+        with open_readonly(str(path)) as f:
+            return f.attrs.get("kind") == "tokens"
+    except OSError:  # not HDF5: the image reader says so, naming the file
+        return False
 
 
 def bytes_per_token(path) -> float:
