@@ -15,6 +15,7 @@ from tests.support.paths import ROOT
 from petra_mpi.config import Config, ConfigError, load_config, num_stages
 from petra_mpi.models import ARCHS, PRECISIONS, num_blocks
 from petra_mpi.models.vit import VIT_ARCHS
+from petra_mpi.models.lm import LM_ARCHS
 from petra_mpi.models.invertible import INVERTIBLE_ARCHS
 from petra_mpi.compress import DIRECTIONS, FORMATS
 from petra_mpi.optim import OPTIMIZERS
@@ -246,7 +247,8 @@ def test_choices_are_literal_types_checked_by_the_loader():
 
 def test_literal_choices_are_what_the_code_implements():
     choices = dict(literal_fields())
-    assert set(choices["model.arch"]) == set(ARCHS) | set(INVERTIBLE_ARCHS) | set(VIT_ARCHS)
+    assert set(choices["model.arch"]) == (set(ARCHS) | set(INVERTIBLE_ARCHS) | set(VIT_ARCHS)
+                                          | set(LM_ARCHS))
     for direction in DIRECTIONS:
         assert choices[f"comm.{direction}"] == FORMATS
     assert choices["train.method"] == METHODS
