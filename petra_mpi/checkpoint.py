@@ -142,9 +142,9 @@ def save_blocks(path: str, worker) -> tuple[str, int]:
     if opt.pending:  # a checkpoint is taken after a drain, whose last backward steps
         raise CheckpointError(f"stage {worker.index}: {opt.pending} gradients not yet applied")
     per_param = {}
-    if opt.sgd is not None:
+    if opt.torch_optimizer is not None:
         names = _param_names(worker)
-        per_param = {names[i]: s for i, s in opt.sgd.state_dict()["state"].items()}
+        per_param = {names[i]: s for i, s in opt.torch_optimizer.state_dict()["state"].items()}
     first = block_offset(stage)
     state = {"format": LAYOUT_FREE, "blocks": [first, first + len(stage.blocks)],
              "stage": {_network_name(stage, k): v for k, v in stage.state_dict().items()},
@@ -193,12 +193,12 @@ def load_blocks(path: str, manifest: dict, worker, device):
         raise CheckpointError(f"the checkpoint holds {saved['name']} state, this run uses "
                               f"{opt.name}")
     stage.load_state_dict({_stage_name(stage, k): v for k, v in saved["stage"].items()})
-    if opt.sgd is not None:
+    if opt.torch_optimizer is not None:
         names = _param_names(worker)
         state = {i: saved["state"][n] for i, n in enumerate(names) if n in saved["state"]}
         # torch casts each state to its parameter's device and dtype (CPU <-> GPU)
-        opt.sgd.load_state_dict({"state": state,
-                                 "param_groups": opt.sgd.state_dict()["param_groups"]})
+        opt.torch_optimizer.load_state_dict({"state": state,
+                                 "param_groups": opt.torch_optimizer.state_dict()["param_groups"]})
     opt.steps, opt.pending = saved["steps"], saved["pending"]
     torch.set_rng_state(saved["rng"].cpu())
     restore_cuda_rng(saved.get("cuda_rng"), torch.device(device))

@@ -109,8 +109,8 @@ def stage_memory(stage, optimizer) -> dict:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     opt_state = []
-    if optimizer.sgd is not None:
-        for state in optimizer.sgd.state.values():
+    if optimizer.torch_optimizer is not None:
+        for state in optimizer.torch_optimizer.state.values():
             opt_state += [v for v in state.values() if torch.is_tensor(v)]
     params = list(stage.parameters())
     device = params[0].device if params else torch.device("cpu")

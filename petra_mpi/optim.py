@@ -59,14 +59,14 @@ class StageOptimizer:
         self.params = decay + no_decay
         self.schedule = schedule
         self.name = name
-        # self.sgd: the torch optimizer, SGD or AdamW
+        # the torch optimizer, SGD or AdamW; None for a stage without parameters
         if not self.params:
-            self.sgd = None
+            self.torch_optimizer = None
         elif name == "sgd":
-            self.sgd = torch.optim.SGD(groups, lr=schedule(0), momentum=momentum,
-                                       nesterov=nesterov and momentum > 0)
+            self.torch_optimizer = torch.optim.SGD(groups, lr=schedule(0), momentum=momentum,
+                                                   nesterov=nesterov and momentum > 0)
         else:  # decoupled weight decay: p ← p − lr·wd·p beside the Adam step
-            self.sgd = torch.optim.AdamW(groups, lr=schedule(0), betas=tuple(betas))
+            self.torch_optimizer = torch.optim.AdamW(groups, lr=schedule(0), betas=tuple(betas))
         self.steps = 0       # optimizer steps taken
         self.pending = 0     # backwards accumulated since the last step
         self.last_lr = schedule(0)
@@ -79,27 +79,27 @@ class StageOptimizer:
         """Average the pending gradients, step, and clear them."""
         if self.pending == 0:
             return
-        if self.sgd is not None:
+        if self.torch_optimizer is not None:
             for p in self.params:
                 if p.grad is not None and self.pending > 1:
                     p.grad.div_(self.pending)
             lr = self.last_lr = self.schedule(self.steps)
-            for group in self.sgd.param_groups:
+            for group in self.torch_optimizer.param_groups:
                 group["lr"] = lr
-            self.sgd.step()
-            self.sgd.zero_grad(set_to_none=True)
+            self.torch_optimizer.step()
+            self.torch_optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         self.pending = 0
 
     def state_dict(self):
         """The torch optimizer's state under its name ("sgd" or "adamw"), and the counters."""
-        return {self.name: self.sgd.state_dict() if self.sgd else None, "steps": self.steps,
-                "pending": self.pending}
+        torch_state = self.torch_optimizer.state_dict() if self.torch_optimizer else None
+        return {self.name: torch_state, "steps": self.steps, "pending": self.pending}
 
     def load_state_dict(self, state):
         if self.name not in state:
             other = next((n for n in OPTIMIZERS if n in state), "?")
             raise ValueError(f"the checkpoint holds {other} state, this run uses {self.name}")
-        if self.sgd is not None:
-            self.sgd.load_state_dict(state[self.name])
+        if self.torch_optimizer is not None:
+            self.torch_optimizer.load_state_dict(state[self.name])
         self.steps, self.pending = state["steps"], state["pending"]

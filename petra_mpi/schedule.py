@@ -59,27 +59,31 @@ def _valid(b: int, n: int):
     return b if 0 <= b < n else None
 
 
-class PetraSchedule:
-    """Stage s forwards b = t - s and backwards b = t - 2(J-1) + s at tick t."""
-    method = "petra"
+class TickSchedule:
+    """Which micro-batch each stage forwards and backwards at each tick, and the actions that
+    follow from it; a subclass gives the timing (num_ticks, forward_microbatch,
+    backward_microbatch, entered_before)."""
+    method: str
 
     def __init__(self, num_stages: int, accumulation: int = 1):
         self.J, self.k = num_stages, accumulation
 
     def num_ticks(self, n: int) -> int:
-        return n + 2 * (self.J - 1) if n else 0
+        """How many ticks a segment of n micro-batches takes, drain included."""
+        raise NotImplementedError
 
     def forward_microbatch(self, stage, tick, n):
         """The micro-batch `stage` forwards at `tick`, or None (the last stage: also its
         backward)."""
-        return _valid(tick - stage, n)
+        raise NotImplementedError
 
     def backward_microbatch(self, stage, tick, n):
-        return _valid(tick - delay(self.J, stage) - stage, n)
+        """The micro-batch `stage` backwards at `tick`, or None."""
+        raise NotImplementedError
 
     def entered_before(self, tick: int) -> int:
         """How many micro-batches entered stage 0 before `tick`."""
-        return tick
+        raise NotImplementedError
 
     def actions(self, stage: int, tick: int, n: int) -> list:
         """The actions of `stage` at `tick` of a segment of n, in the order they run."""
@@ -105,12 +109,29 @@ class PetraSchedule:
         return [self.actions(stage, t, n) for t in range(self.num_ticks(n))]
 
 
+class PetraSchedule(TickSchedule):
+    """Stage s forwards b = t - s and backwards b = t - 2(J-1) + s at tick t."""
+    method = "petra"
+
+    def num_ticks(self, n: int) -> int:
+        return n + 2 * (self.J - 1) if n else 0
+
+    def forward_microbatch(self, stage, tick, n):
+        return _valid(tick - stage, n)
+
+    def backward_microbatch(self, stage, tick, n):
+        return _valid(tick - delay(self.J, stage) - stage, n)
+
+    def entered_before(self, tick: int) -> int:
+        return tick
+
+
 class DelayedSchedule(PetraSchedule):
     """PETRA's timing; the stages differ (buffered inputs, stashed weights), not the schedule."""
     method = "delayed"
 
 
-class BackpropSchedule(PetraSchedule):
+class BackpropSchedule(TickSchedule):
     """One micro-batch in flight: forward through every stage, then back, one stage busy."""
     method = "backprop"
 
@@ -132,7 +153,7 @@ class BackpropSchedule(PetraSchedule):
 SCHEDULES = {s.method: s for s in (PetraSchedule, DelayedSchedule, BackpropSchedule)}
 
 
-def schedule_for(method: str, num_stages: int, accumulation: int = 1) -> PetraSchedule:
+def schedule_for(method: str, num_stages: int, accumulation: int = 1) -> TickSchedule:
     return SCHEDULES[method](num_stages, accumulation)
 
 
@@ -159,14 +180,14 @@ def backward_microbatch(method: str, num_stages: int, stage: int, tick: int, n: 
 STOP_MARGIN = 3
 
 
-def stop_count(schedule: PetraSchedule, tick: int, n: int) -> int:
+def stop_count(schedule: TickSchedule, tick: int, n: int) -> int:
     """The segment length when a stop applies at `tick`: what has entered plus STOP_MARGIN, at
     most n. Every action before `tick` is then the same in the segment of n and in the shorter
     one, so the drain leaves every stage with its gradients applied."""
     return min(n, schedule.entered_before(tick) + STOP_MARGIN)
 
 
-def grid(schedule: PetraSchedule, n: int) -> str:
+def grid(schedule: TickSchedule, n: int) -> str:
     """Rows = stages (ranks), columns = ticks; a cell lists the tick's actions in order."""
     cells = [[" ".join(a.label for a in acts) or "." for acts in schedule.stage_actions(s, n)]
              for s in range(schedule.J)]

@@ -1,11 +1,12 @@
 """The trainer: builds a run (placement, data, stages, engine, outputs, resume) and trains it.
 
-`Trainer(cfg, world, stop)` builds everything; `fit` trains epoch after epoch (`train_epoch`, then
-`end_epoch`: `evaluate`, the metrics line, `save_checkpoint` at its cadence) until the run ends or a
-stop is agreed; `finish` writes the summary and says the exit status; `close` releases the data
-loaders. The loop is the same for both engines: every replica's stage 0 reads its share of the
-data, the last stage computes the loss, and replica 0's last stage (World.writer_rank) writes every
-run output: metrics.jsonl, summary.json, trace.json and the checkpoint manifests.
+`Trainer(cfg, world, placement, stop)` builds everything; `fit` trains epoch after epoch
+(`train_epoch`, then `end_epoch`: `evaluate`, the metrics line, `save_checkpoint` at its cadence)
+until the run ends or a stop is agreed; `finish` writes the summary and says the exit status;
+`close` releases the data loaders. The loop is the same for both engines: every replica's stage 0
+reads its share of the data, the last stage computes the loss, and replica 0's last stage
+(World.writer_rank) writes every run output: metrics.jsonl, summary.json, trace.json and the
+checkpoint manifests.
 """
 import dataclasses
 import itertools
@@ -260,7 +261,8 @@ class TrainLog:
     def __init__(self, cfg, worker, writer, n, epoch, position=0, replicas=1):
         """Losses and accuracies are replica 0's (a sample of the global batch); images and
         images/s count every replica's (they advance in step: the averages synchronise them)."""
-        self.cfg, self.worker, self.writer, self.n, self.epoch = cfg, worker, writer, n, epoch
+        self.cfg, self.worker, self.writer, self.epoch = cfg, worker, writer, epoch
+        self.microbatches = n
         self.replicas = replicas
         self.loss_sum = self.correct = self.count = 0
         self.seen = position
@@ -289,7 +291,7 @@ class TrainLog:
         now = time.perf_counter()
         rate = self.replicas * self.epoch_count / max(now - self.start, 1e-9)
         self.progress.update(self.seen, loss=self.loss_sum / self.count, img_s=round(rate))
-        if step - self.last_logged_step >= self.cfg.run.log_every or self.seen == self.n:
+        if step - self.last_logged_step >= self.cfg.run.log_every or self.seen == self.microbatches:
             self.writer.write("train", step=step, epoch=self.epoch, loss=self.loss_sum / self.count,
                               acc=self.correct / self.count, lr=self.worker.optimizer.last_lr,
                               images_per_s=self.replicas * self.count / max(now - self.mark,
@@ -357,12 +359,12 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
     `stop` is set by SIGUSR1/SIGTERM; `profile` (with dry_run) measures the blocks' costs.
     Returns the exit status: 0 when the run finished, EXIT_REQUEUE when it stopped on request."""
     startup_step("setting up the device")
-    where = place(cfg, world)
+    placement = place(cfg, world)
     if dry_run:
         from .dryrun import report
-        return report(cfg, where.J, world, device=where.device, dtype=where.dtype,
+        return report(cfg, placement.J, world, device=placement.device, dtype=placement.dtype,
                       profile=profile)
-    trainer = Trainer(cfg, world, where, stop)
+    trainer = Trainer(cfg, world, placement, stop)
     if world is None:
         end_startup()  # no neighbours wait for this process's first micro-batch
     try:
@@ -378,21 +380,21 @@ class Trainer:
     """One process's part of a run. Every rank builds one and calls the same methods in the same
     order: the stop votes, checkpoints and evaluations inside them are collective."""
 
-    def __init__(self, cfg, world, where: Placement, stop=None):
-        self.cfg, self.world, self.where = cfg, world, where
+    def __init__(self, cfg, world, placement: Placement, stop=None):
+        self.cfg, self.world, self.placement = cfg, world, placement
         # every replica's stage 0 reads; one rank writes every output (World.writer_rank)
-        self.reads_data = where.stage == 0
+        self.reads_data = placement.stage == 0
         self.writes = world.is_writer if world else True
         self.train_loaders, self.val_loader = [], None
         startup_step(f"opening the data ({cfg.data.path})" if self.reads_data else
                      "waiting for stage 0 to open the data")
         lengths = self._open_data()
-        self.n, self.m = segment_lengths(cfg, *lengths[:2])
+        self.microbatches_per_epoch, self.eval_batches = segment_lengths(cfg, *lengths[:2])
         self.input_shape = lengths[2]
-        resume = find_resume(cfg.run.out_dir, cfg.run.resume) if where.rank == 0 else None
+        resume = find_resume(cfg.run.out_dir, cfg.run.resume) if placement.rank == 0 else None
         if world:
             resume = world.comm.bcast(resume, root=0)
-        partition = choose_partition(cfg, where.J, world, where.device, where.dtype,
+        partition = choose_partition(cfg, placement.J, world, placement.device, placement.dtype,
                                      self.input_shape, resume)
         self.epoch = 0  # the epoch being trained: diagnostics records carry it
         startup_step("building the stages")
@@ -407,7 +409,7 @@ class Trainer:
             # the newest checkpoint every rank can read (a crash may have damaged the newest)
             resume, (state, changes) = resume_readable(
                 resume, lambda path: resume_from(path, self.identity, self.layout, self.workers,
-                                                 where.device),
+                                                 placement.device),
                 fallback=cfg.run.resume == "auto", comm=world.comm if world else None)
             self.load_state_dict(state)
         # A finished run's directory: the same command again has nothing left to train.
@@ -415,7 +417,7 @@ class Trainer:
         if self.writer:
             self._announce(resume, changes)
         self.interrupts = Interrupts(stop, cfg.run.checkpoint_every_minutes,
-                                     keeps_clock=where.rank == 0)
+                                     keeps_clock=placement.rank == 0)
         self.stopping = False  # every rank agreed to stop (a signal or a due wall-time stop)
         self.start = time.perf_counter()
         startup_step("training the first micro-batch")
@@ -423,13 +425,14 @@ class Trainer:
     def _open_data(self):
         """Open this process's loaders (stage 0 only) and return (training batches, validation
         batches, input shape), the same on every rank."""
-        cfg, where, lengths = self.cfg, self.where, None
+        cfg, placement, lengths = self.cfg, self.placement, None
         if self.reads_data:
-            shards = [(where.replica, where.R)] if self.world else [(r, where.R)
-                                                                   for r in range(where.R)]
+            shards = ([(placement.replica, placement.R)] if self.world else
+                      [(r, placement.R) for r in range(placement.R)])
             for shard in shards:
                 train_loader, val, input_shape = open_data(
-                    cfg, where.device, shard, decode_threads(cfg, where.threads, len(shards)))
+                    cfg, placement.device, shard,
+                    decode_threads(cfg, placement.threads, len(shards)))
                 self.train_loaders.append(train_loader)
                 if self.val_loader is None:
                     self.val_loader = val
@@ -443,27 +446,28 @@ class Trainer:
     def _build_engine(self, partition):
         """The stages, their workers and the engine that runs them, with the tracers and the
         diagnostics wired on."""
-        cfg, world, where, J, R = self.cfg, self.world, self.where, self.where.J, self.where.R
+        cfg, world, placement = self.cfg, self.world, self.placement
+        J, R = placement.J, placement.R
         compression = Compression.from_config(cfg.comm, cfg.run.seed)
         stages = []
         for r in range(1 if world else R):  # in one process: R identical replicas, in rank order
             stages += build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, J,
                                    seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
                                    partition=partition, buffer_inputs=cfg.train.buffer_inputs,
-                                   stash_weights=cfg.train.stash_weights, device=where.device,
-                                   dtype=where.dtype,
+                                   stash_weights=cfg.train.stash_weights, device=placement.device,
+                                   dtype=placement.dtype,
                                    image_size=self.input_shape[-1],  # the loader's image side
-                                   only=where.stage if world else None,
+                                   only=placement.stage if world else None,
                                    model_kw=model_kwargs(cfg), precision=cfg.run.precision,
                                    compression=compression,
-                                   replica=where.replica if world else r)
+                                   replica=placement.replica if world else r)
         self.stages = stages
-        self.steps_per_epoch = -(-self.n // cfg.train.accumulation)
+        self.steps_per_epoch = -(-self.microbatches_per_epoch // cfg.train.accumulation)
         self.schedule = lr_schedule(cfg, self.steps_per_epoch, R)
         # Collective (a Barrier fixes the common time origin); NULL_TRACERs when run.trace is off.
         self.tracers = trace.start(cfg.run.trace, world,
-                                   [where.rank] if world else list(range(len(stages))),
-                                   where.device)
+                                   [placement.rank] if world else list(range(len(stages))),
+                                   placement.device)
         self.tracer = self.tracers[0]  # this process's eval and checkpoint spans
         hooks = []
         if cfg.train.diag_every:
@@ -475,10 +479,12 @@ class Trainer:
                                 optimizer=cfg.optim.name, betas=tuple(cfg.optim.betas),
                                 tracers=self.tracers, hooks=hooks)
         self.workers = workers
-        self.own = workers[:J]  # replica 0's: what checkpoints hold (replicas are identical)
+        # one pipeline's workers (replica 0's in one process, this rank's under MPI): what
+        # checkpoints hold (replicas are identical)
+        self.pipeline_workers = workers[:J]
         if world:
             from .mpi.engine import MPIEngine
-            engine = MPIEngine(workers[0], cfg.train.method, world, where.dtype,
+            engine = MPIEngine(workers[0], cfg.train.method, world, placement.dtype,
                                self.input_shape, cfg.data.batch_size,
                                compression,  # its start-up line shows the compression
                                watchdog_s=cfg.run.watchdog_s,
@@ -494,10 +500,11 @@ class Trainer:
         self.engine = engine
 
     def _write_diagnostics(self, record):
-        self.writer.write("diag", step=self.own[-1].optimizer.steps, epoch=self.epoch, **record)
+        self.writer.write("diag", step=self.pipeline_workers[-1].optimizer.steps,
+                          epoch=self.epoch, **record)
 
     def _describe_checkpoints(self):
-        cfg, J, R = self.cfg, self.where.J, self.where.R
+        cfg, J, R = self.cfg, self.placement.J, self.placement.R
         # What a checkpoint must share with this run: the model, the data and the recipe (the
         # sampler position and the learning-rate schedule depend on the batch size, k, the seed).
         self.identity = {"arch": cfg.model.arch, "width": cfg.model.width,
@@ -511,8 +518,9 @@ class Trainer:
         # What it may differ in: reported at start-up when it does.
         partition = self.stages[0].partition
         self.layout = {"stages": J, "partition": partition, "replicas": R,
-                       "microbatches_per_epoch": self.n, "steps_per_epoch": self.steps_per_epoch,
-                       "peak_lr": self.schedule.peak, "device": self.where.device.type,
+                       "microbatches_per_epoch": self.microbatches_per_epoch,
+                       "steps_per_epoch": self.steps_per_epoch,
+                       "peak_lr": self.schedule.peak, "device": self.placement.device.type,
                        "dtype": cfg.run.dtype, "precision": cfg.run.precision}
         # The arguments of models.build_network: the plain model an export builds.
         network = {"arch": cfg.model.arch, "width": cfg.model.width,
@@ -524,18 +532,18 @@ class Trainer:
                               "config": cfg.to_dict()}
 
     def _announce(self, resume, changes):
-        state, where = self.state, self.where
+        state, placement = self.state, self.placement
         if self.already_finished:
             print(f"petra_mpi: {self.cfg.run.out_dir} holds a run of {state['epoch']} epoch(s) "
                   f"that is already finished, nothing to do (use another run.out_dir, e.g. "
                   f"--set run.out_dir={self.cfg.run.out_dir}_2, or more train.epochs to go on)",
                   file=sys.stderr, flush=True)
             return
-        self.writer.write("resume" if resume else "start", stages=where.J, replicas=where.R,
-                          writer_rank=where.rank, threads=where.threads,
+        self.writer.write("resume" if resume else "start", stages=placement.J, replicas=placement.R,
+                          writer_rank=placement.rank, threads=placement.threads,
                           method=self.cfg.train.method,
                           arch=self.cfg.model.arch, config=self.cfg.to_dict(),
-                          microbatches_per_epoch=self.n,
+                          microbatches_per_epoch=self.microbatches_per_epoch,
                           placement=self.world.placement if self.world else None,
                           **({"from": resume, "epoch": state["epoch"],
                               "position": state["position"], "layout_changes": changes}
@@ -570,11 +578,12 @@ class Trainer:
     def _write_checkpoint(self, epoch, position):
         world, cfg = self.world, self.cfg
         path = checkpoint_dir(cfg.run.out_dir, epoch, position)
-        if self.where.rank == 0:
+        if self.placement.rank == 0:
             invalidate(path)
         if world:
             world.comm.Barrier()
-        files = [save_blocks(path, w) for w in self.own] if self.where.replica == 0 else []
+        files = ([save_blocks(path, w) for w in self.pipeline_workers]
+                 if self.placement.replica == 0 else [])
         if world:
             files = world.gather_to_writer(files)  # also: every stage file is in place
         self.state.update(epoch=epoch, position=position)
@@ -603,12 +612,13 @@ class Trainer:
         """Train the epoch from its position, draining at the micro-batch checkpoint cadence and
         at every segment's stop vote. Returns (whether the epoch was trained to its end, its
         training figures on the writing rank, else None); a stop mid-epoch checkpoints here."""
-        cfg, n = self.cfg, self.n
+        cfg, n = self.cfg, self.microbatches_per_epoch
         position = self.state["position"] if epoch == self.state["epoch"] else 0
         batches = self._train_batches(epoch, position)
-        log = TrainLog(cfg, self.own[-1], self.writer, n, epoch, position,
-                       self.where.R) if self.writes else None
-        on_loss = self.own[-1].tracer.wrap_callback(trace.LOG, log)  # log itself when off
+        log = TrainLog(cfg, self.pipeline_workers[-1], self.writer, n, epoch, position,
+                       self.placement.R) if self.writes else None
+        # log itself when tracing is off
+        on_loss = self.pipeline_workers[-1].tracer.wrap_callback(trace.LOG, log)
         cadence = cfg.run.checkpoint_every_microbatches
         while position < n and not self.stopping:
             length = n - position if not cadence else min(n - position,
@@ -631,7 +641,7 @@ class Trainer:
         feeds = []
         for loader in self.train_loaders:
             loader.load_state_dict({"epoch": epoch, "position": position})
-            feeds.append(_as_dtype(iter(loader), self.where.dtype))
+            feeds.append(_as_dtype(iter(loader), self.placement.dtype))
         return feeds if len(feeds) > 1 else feeds[0]
 
     def end_epoch(self, epoch, train_stats) -> bool:
@@ -643,10 +653,11 @@ class Trainer:
         if self.stopping:  # before or during the evaluation
             if self.writes:
                 self.state["epoch_train"] = train_stats
-            self.save_checkpoint(epoch, self.n)
+            self.save_checkpoint(epoch, self.microbatches_per_epoch)
             return False
         if self.writes:
-            log_epoch(self.cfg, self.writer, self.state, epoch, self.own[-1].optimizer.steps,
+            log_epoch(self.cfg, self.writer, self.state, epoch,
+                      self.pipeline_workers[-1].optimizer.steps,
                       train_stats, totals.result())
         level = self.vote()
         self.stopping = level == STOP
@@ -657,13 +668,13 @@ class Trainer:
 
     def evaluate(self):
         """Evaluate on the validation batches in pieces, stopping early when every rank agrees
-        to stop (then self.stopping is set). Returns the summed EvalTotals where the loss is
+        to stop (then self.stopping is set). Returns the summed EvalTotals placement the loss is
         computed, None elsewhere and when stopped."""
         val_batches = None
         if self.reads_data:
             self.val_loader.load_state_dict({"epoch": 0, "position": 0})
-            val_batches = _as_dtype(itertools.islice(iter(self.val_loader), self.m),
-                                    self.where.dtype)
+            val_batches = _as_dtype(itertools.islice(iter(self.val_loader), self.eval_batches),
+                                    self.placement.dtype)
         # Replica 0 evaluates, the other replicas wait for it in the vote after each piece (the
         # last piece's is end_epoch's): every rank allows for the piece until that vote.
         def vote_then_allow():
@@ -672,7 +683,7 @@ class Trainer:
             return level
         self.watchdog.allow("evaluation", EVALUATION_GRACE_S)
         with self.tracer.span(trace.EVAL):
-            totals, self.stopping = evaluate_in_pieces(self.engine, val_batches, self.m,
+            totals, self.stopping = evaluate_in_pieces(self.engine, val_batches, self.eval_batches,
                                                        vote_then_allow)
         return totals
 
@@ -680,14 +691,14 @@ class Trainer:
     def finish(self) -> int:
         """Gather the memory figures, write the trace and the summary (or the stop line), and
         return the exit status: 0 when the run finished, EXIT_REQUEUE when it stopped."""
-        cfg, where, state = self.cfg, self.where, self.state
-        memory = ([stage_memory(w.stage, w.optimizer) for w in self.own]
-                  if where.replica == 0 else [])
+        cfg, placement, state = self.cfg, self.placement, self.state
+        memory = ([stage_memory(w.stage, w.optimizer) for w in self.pipeline_workers]
+                  if placement.replica == 0 else [])
         if self.world:
             memory = self.world.gather_to_writer(memory)
         self.close()
         trace.finish(self.tracers, self.world, os.path.join(cfg.run.out_dir, "trace.json"),
-                     {"method": cfg.train.method, "arch": cfg.model.arch, "stages": where.J,
+                     {"method": cfg.train.method, "arch": cfg.model.arch, "stages": placement.J,
                       "batch_size": cfg.data.batch_size, "accumulation": cfg.train.accumulation})
         if self.stopping and state["epoch"] < cfg.train.epochs:
             if self.writes:
@@ -701,8 +712,8 @@ class Trainer:
                 self.world.comm.Barrier()  # once the first one exits with this status
             return EXIT_REQUEUE
         if self.writes:
-            write_summary(cfg, state, where.J, where.R, self.n, memory, self.wall_time(),
-                          where.rank)
+            write_summary(cfg, state, placement.J, placement.R, self.microbatches_per_epoch,
+                          memory, self.wall_time(), placement.rank)
             self.writer.close()
         return 0
 

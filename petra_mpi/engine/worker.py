@@ -32,7 +32,7 @@ class StageWorker:
         self.tracer = tracer    # trace.Tracer when run.trace is on
         self.hooks = list(hooks)
         self.reducer = reducer  # averages the gradients over the replicas (replicas.py)
-        self.n = 0  # micro-batches in the current segment
+        self.segment_length = 0  # micro-batches in the current segment
         self.step_due = None  # with replicas: the micro-batch whose step waits for its average
 
     @property
@@ -53,7 +53,7 @@ class StageWorker:
 
     def begin_segment(self, n: int):
         """Start (or shorten, on a stop request) a segment of n micro-batches."""
-        self.n = n
+        self.segment_length = n
         self.stage.train()
 
     def _before(self, kind, b, x=None, labels=None):

@@ -59,7 +59,7 @@ def stage_state(worker) -> dict:
     opt = worker.optimizer
     return {"params": [p.detach().clone() for p in worker.stage.parameters()],
             "buffers": [b.detach().clone() for b in worker.stage.buffers()],
-            "momentum": [s["momentum_buffer"].clone() for s in opt.sgd.state.values()],
+            "momentum": [s["momentum_buffer"].clone() for s in opt.torch_optimizer.state.values()],
             "steps": opt.steps, "pending": opt.pending}
 
 

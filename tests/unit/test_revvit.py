@@ -118,9 +118,9 @@ def test_cosine_schedule_and_adamw_groups():
     assert s(50) == pytest.approx(0.0, abs=1e-12) and s(49) > 0
     (stage,) = tiny_stages("revvit", 1)
     opt = StageOptimizer(stage, s, weight_decay=0.05, name="adamw")
-    assert isinstance(opt.sgd, torch.optim.AdamW)
+    assert isinstance(opt.torch_optimizer, torch.optim.AdamW)
     names = {id(p): n for n, p in stage.named_parameters()}
-    decayed = {names[id(p)] for g in opt.sgd.param_groups if g["weight_decay"] > 0
+    decayed = {names[id(p)] for g in opt.torch_optimizer.param_groups if g["weight_decay"] > 0
                for p in g["params"]}
     assert decayed and all(n.endswith("weight") and "norm" not in n for n in decayed)
     assert not any("pos_embed" in n or n.endswith("bias") for n in decayed)
