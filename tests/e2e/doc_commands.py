@@ -8,7 +8,9 @@ text; tests/e2e/test_docs.py runs the ones that run here and fails on any comman
 
 Kinds:
   run       runs here in seconds: the default selection runs it, shortened by SHORTEN
-  long      runs here but takes minutes (benchmarks, the paper's configs): the extended selection
+  long      runs here but takes minutes (training runs, export, evaluate): the extended selection
+  bench     a benchmark as documented (minutes to an hour each here): tests/e2e/test_bench.py
+            runs every bench, shortened, and checks its report
   usage     a synopsis with placeholders (CONFIG.yaml, RUN_DIR, [options], SEED): not a command
   install   installs into the environment (pip, a virtual environment): not run
   site      needs a cluster's modules, MPI or many more ranks than this machine has
