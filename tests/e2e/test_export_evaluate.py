@@ -61,6 +61,9 @@ def quickstart(tmp_path_factory):
     return out
 
 
+# extended: the default selection checks the same with tests/unit/test_export_as_evaluated.py (a
+# bf16, int8-forward run) and the documented export of tests/e2e/test_docs.py
+@pytest.mark.extended
 def test_exported_quickstart_model_evaluates_to_the_runs_final_evaluation(quickstart, tmp_path):
     export(quickstart, tmp_path / "model.pt")
     want = final_eval(quickstart)

@@ -48,6 +48,8 @@ def test_a_stalled_rank_ends_the_job_and_every_rank_reports(tmp_path):
     assert "  waiting: receive activation from rank 1" in out  # rank 2's pending list
 
 
+# extended: the default selection covers the watchdog's stall report with the stalled rank above
+@pytest.mark.extended
 def test_a_rank_lost_before_a_stop_vote_ends_the_job(tmp_path):
     """Rank 1 never votes at the end of the first segment (it sleeps in the vote): ranks 0 and
     2 wait inside that collective, where no neighbour can be named. Every rank's watchdog says
@@ -123,6 +125,8 @@ def finish(proc, timeout):
     return proc.returncode, out
 
 
+# extended: tests/unit/test_watchdog.py stops and continues a watched process in the default
+@pytest.mark.extended
 def test_a_suspended_job_goes_on_when_resumed(tmp_path):
     """Every process of the job is stopped (SIGSTOP, as SLURM suspends a job) mid-training for
     three times run.watchdog_s, then continued: no watchdog fires and the run finishes."""

@@ -172,6 +172,8 @@ SMALL = ["--set", "model.width=16", "--set", "model.depth=2", "--set", "model.st
          "--set", "run.keep_checkpoints=10", "--set", "run.threads=1"]
 
 
+# extended: the default selection resumes AdamW checkpoints in tests/mpi/test_portable_checkpoint.py
+@pytest.mark.extended
 def test_adamw_cosine_checkpoint_resume_equals_running_on(tmp_path):
     """Invariant 6 for AdamW and the cosine schedule, in one process: a run resumed from its
     mid-epoch checkpoint (a stop simulated by deleting the later checkpoints) ends with the same
