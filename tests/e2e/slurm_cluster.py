@@ -21,6 +21,18 @@ MUNGE_SOCKET_DIR = "/run/munge"
 MUNGE_KEY = "/etc/munge/munge.key"
 
 
+def running_cluster(tmp_path_factory):
+    """The body of a test module's `cluster` fixture: a started cluster for the module's tests,
+    stopped after them; the tests skip, saying why, where one cannot run here."""
+    why = missing()
+    if why:
+        import pytest
+        pytest.skip(why)
+    cluster = Cluster(tmp_path_factory.mktemp("slurm")).start()
+    yield cluster
+    cluster.stop()
+
+
 def missing() -> str | None:
     """Why the cluster cannot start here, or None."""
     absent = [d for d in DAEMONS if not _sbin(d)]

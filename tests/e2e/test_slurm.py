@@ -237,12 +237,7 @@ def test_pack_merge_submission(tmp_path):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    why = slurm_cluster.missing()
-    if why:
-        pytest.skip(why)
-    c = slurm_cluster.Cluster(tmp_path_factory.mktemp("slurm")).start()
-    yield c
-    c.stop()
+    yield from slurm_cluster.running_cluster(tmp_path_factory)
 
 
 def read_jsonl(path):
@@ -836,44 +831,6 @@ def test_the_stall_budget_ends_a_job_that_stalls_again_without_progress(tmp_path
 
 def asked_to_requeue(calls):
     return any(c.startswith("requeue ") for c in calls)
-
-
-def waiting_trainer(tmp_path):
-    """A stand-in for the trainer (through PYTHON): each rank says it runs (a file named by job
-    and rank), then waits for the file `go` and exits 0."""
-    trainer = tmp_path / "trainer"
-    trainer.write_text(f"#!/bin/bash\ntouch {tmp_path}/running.$SLURM_JOB_ID.$SLURM_PROCID\n"
-                       f"until [[ -e {tmp_path}/go ]]; do sleep 0.1; done\n")
-    trainer.chmod(0o755)
-    return str(trainer)
-
-
-def wait_running(cluster, jobid, tmp_path):
-    cluster.wait(jobid, lambda jobs: all((tmp_path / f"running.{jobid}.{r}").exists()
-                                         for r in (0, 1))
-                 or jobs[0]["JobState"] in slurm_cluster.TERMINAL, timeout=90, what="to start")
-
-
-@pytest.mark.extended
-def test_one_job_per_run_directory(cluster, tmp_path):
-    """A job given the run directory of a job still running refuses to start (status 2, naming
-    that job) rather than train beside it on one set of checkpoints; once that job has ended,
-    the next one runs."""
-    env = {"CONFIG": "configs/quickstart.yaml", "OUT_DIR": str(tmp_path / "run"),
-           "PYTHON": waiting_trainer(tmp_path)}
-    first = submit(cluster, tmp_path, "revnet18_cifar10.sh", **env)
-    wait_running(cluster, first, tmp_path)
-    second = submit(cluster, tmp_path, "revnet18_cifar10.sh", **env)
-    (job,) = cluster.wait(second, timeout=60)
-    assert (job["JobState"], job["ExitCode"]) == ("FAILED", "2:0"), job_output(cluster, job)
-    assert f"is the run directory of job {first} (RUNNING)" in open(job["StdOut"]).read()
-    assert not list(tmp_path.glob(f"running.{second}.*"))
-    (tmp_path / "go").touch()
-    (job,) = cluster.wait(first, timeout=60)
-    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), job_output(cluster, job)
-    third = submit(cluster, tmp_path, "revnet18_cifar10.sh", **env)
-    (job,) = cluster.wait(third, timeout=60)
-    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), job_output(cluster, job)
 
 
 def wrapped_trainer(tmp_path, *faulty):

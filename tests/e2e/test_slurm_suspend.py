@@ -24,12 +24,7 @@ SMALL = ("--nodes=1", "--ntasks=2", "--ntasks-per-node=2", "--gpus-per-node=2", 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    why = slurm_cluster.missing()
-    if why:
-        pytest.skip(why)
-    c = slurm_cluster.Cluster(tmp_path_factory.mktemp("slurm")).start()
-    yield c
-    c.stop()
+    yield from slurm_cluster.running_cluster(tmp_path_factory)
 
 
 def trained_steps(metrics):
