@@ -345,19 +345,15 @@ def validate(cfg: Config, world_size: int | None = None):
          "bf16 needs run.dtype float32 (the storage dtype of the tensors between blocks)")
     need(cfg.train.replicas <= 1 or not cfg.train.diag_every, "train.diag_every",
          "the diagnostics need a single replica: drop train.replicas")
-    if cfg.model.arch in VIT_ARCHS:
+    if cfg.model.arch in VIT_ARCHS or cfg.model.arch in LM_ARCHS:  # the transformers
         need(cfg.model.depth >= 1, "model.depth", "must be >= 1")
         need(cfg.model.heads >= 0, "model.heads", "must be >= 0 (0: one per 64 features)")
         heads = cfg.model.heads or default_heads(cfg.model.width)
         need(cfg.model.width % heads == 0, "model.heads",
              f"{heads} heads must divide model.width {cfg.model.width}")
+    if cfg.model.arch in VIT_ARCHS:
         need(cfg.model.patch >= 1, "model.patch", "must be >= 1")
     if cfg.model.arch in LM_ARCHS:
-        need(cfg.model.depth >= 1, "model.depth", "must be >= 1")
-        need(cfg.model.heads >= 0, "model.heads", "must be >= 0 (0: one per 64 features)")
-        heads = cfg.model.heads or default_heads(cfg.model.width)
-        need(cfg.model.width % heads == 0, "model.heads",
-             f"{heads} heads must divide model.width {cfg.model.width}")
         need(not cfg.model.tie_weights or num_stages(cfg, world_size or 1) == 1,
              "model.tie_weights", "needs the embedding and the head on one stage (J = 1): with "
              "one weight copy per stage a table cannot live on two stages")
