@@ -214,6 +214,7 @@ class WaitingStage(nn.Module):
         self.out_shape = (batch, *shapes.outputs[blocks[-1]])
         self.num_classes = num_classes
         self.needs_rebuilt_input = shapes.reversible[blocks[-1]]
+        self.input_dtype = None  # images: the activations' dtype
         self.held_per_microbatch = sum(4 * batch * _numel(shapes.inputs[b]) for b in blocks
                                        if not shapes.reversible[b])
         self.in_flight = self.peak_in_flight = 0

@@ -43,6 +43,12 @@ class Stage(nn.Module):
         self.between_blocks = None  # called between blocks (the MPI engine polls its transport)
 
     @property
+    def input_dtype(self):
+        """The dtype this stage's input must have when it is not the activations' (a language
+        model's first stage takes token ids); None: the activations' dtype."""
+        return getattr(self.blocks[0], "input_dtype", None) if self.is_first else None
+
+    @property
     def needs_rebuilt_input(self) -> bool:
         """Whether backward uses the ỹ it is given (else only δy matters: a sender may skip ỹ)."""
         return not self.buffered[-1]

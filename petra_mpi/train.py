@@ -86,8 +86,9 @@ def main(argv=None) -> int:
         except reported as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-    return world.run_guarded(lambda: run(cfg, world, args.dry_run, stop, args.profile),
-                             reported)
+    from .mpi.world import run_guarded
+    return run_guarded(world.comm, lambda: run(cfg, world, args.dry_run, stop, args.profile),
+                       reported)
 
 
 def _bind_gpu_before_mpi(args):

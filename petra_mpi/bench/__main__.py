@@ -5,6 +5,8 @@ Each benchmark prints a readable table and, as its very last line, one JSON obje
 import importlib
 import sys
 
+from ..mpi.world import launcher_rank_and_size, run_guarded
+
 BENCHES = ("overhead", "pipeline", "peers", "scaling", "replicas", "emulate", "data",
            "memory")
 
@@ -14,8 +16,20 @@ def main(argv=None):
     if not argv or argv[0] not in BENCHES:
         print(f"usage: python -m petra_mpi.bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
         return 2
-    importlib.import_module(f"petra_mpi.bench.{argv[0]}").main(argv[1:])
-    return 0
+    bench = importlib.import_module(f"petra_mpi.bench.{argv[0]}")
+    if launcher_rank_and_size() is None:
+        bench.main(argv[1:])
+        return 0
+    # under a launcher: a rank that fails aborts the others (they would wait on it for ever)
+    from mpi4py import MPI
+
+    def run_bench():
+        try:
+            bench.main(argv[1:])
+        except SystemExit as e:  # a usage error, alike on every rank: exit with it, no abort
+            return e.code
+        return 0
+    return run_guarded(MPI.COMM_WORLD, run_bench)
 
 
 if __name__ == "__main__":

@@ -119,10 +119,8 @@ class MPIEngine:
         was_training = stage.training
         stage.eval()  # running statistics: a shape probe must not touch anything
         try:
-            # a language model's first stage takes token ids
-            probe_dtype = getattr(stage.blocks[0], "input_dtype", dtype) if stage.is_first \
-                else dtype
-            probe = torch.zeros((1, *in_shape[1:]), device=device, dtype=probe_dtype)
+            probe = torch.zeros((1, *in_shape[1:]), device=device,
+                                dtype=stage.input_dtype or dtype)
             out = stage.evaluate(in_layout(probe, in_fmt))
             return (in_shape[0], *out.shape[1:]), layout_of(out)
         finally:

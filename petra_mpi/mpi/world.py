@@ -186,27 +186,30 @@ class World:
         gathered = self.comm.gather(items, root=self.writer_rank)
         return [x for part in gathered for x in part] if self.is_writer else None
 
-    def run_guarded(self, fn, expected_errors) -> int:
-        """Run fn(); on any exception print it once from the failing rank and abort every rank
-        (no rank is left waiting for a neighbour that died). Abort is called inside the except
-        blocks: there the traceback still holds the engine, so buffers of sends in flight stay
-        valid while the neighbours may still be reading them."""
-        from mpi4py import MPI
-        try:
-            return fn()
-        except expected_errors as e:
-            self._abort(f"error (rank {self.rank}): {e}")
-        except MPI.Exception as e:  # most often a neighbour that is being aborted: one line
-            self._abort(f"rank {self.rank}: MPI error "
-                        f"({e.Get_error_string().splitlines()[0]}); aborting")
-        except BaseException:  # noqa: B036 - KeyboardInterrupt must abort the others too
-            self._abort(f"rank {self.rank} failed:\n{traceback.format_exc()}")
-        return 1
 
-    def _abort(self, message: str):
-        """Print why, then abort every rank. The pause lets the launcher forward the message
-        first: on MPI_Abort the launcher may tear the job down before it has read what the rank
-        wrote to its stderr pipe, losing the line that says why the run stopped."""
-        print(message, file=sys.stderr, flush=True)
-        time.sleep(ABORT_GRACE_S)
-        self.comm.Abort(1)
+def run_guarded(comm, fn, expected_errors=()) -> int:
+    """Run fn(); on any exception print it once from the failing rank and abort every rank of
+    comm (no rank is left waiting for a neighbour that died). Abort is called inside the except
+    blocks: there the traceback still holds the engine, so buffers of sends in flight stay
+    valid while the neighbours may still be reading them."""
+    from mpi4py import MPI
+    rank = comm.Get_rank()
+    try:
+        return fn()
+    except expected_errors as e:
+        _abort(comm, f"error (rank {rank}): {e}")
+    except MPI.Exception as e:  # most often a neighbour that is being aborted: one line
+        _abort(comm, f"rank {rank}: MPI error "
+                     f"({e.Get_error_string().splitlines()[0]}); aborting")
+    except BaseException:  # noqa: B036 - KeyboardInterrupt must abort the others too
+        _abort(comm, f"rank {rank} failed:\n{traceback.format_exc()}")
+    return 1
+
+
+def _abort(comm, message: str):
+    """Print why, then abort every rank. The pause lets the launcher forward the message
+    first: on MPI_Abort the launcher may tear the job down before it has read what the rank
+    wrote to its stderr pipe, losing the line that says why the run stopped."""
+    print(message, file=sys.stderr, flush=True)
+    time.sleep(ABORT_GRACE_S)
+    comm.Abort(1)

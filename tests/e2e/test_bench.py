@@ -21,6 +21,15 @@ def last_json(proc):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def test_a_benchmark_rank_that_fails_ends_every_rank():
+    """Rank 1 of a benchmark raises while rank 0 waits for it in a collective: the job ends
+    with rank 1's traceback instead of running until the test's timeout."""
+    proc = mpirun(2, [ROOT / "tests/programs/faulty_bench.py"], timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-2000:]
+    assert "rank 1 failed" in out and "injected benchmark failure" in out, out[-2000:]
+
+
 def test_bench_scaling_under_mpirun_2(tmp_path):
     # the frameworks' own costs, as the last line of a `bench emulate` run gives them
     emulated = tmp_path / "emulate.txt"
