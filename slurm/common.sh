@@ -9,6 +9,8 @@
 #   OUT_DIR     the run directory (default: runs/<config path under configs/, without .yaml>;
 #               stable across requeues, so a requeued job finds its checkpoints)
 #   LAUNCHER    srun (default) or mpirun (one node only)
+#   STUCK_GRACE_S  under mpirun: seconds to wait for mpirun after a watchdog report before
+#               giving up on it (default 60; srun ends such a step itself)
 #   SRUN_MPI    the srun --mpi plugin (default: none given, so srun uses the site's MpiDefault)
 #   DRY_RUN=1   only run the trainer's --dry-run in one process (no srun/mpirun) and exit
 #   MAX_REQUEUES  stop requeueing after this many restarts (default 100)
@@ -334,11 +336,33 @@ petra_launch() {
     PETRA_LOGGED=$(stat -c %s "$PETRA_LOG" 2>/dev/null || echo 0)  # where this launch's part starts
     "${launch[@]}" "${trainer[@]}" >>"$PETRA_LOG" 2>&1 &
     PETRA_PID=$!
+    local reaper=""
+    if [[ $LAUNCHER == mpirun ]]; then petra_reap_stuck_mpirun "$PETRA_PID" & reaper=$!; fi
     while kill -0 "$PETRA_PID" 2>/dev/null; do wait "$PETRA_PID"; done
     wait "$PETRA_PID"
     status=$?
     PETRA_PID=""
+    if [[ -n $reaper ]]; then kill "$reaper" 2>/dev/null; wait "$reaper" 2>/dev/null; fi
     petra_step_end
+}
+
+# mpirun (Hydra) waits for every process that holds a rank's output, and one stuck in the kernel (a
+# GPU or I/O hang, a data worker in D state) never ends, not even on SIGKILL: the job would run
+# until its time limit. Once a watchdog has reported (the run is over), give mpirun STUCK_GRACE_S
+# to end, then kill it so the script can requeue; SLURM ends what is left with the job. (srun ends
+# such a step itself: --kill-on-bad-exit, slurmstepd's UnkillableStepTimeout.)
+petra_reap_stuck_mpirun() {
+    local pid=$1
+    trap - USR1 TERM
+    until tail -c +$((PETRA_LOGGED + 1)) "$PETRA_LOG" | grep -q 'petra_mpi: watchdog: '; do
+        sleep 2
+        kill -0 "$pid" 2>/dev/null || return 0
+    done
+    sleep "${STUCK_GRACE_S:-60}"
+    kill -0 "$pid" 2>/dev/null || return 0
+    petra_say "mpirun has not ended ${STUCK_GRACE_S:-60} s after a watchdog report (a process" \
+              "that cannot exit holds it): killing it"
+    kill -KILL "$pid"
 }
 
 # MPICH names a node's shared-memory segment after the job and step ids, and a rank killed before

@@ -833,15 +833,19 @@ def asked_to_requeue(calls):
     return any(c.startswith("requeue ") for c in calls)
 
 
-def wrapped_trainer(tmp_path, *faulty):
+def wrapped_trainer(tmp_path, *faulty, holder=None):
     """A PYTHON for the batch script that runs the trainer (or tests/programs/faulty_train.py
-    with `faulty` arguments) after writing its pid to tmp_path/pid.RANK."""
+    with `faulty` arguments) after writing its pid to tmp_path/pid.RANK. With `holder` (a path),
+    rank 1 first starts a process in its own session that holds its output for an hour, and
+    writes that process's pid there."""
     wrapper = tmp_path / "python"
     program = (f"{paths.PROGRAMS / 'faulty_train.py'} {' '.join(faulty)}" if faulty
                else "-m petra_mpi.train")
     wrapper.write_text(f"""#!/bin/bash
 if [[ $1 == -m && $2 == petra_mpi.train ]]; then
-    echo $$ >{tmp_path}/pid.${{PMI_RANK:-$SLURM_PROCID}}
+    rank=${{PMI_RANK:-$SLURM_PROCID}}
+    echo $$ >{tmp_path}/pid.$rank
+    {f'if [[ $rank == 1 ]]; then setsid sleep 3600 & echo $! >{holder}; fi' if holder else ''}
     exec {sys.executable} {program} "${{@:3}}"
 fi
 exec {sys.executable} "$@"
@@ -920,21 +924,26 @@ def test_a_rank_killed_by_a_signal_fails_the_job_without_requeue(cluster, tmp_pa
 
 
 @pytest.mark.extended
-# A known defect, open: with Hydra's fork launcher (the scripts' default under LAUNCHER=mpirun), the
-# stopped rank is not ended once rank 0's watchdog exits, and the job runs on (seen on the test
-# cluster); under srun the same stop ends the job (the test above).
-@pytest.mark.xfail(reason="LAUNCHER=mpirun with HYDRA_LAUNCHER=fork: a stopped rank holds the job",
-                   strict=False)
-def test_a_stopped_rank_under_mpirun_ends_the_job(cluster, tmp_path):
-    """LAUNCHER=mpirun: rank 1 stopped (SIGSTOP) mid-run; mpirun ends it once rank 0's watchdog
-    has exited, and the job ends as stalled (MAX_REQUEUES=0: not requeued) with rank 1 named."""
+def test_a_rank_that_cannot_exit_under_mpirun_ends_the_job(cluster, tmp_path):
+    """LAUNCHER=mpirun: rank 1 stopped (SIGSTOP) mid-run, and a process that no signal of mpirun
+    reaches (in its own session, like one stuck in the kernel) holds rank 1's output, so mpirun
+    never ends by itself. Once rank 0's watchdog has reported, the script gives mpirun
+    STUCK_GRACE_S, kills it, and the job ends as stalled (MAX_REQUEUES=0: not requeued) with
+    rank 1 named, instead of running until its time limit."""
     out = tmp_path / "run"
+    holder = tmp_path / "holder.pid"
     jobid = submit(cluster, tmp_path, "revnet18_cifar10.sh", CONFIG="configs/quickstart.yaml",
                    OUT_DIR=str(out), EXTRA_ARGS=LONGER + " --set run.watchdog_s=3",
-                   PYTHON=str(wrapped_trainer(tmp_path)), LAUNCHER="mpirun", MAX_REQUEUES="0")
-    stop_rank_1_once_training(cluster, jobid, tmp_path, out, starts=1)
-    (job,) = cluster.wait(jobid, timeout=120, what="to end")
+                   PYTHON=str(wrapped_trainer(tmp_path, holder=holder)), LAUNCHER="mpirun",
+                   MAX_REQUEUES="0", STUCK_GRACE_S="5")
+    try:
+        stop_rank_1_once_training(cluster, jobid, tmp_path, out, starts=1)
+        (job,) = cluster.wait(jobid, timeout=120, what="to end")
+    finally:
+        if holder.exists():
+            subprocess.run(["kill", "-KILL", holder.read_text().strip()], check=False)
     log = (out / "logs" / "train.log").read_text()
     assert (job["JobState"], job["ExitCode"]) == ("FAILED", "5:0"), job_output(cluster, job) + log
+    assert "mpirun has not ended 5 s after a watchdog report" in log, log[-3000:]
     assert (f"watchdog reports: rank 1 on {cluster.host} is lost or stalled: rank 1 did not "
             "report") in log, log[-3000:]
