@@ -1,53 +1,24 @@
-"""BatchLoader: sampler, batching, background prefetch and on-device augmentation.
+"""BatchLoader: batches of a split, read ahead in a thread and augmented on the device.
 
-Sampler: a train epoch is a permutation seeded by (seed, epoch), cut into full batches (the
-last partial one is dropped); an eval pass is the split in order, the last batch possibly short.
-With data-parallel replicas, shard=(r, R): replica r's batch i is batch i·R + r of the epoch
-(augmentation draws included), so the replicas read disjoint shares of the same permutation and
-an epoch is still one pass; each share has the same length (the last < R batches are dropped).
-A batch's indices are sorted, so that the reader gets a few increasing slices (a batch is a set:
-the order inside it does not matter to the gradient).
+Which samples make a batch, and its augmentation draws: sampler.EpochSampler. Resumable:
+`position` is the next batch of `epoch`. It advances when a batch is handed out, so a state_dict
+taken after training on a batch resumes at the following one; after the last batch of an epoch
+the state is (epoch + 1, 0).
 
-Resumable: `position` is the next batch of `epoch`. It advances when a batch is handed out, so
-a state_dict taken after training on a batch resumes at the following one; after the last batch
-of an epoch the state is (epoch + 1, 0). Augmentation draws come from a numpy Generator seeded
-by (seed, epoch, batch), never from a running RNG, so a resumed run sees identical batches.
-
-A daemon thread reads (and, for JPEG on the CPU, decodes and crops) batches ahead into a queue
-of `prefetch` entries, so memory stays bounded; the main thread moves each uint8 batch to the
-device and augments / normalises it there.
+A daemon thread (prefetch.Prefetch) reads (and, for JPEG on the CPU, decodes and crops) batches
+ahead into a queue of `prefetch` entries, so memory stays bounded; the main thread moves each
+uint8 batch to the device and augments / normalises it there.
 """
-import atexit
 import multiprocessing
 import os
-import queue
-import threading
-import weakref
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from . import augment as A
-
-
-_live = weakref.WeakSet()  # loaders that have started a prefetch thread
-
-
-@atexit.register
-def _stop_all_at_exit():
-    # Daemon threads are frozen wherever they stand when the interpreter finalises; one frozen
-    # inside h5py holds its global lock, and closing the HDF5 files at teardown then deadlocks
-    # (seen: a hang at exit, 1 run in ~10). So stop them first: atexit runs before that freeze.
-    for loader in list(_live):
-        loader._stop_active()
-
-
-class _Failure:
-    """An exception raised in the prefetch thread, carried to the consumer."""
-
-    def __init__(self, exc):
-        self.exc = exc
+from .prefetch import NoPrefetch, Prefetch
+from .sampler import EpochSampler
 
 
 class BatchLoader:
@@ -61,17 +32,9 @@ class BatchLoader:
         decode_pool: "thread" or "process" (a process pool started by forkserver, for when
         threads stop scaling on the GIL). shard: (replica, replicas) of a training loader (see
         the module's docstring); `position` then counts this replica's batches."""
-        if int(batch_size) < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if int(seed) < 0:
-            raise ValueError(f"seed must be >= 0, got {seed}")
+        self.sampler = EpochSampler(len(src), batch_size, train=train, seed=seed, shard=shard)
         self.src = src
-        self.batch_size = int(batch_size)
-        self.train = bool(train)
-        self.seed = int(seed)
-        self.shard, self.shards = int(shard[0]), int(shard[1])
-        if not 0 <= self.shard < self.shards or (self.shards > 1 and not self.train):
-            raise ValueError(f"shard={shard}: needs 0 <= replica < replicas, on a training loader")
+        self.batch_size, self.train = self.sampler.batch_size, self.sampler.train
         self.device = torch.device(device)
         self.augment = bool(augment) and self.train
         if src.kind == "array":
@@ -94,32 +57,15 @@ class BatchLoader:
         self._pin = self.device.type == "cuda"  # pinned host memory: asynchronous copies
         self._scale, self._shift = A.norm_constants(src.mean, src.std, self.device)
         self.epoch, self.position = 0, 0
-        self._perm = (None, None)   # (epoch, permutation) of the last train epoch asked for
-        self._active = None         # (stop event, thread) of the live iterator
+        self._active = None  # the Prefetch (or NoPrefetch) of the live iterator
 
     # ---- sampler ---------------------------------------------------------------------------
     def __len__(self):
-        n = len(self.src)
-        return n // self.batch_size // self.shards if self.train else -(-n // self.batch_size)
-
-    def _order(self, epoch):
-        cached = self._perm  # one read: the prefetch thread may replace it concurrently
-        if cached[0] != epoch:
-            rng = np.random.default_rng([self.seed, 0, epoch])
-            cached = (epoch, rng.permutation(len(self.src)))
-            self._perm = cached
-        return cached[1]
+        return len(self.sampler)
 
     def batch_indices(self, batch, epoch=None):
         """Sorted dataset indices of batch `batch` of `epoch` (default: the current epoch)."""
-        epoch = self.epoch if epoch is None else int(epoch)
-        if not 0 <= batch < len(self):
-            raise IndexError(f"batch {batch} out of range [0, {len(self)})")
-        batch = self._global(batch)
-        lo, hi = batch * self.batch_size, (batch + 1) * self.batch_size
-        if self.train:
-            return np.sort(self._order(epoch)[lo:hi])
-        return np.arange(lo, min(hi, len(self.src)), dtype=np.int64)
+        return self.sampler.indices(batch, self.epoch if epoch is None else int(epoch))
 
     def batch_labels(self, batch, epoch=None):
         """The int64 labels of a batch (on the device) without reading its images, in the order
@@ -129,12 +75,7 @@ class BatchLoader:
 
     def batch_rng(self, batch, epoch=None):
         """The Generator of a batch's augmentation: a pure function of (seed, epoch, batch)."""
-        epoch = self.epoch if epoch is None else int(epoch)
-        return np.random.default_rng([self.seed, 1, epoch, self._global(batch)])
-
-    def _global(self, batch):
-        """This replica's batch `batch` as a batch of the whole epoch."""
-        return batch * self.shards + self.shard
+        return self.sampler.rng(batch, self.epoch if epoch is None else int(epoch))
 
     # ---- state -----------------------------------------------------------------------------
     def set_epoch(self, epoch):
@@ -193,27 +134,6 @@ class BatchLoader:
         ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
         return ProcessPoolExecutor(self.decode_threads, mp_context=ctx)
 
-    def _produce(self, epoch, start, stop_at, q, stop):
-        try:
-            for b in range(start, stop_at):
-                if stop.is_set():
-                    return
-                if not self._put(q, self._load(epoch, b), stop):
-                    return
-        except BaseException as e:  # noqa: B902  (carried to the consumer, re-raised there)
-            self._put(q, _Failure(e), stop)
-
-    @staticmethod
-    def _put(q, item, stop):
-        # A timed put: a consumer that went away (stop set) never leaves this thread blocked.
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                pass
-        return False
-
     # ---- device side (runs in the consuming thread) ----------------------------------------
     def _finish(self, item):
         dev, nb = self.device, self._pin
@@ -238,52 +158,31 @@ class BatchLoader:
         # prefetch thread however iteration ends (exhausted, error, break, or garbage collected).
         self._stop_active()  # one live iterator per loader
         epoch, start, n = self.epoch, self.position, len(self)
-        stop, thread, q = threading.Event(), None, None
-        if self.prefetch:
-            q = queue.Queue(self.prefetch)
-            thread = threading.Thread(target=self._produce, args=(epoch, start, n, q, stop),
-                                      name="petra-data-prefetch", daemon=True)
-        self._active = (stop, thread)
+
+        def load(b):
+            return self._load(epoch, b)
+        source = Prefetch(load, start, n, self.prefetch) if self.prefetch else \
+            NoPrefetch(load, start)
+        self._active = source
         try:
-            if thread is not None:
-                _live.add(self)
-                thread.start()
             for b in range(start, n):
-                item = self._load(epoch, b) if q is None else self._get(q, stop, thread)
+                item = source.get()
                 if item is None:  # stopped by close(), set_epoch() or load_state_dict()
                     return
                 x, y = self._finish(item)
-                if stop.is_set():
+                if source.stopped.is_set():
                     return
                 self.epoch, self.position = (epoch + 1, 0) if b + 1 == n else (epoch, b + 1)
                 yield x, y
         finally:
-            self._stop(stop, thread)
-
-    @staticmethod
-    def _get(q, stop, thread):
-        while not stop.is_set():
-            try:
-                item = q.get(timeout=0.1)
-            except queue.Empty:
-                if not thread.is_alive() and q.empty():
-                    raise RuntimeError("data prefetch thread ended unexpectedly") from None
-                continue
-            if isinstance(item, _Failure):
-                raise item.exc
-            return item
-        return None
-
-    def _stop(self, stop, thread):
-        stop.set()
-        if thread is not None and thread.ident is not None and thread is not threading.current_thread():
-            thread.join(timeout=10)
-        if self._active is not None and self._active[0] is stop:
-            self._active = None
+            source.stop()
+            if self._active is source:
+                self._active = None
 
     def _stop_active(self):
         if self._active is not None:
-            self._stop(*self._active)
+            self._active.stop()
+            self._active = None
 
     def close(self):
         """Stop the prefetch thread (the live iterator ends) and the JPEG decode threads."""
