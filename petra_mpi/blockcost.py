@@ -72,6 +72,10 @@ def _copies_and_batch(blocks, input_shape, batch_size, num_classes, device, dtyp
     batch with labels."""
     blocks = [place(copy.deepcopy(b), device, dtype).train() for b in blocks]
     g = torch.Generator().manual_seed(0)
+    if len(input_shape) == 1:  # a language model's windows: token ids in, one label per token
+        x = torch.randint(0, num_classes, (batch_size, *input_shape), generator=g).to(device)
+        labels = torch.randint(0, num_classes, (x.numel(),), generator=g).to(device)
+        return blocks, x, labels
     x = torch.randn(batch_size, *input_shape, generator=g, dtype=dtype).to(device)
     labels = torch.randint(0, num_classes, (batch_size,), generator=g).to(device)
     return blocks, x, labels

@@ -87,10 +87,12 @@ def profile_blocks(cfg, num_stages: int, device, dtype, side: int) -> list[int]:
     return the split: the one minimising the slowest stage by the measured costs, or
     model.partition when it is fixed."""
     from .blockcost import measured_partition_for
-    sizes, costs = measured_partition_for(cfg, num_stages, (3, side, side), device, dtype)
+    shape = (cfg.model.context,) if cfg.model.arch in LM_ARCHS else (3, side, side)
+    sizes, costs = measured_partition_for(cfg, num_stages, shape, device, dtype)
     sizes = list(cfg.model.partition or sizes)
-    print(f"measured on {device}, batch {cfg.data.batch_size} of {side}x{side} images, "
-          f"ms per micro-batch:")
+    what = (batch_input(cfg, side) if cfg.model.arch in LM_ARCHS
+            else f"of {side}x{side} images")
+    print(f"measured on {device}, batch {cfg.data.batch_size} {what}, ms per micro-batch:")
     print(f"{'block':>5} {'forward':>8} {'backward':>8} {'in last':>8} {'step':>8}")
     for b, f in enumerate(costs.forward):
         print(f"{b:>5} {1e3 * f:>8.2f} {1e3 * costs.backward[b]:>8.2f} "
@@ -100,6 +102,14 @@ def profile_blocks(cfg, num_stages: int, device, dtype, side: int) -> list[int]:
           f"ms per micro-batch per stage {' '.join(f'{1e3 * c:.1f}' for c in per_stage)}; "
           f"slowest / mean {max(per_stage) / (sum(per_stage) / len(per_stage)):.2f}")
     return sizes
+
+
+def batch_input(cfg, side) -> str:
+    """What one micro-batch's samples are: token windows for a language model, else images."""
+    if cfg.model.arch in LM_ARCHS:
+        return (f"windows of {cfg.model.context} tokens "
+                f"({cfg.data.batch_size * cfg.model.context} tokens a micro-batch)")
+    return f"images {side}x{side}"
 
 
 def report(cfg, num_stages: int, world=None, device="cpu", dtype=torch.float32,
@@ -113,7 +123,7 @@ def report(cfg, num_stages: int, world=None, device="cpu", dtype=torch.float32,
     mib = 2 ** 20
     print(f"{cfg.model.arch} width {cfg.model.width}, {num_stages} stages, method "
           f"{cfg.train.method}, batch {cfg.data.batch_size} (config {cfg.source}), "
-          f"images {side}x{side} ({where})")
+          f"{batch_input(cfg, side)} ({where})")
     print(f"{'stage':>5} {'blocks':>6} {'kind':<14} {'input':<16} {'output':<16} "
           f"{'params MiB':>10} {'optim MiB':>9} {'FIFO MiB':>9} {'stash MiB':>9} {'total MiB':>9}")
     total = 0

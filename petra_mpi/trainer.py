@@ -260,8 +260,10 @@ class TrainLog:
 
     def __init__(self, cfg, worker, writer, n, epoch, position=0, replicas=1):
         """Losses and accuracies are replica 0's (a sample of the global batch); images and
-        images/s count every replica's (they advance in step: the averages synchronise them)."""
+        images/s count every replica's (they advance in step: the averages synchronise them).
+        For a language model the count is of tokens (one label each), logged as tokens/s."""
         self.cfg, self.worker, self.writer, self.epoch = cfg, worker, writer, epoch
+        self.tokens = cfg.model.arch in LM_ARCHS
         self.microbatches = n
         self.replicas = replicas
         self.loss_sum = self.correct = self.count = 0
@@ -290,12 +292,14 @@ class TrainLog:
         self.seen += 1
         now = time.perf_counter()
         rate = self.replicas * self.epoch_count / max(now - self.start, 1e-9)
-        self.progress.update(self.seen, loss=self.loss_sum / self.count, img_s=round(rate))
+        self.progress.update(self.seen, loss=self.loss_sum / self.count,
+                             **{"tok_s" if self.tokens else "img_s": round(rate)})
         if step - self.last_logged_step >= self.cfg.run.log_every or self.seen == self.microbatches:
+            speed = self.replicas * self.count / max(now - self.mark, 1e-9)
             self.writer.write("train", step=step, epoch=self.epoch, loss=self.loss_sum / self.count,
                               acc=self.correct / self.count, lr=self.worker.optimizer.last_lr,
-                              images_per_s=self.replicas * self.count / max(now - self.mark,
-                                                                            1e-9))
+                              images_per_s=speed,  # kept for readers of earlier runs
+                              **({"tokens_per_s": speed} if self.tokens else {}))
             self.loss_sum = self.correct = self.count = 0
             self.mark, self.last_logged_step = now, step
 
@@ -303,10 +307,13 @@ class TrainLog:
         self.progress.close()
         seconds = time.perf_counter() - self.start
         images = self.replicas * self.epoch_count
-        return {"train_loss": self.epoch_loss / max(1, self.epoch_count),
-                "train_acc": self.epoch_correct / max(1, self.epoch_count),
-                "images": images, "seconds": seconds,
-                "images_per_s": images / max(seconds, 1e-9)}
+        stats = {"train_loss": self.epoch_loss / max(1, self.epoch_count),
+                 "train_acc": self.epoch_correct / max(1, self.epoch_count),
+                 "images": images, "seconds": seconds,
+                 "images_per_s": images / max(seconds, 1e-9)}
+        if self.tokens:  # the same figures under their own names (images counts tokens too)
+            stats.update(tokens=images, tokens_per_s=stats["images_per_s"])
+        return stats
 
 
 @dataclasses.dataclass
@@ -736,7 +743,8 @@ def log_epoch(cfg, writer, state, epoch, step, train_stats, result):
     print(f"epoch {epoch + 1}/{cfg.train.epochs}: train loss {train_stats['train_loss']:.4f} "
           f"acc {train_stats['train_acc']:.3f} | val loss {result['val_loss']:.4f} "
           f"acc {result['val_acc']:.3f} top5 {result['val_top5']:.3f} | "
-          f"{train_stats['images_per_s']:.0f} img/s", file=sys.stderr, flush=True)
+          f"{train_stats['images_per_s']:.0f} {'tok' if cfg.model.arch in LM_ARCHS else 'img'}/s",
+          file=sys.stderr, flush=True)
 
 
 def write_summary(cfg, state, J, R, n, memory, wall, writer_rank=0):
@@ -748,6 +756,8 @@ def write_summary(cfg, state, J, R, n, memory, wall, writer_rank=0):
                "images_per_s": trained / max(sum(h["seconds"] for h in history), 1e-9),
                "stages": J, "replicas": R, "method": cfg.train.method, "arch": cfg.model.arch,
                "microbatches_per_epoch": n,  # per replica: an epoch is R times as many
+               **({"tokens_per_s": trained / max(sum(h["seconds"] for h in history), 1e-9)}
+                  if cfg.model.arch in LM_ARCHS else {}),
                "history": history, "memory": memory,
                "writer_rank": writer_rank}  # the rank that wrote every output of the run
     write_json_atomic(os.path.join(cfg.run.out_dir, "summary.json"), summary)

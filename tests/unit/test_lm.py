@@ -238,6 +238,7 @@ def test_train_command_mpi_equals_local_bitwise(tmp_path, token_file):
     r = subprocess.run([sys.executable, *tiny_lm_run(tmp_path, token_file, local)],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.count(" tok/s") == 2 and " img/s" not in r.stderr  # the epoch lines
     r = mpirun(2, tiny_lm_run(tmp_path, token_file, mpi), timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     want, got = final_stages(local), final_stages(mpi)
@@ -254,6 +255,8 @@ def test_train_command_mpi_equals_local_bitwise(tmp_path, token_file):
     assert records(mpi, "eval") == evals and records(mpi, "train") == records(local, "train")
     assert len(evals) == 2 and evals[1]["val_loss"] < evals[0]["val_loss"]  # it learns
     assert evals[1]["val_bpb"] == pytest.approx(evals[1]["val_loss"] / math.log(2))
+    summary = json.loads((local / "summary.json").read_text())
+    assert summary["tokens_per_s"] == summary["images_per_s"] > 0
 
 
 @pytest.mark.extended  # three starts of the train command: ~15 s
@@ -304,3 +307,62 @@ def test_generate_from_an_export(tmp_path):
     assert run("--top-k", "1", "--seed", "3")[1] == run("--temperature", "0")[1]
     status, out, err = run("--prompt", "JULIET:")
     assert status == 2 and not out and err.count("\n") == 1 and "outside the vocabulary" in err
+
+
+# ---- tokens in the dry run and the throughput figures ------------------------------------------
+
+def tiny_lm_config(tmp_path, token_file, *sets):
+    return load_config(ROOT / "configs/lm/shakespeare_cpu.yaml",
+                       [f"data.path={token_file}", "model.width=16", "model.heads=2",
+                        "model.depth=2", "model.context=16", "data.batch_size=4", *sets])
+
+
+def test_dry_run_speaks_of_token_windows(tmp_path, token_file, capsys):
+    """--dry-run (and --profile, which times every block on a batch of token ids) describes a
+    micro-batch of a language model as windows of tokens, not images."""
+    from petra_mpi.dryrun import report
+    cfg = tiny_lm_config(tmp_path, token_file)
+    assert report(cfg, 2, profile=True) == 0
+    out = capsys.readouterr().out
+    assert "windows of 16 tokens (64 tokens a micro-batch)" in out
+    assert out.count("windows of 16 tokens") == 2  # the profile's line and the table's header
+    assert "image" not in out
+
+
+def test_train_log_counts_tokens(tmp_path):
+    """A language model's training lines and epoch figures carry tokens_per_s beside
+    images_per_s (the same count: one label per token), and the progress line says tok_s; an
+    image model's keep images_per_s alone."""
+    import io
+    import types
+    from petra_mpi.trainer import TrainLog
+
+    class Writer:
+        records = []
+
+        def write(self, event, **fields):
+            self.records.append((event, fields))
+    worker = types.SimpleNamespace(optimizer=types.SimpleNamespace(steps=0, last_lr=0.1))
+    for arch, tokens in (("revlm", True), ("revnet18", False)):
+        cfg = load_config(ROOT / "configs/lm/shakespeare_cpu.yaml")
+        cfg.model.arch = arch
+        writer = Writer()
+        writer.records = []
+        log = TrainLog(cfg, worker, writer, n=2, epoch=0)
+        log.progress.stream, log.progress.tty = io.StringIO(), False
+        for b in range(2):
+            worker.optimizer.steps += 1
+            log(b, torch.tensor(1.0), torch.zeros(12 * 64, 256),
+                torch.zeros(12 * 64, dtype=torch.long))
+        stats = log.finish()
+        assert [e for e, _ in writer.records] == ["train"]  # log_every 50: the epoch's last
+        line = writer.records[0][1]
+        assert stats["images"] == 2 * 12 * 64
+        if tokens:
+            assert line["tokens_per_s"] == line["images_per_s"] > 0
+            assert stats["tokens"] == stats["images"]
+            assert stats["tokens_per_s"] == stats["images_per_s"]
+            assert " tok_s " in log.progress.stream.getvalue()
+        else:
+            assert "tokens_per_s" not in line and "tokens" not in stats
+            assert " img_s " in log.progress.stream.getvalue()
