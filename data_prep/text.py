@@ -23,7 +23,7 @@ import time
 import h5py
 import numpy as np
 
-from .common import SCHEMA_VERSION, PrepError, atomic_h5, print_summary, run_cli
+from .common import SCHEMA_VERSION, SPLITS, PrepError, atomic_h5, open_unlocked, run_cli
 
 CHUNK = 1 << 20  # tokens per HDF5 chunk
 
@@ -77,6 +77,17 @@ def encode(texts, vocab):
     return np.fromiter((index[c] for c in text), dtype=dtype, count=len(text)), len(chars), chars
 
 
+def describe_tokens(f):
+    """Human-readable lines about an open token file (the packer's summary and verify's)."""
+    a = f.attrs
+    lines = [f"  {split}: {len(f[split]['tokens']):,} tokens" for split in SPLITS
+             if f"{split}/tokens" in f]
+    lines.append(f"  vocabulary: {a.get('num_classes')} ({a.get('vocab')}), bytes per token "
+                 f"{a.get('bytes_per_token')}")
+    lines.append(f"  source: {a.get('source')}, schema_version {a.get('schema_version')}")
+    return lines
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m data_prep.text", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -117,7 +128,11 @@ def main(argv=None):
         f.attrs["source"] = ", ".join(os.path.basename(s.rstrip("/")) for s in args.source)
         if chars is not None:
             f.create_dataset("vocab", data="".join(chars), dtype=h5py.string_dtype("utf-8"))
-    print_summary(args.out, start)
+    with open_unlocked(args.out, "r") as f:
+        lines = describe_tokens(f)
+    print(f"wrote {args.out} ({os.path.getsize(args.out) / 2**20:.1f} MiB) in "
+          f"{time.monotonic() - start:.1f} s")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -4,9 +4,11 @@
 
 Checks datasets, dtypes, shapes and attributes, that labels lie in [0, num_classes), that
 mean/std agree with a recomputation on a random sample of training images, and for the JPEG
-variant that offsets are consistent and sample images decode at the stated size. Prints a
-summary; exit status 0 if the file is valid, 1 with one line per violation if not, 2 if the
-file cannot be opened.
+variant that offsets are consistent and sample images decode at the stated size. A token file
+(data_prep.text, attr kind "tokens") is checked against the token schema instead: the
+attributes, each split's ids (dtype, chunking, every id inside the vocabulary), a character
+vocabulary and bytes_per_token recomputed from the validation ids. Prints a summary; exit status
+0 if the file is valid, 1 with one line per violation if not, 2 if the file cannot be opened.
 """
 import argparse
 import io
@@ -20,6 +22,7 @@ from petra_mpi.data.source import missing_virtual_sources, open_readonly
 
 from data_prep.common import (SCHEMA_VERSION, SPLITS, ChannelStats, PrepError, describe,
                               run_cli)
+from data_prep.text import describe_tokens
 
 FULL_TOL = 0.005    # mean/std vs a recomputation over every training image (JPEG rounding)
 SAMPLE_TOL = 0.05   # vs a random sample: several standard errors for ~1000 natural images
@@ -170,6 +173,98 @@ def check_pixels(f, kinds, sample, bad):
                        f"images give {np.round(got, 4).tolist()} (tolerance {tol})")
 
 
+def is_integer(value) -> bool:
+    return value is not None and np.asarray(value).ndim == 0 and \
+        np.issubdtype(np.asarray(value).dtype, np.integer)
+
+
+def check_token_root(f, bad):
+    """The token file's attributes; returns (vocabulary size, the characters of a char vocabulary)
+    where they can be read, else None for either."""
+    a = f.attrs
+    version = a.get("schema_version")
+    if not is_integer(version) or int(version) != SCHEMA_VERSION:
+        bad.append(f"attr schema_version is {'missing' if version is None else repr(version)}, "
+                   f"expected integer {SCHEMA_VERSION}")
+    if a.get("kind") != "tokens":
+        bad.append(f"attr kind is {a.get('kind')!r}, expected 'tokens' (the reader takes a file "
+                   f"with /train/tokens for a token file only then)")
+    if not isinstance(a.get("source"), str):
+        bad.append(f"attr source is {a.get('source')!r}, expected a string")
+    n = a.get("num_classes")
+    if is_integer(n) and int(n) >= 2:
+        n = int(n)
+    else:
+        bad.append(f"attr num_classes is {n!r}, expected the vocabulary size, an integer >= 2")
+        n = None
+    vocab, chars = a.get("vocab"), None
+    if vocab == "bytes":
+        if n is not None and n != 256:
+            bad.append(f"attr num_classes is {n}, but a bytes vocabulary has 256 tokens")
+    elif vocab == "char":
+        if "vocab" not in f or h5py.check_string_dtype(f["vocab"].dtype) is None \
+                or f["vocab"].shape != ():
+            bad.append("/vocab is missing or not one string: a char vocabulary stores its "
+                       "characters there")
+        else:
+            chars = f["vocab"][()].decode("utf-8")
+            if n is not None and len(chars) != n:
+                bad.append(f"/vocab has {len(chars)} characters but attr num_classes is {n}")
+            elif list(chars) != sorted(set(chars)):
+                bad.append("/vocab is not its distinct characters in sorted order")
+    else:
+        bad.append(f"attr vocab is {vocab!r}, expected 'bytes' or 'char'")
+    per_token = a.get("bytes_per_token")
+    if per_token is None or np.asarray(per_token).ndim != 0 \
+            or not np.isfinite(float(per_token)) or not 1.0 <= float(per_token) <= 4.0:
+        bad.append(f"attr bytes_per_token is {per_token!r}, expected a float in [1, 4] (UTF-8 "
+                   f"bytes per token)")
+    return n, chars
+
+
+def check_token_split(f, split, num_classes, bad):
+    """One split's ids; returns them if they can be read, else None."""
+    d = f.get(f"{split}/tokens")
+    if d is None:
+        bad.append(f"/{split}/tokens is missing")
+        return None
+    want = np.uint8 if num_classes is None or num_classes <= 256 else np.int32
+    if d.ndim != 1 or d.dtype not in (np.uint8, np.int32) \
+            or (num_classes is not None and d.dtype != want):
+        bad.append(f"/{split}/tokens is {d.dtype}{d.shape}, expected {np.dtype(want)} (N,)")
+        return None
+    if len(d) < 2:
+        bad.append(f"/{split}/tokens holds {len(d)} ids: a split needs at least 2 (one window "
+                   f"and its next token)")
+    if d.chunks is None:
+        bad.append(f"/{split}/tokens is not chunked")
+    ids = d[()]
+    if num_classes is not None and len(ids):
+        out = np.flatnonzero((ids < 0) | (ids >= num_classes))
+        if len(out):
+            bad.append(f"/{split}/tokens: {len(out)} ids outside [0, {num_classes}), e.g. "
+                       f"{ids[out[0]]} at index {out[0]}")
+            return None
+    return ids
+
+
+def check_tokens(f, bad):
+    num_classes, chars = check_token_root(f, bad)
+    ids = {split: check_token_split(f, split, num_classes, bad) for split in SPLITS}
+    stored = f.attrs.get("bytes_per_token")
+    if ids["val"] is None or not len(ids["val"]) or stored is None or \
+            np.asarray(stored).ndim != 0 or (f.attrs.get("vocab") == "char" and chars is None):
+        return
+    if chars is None:  # bytes: one byte a token
+        expected = 1.0
+    else:
+        sizes = np.array([len(c.encode("utf-8")) for c in chars])
+        expected = float(sizes[ids["val"]].mean())
+    if abs(float(stored) - expected) > 1e-9:
+        bad.append(f"attr bytes_per_token = {float(stored)} but the validation ids give "
+                   f"{expected:.6f} UTF-8 bytes per token")
+
+
 def verify(path, sample=1000):
     """Return (summary lines, violations)."""
     try:
@@ -180,6 +275,12 @@ def verify(path, sample=1000):
     with f:
         if bad:  # its bytes would read as zeros
             return describe(f), bad
+        if f.attrs.get("kind") == "tokens" or "train/tokens" in f:
+            check_tokens(f, bad)
+            try:
+                return describe_tokens(f), bad
+            except Exception as e:  # as below: the checks say why
+                return [f"  (no summary: {type(e).__name__}: {e})"], bad
         check_root(f, bad)
         n = f.attrs.get("num_classes")
         num_classes = int(n) if n is not None and np.asarray(n).ndim == 0 else None

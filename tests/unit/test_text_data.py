@@ -118,3 +118,95 @@ def test_loader_seeded_sharded_and_resumable(token_file):
     assert len(rest) == len(first) - 3
     assert all(torch.equal(a, b) and torch.equal(c, d)
                for (a, c), (b, d) in zip(first[3:], rest))
+
+
+# ---- data_prep.verify on token files -----------------------------------------------------------
+
+def _break_id(f):
+    f["train/tokens"][3] = int(f.attrs["num_classes"])
+
+
+def _break_dtype(f):
+    ids = f["val/tokens"][()]
+    del f["val/tokens"]
+    f.create_dataset("val/tokens", data=ids.astype(np.int64), chunks=(len(ids),))
+
+
+def _break_missing_split(f):
+    del f["val/tokens"]
+
+
+def _break_kind(f):
+    f.attrs["kind"] = "images"
+
+
+def _break_bytes_per_token(f):
+    f.attrs["bytes_per_token"] = 1.5
+
+
+def _break_vocab_size(f):
+    f.attrs["num_classes"] = np.int64(f.attrs["num_classes"] + 1)
+
+
+def _break_chunks(f):
+    ids = f["train/tokens"][()]
+    del f["train/tokens"]
+    f["train/tokens"] = ids  # contiguous
+
+
+def _break_version(f):
+    f.attrs["schema_version"] = np.int64(2)
+
+
+UNICODE_TEXT = "héllo wörld, ünïcode\n" * 30
+
+
+@pytest.mark.parametrize("breaker, words", [
+    (_break_id, ["/train/tokens", "1 ids outside [0, "]),
+    (_break_dtype, ["/val/tokens", "int64", "expected uint8"]),
+    (_break_missing_split, ["/val/tokens is missing"]),
+    (_break_kind, ["attr kind", "'images'"]),
+    (_break_bytes_per_token, ["attr bytes_per_token = 1.5", "validation ids give 1."]),
+    (_break_vocab_size, ["/vocab has", "attr num_classes is"]),
+    (_break_chunks, ["/train/tokens is not chunked"]),
+    (_break_version, ["schema_version"]),
+])
+def test_verify_catches_token_violations(tmp_path, breaker, words):
+    """A packed character-vocabulary file verifies clean; each breakage is one problem naming
+    what is wrong (and no complaint about images, labels or mean/std)."""
+    import shutil
+    from data_prep.verify import verify
+    r, good = pack(tmp_path, "--vocab", "char", text=UNICODE_TEXT)
+    assert r.returncode == 0, r.stderr
+    summary, problems = verify(str(good))
+    assert problems == [] and any("tokens" in line for line in summary)
+    bad = tmp_path / "bad.h5"
+    shutil.copy(good, bad)
+    with h5py.File(bad, "r+") as f:
+        breaker(f)
+    problems = verify(str(bad))[1]
+    assert len(problems) == 1, problems
+    for word in words:
+        assert word in problems[0], problems
+
+
+def test_verify_command_on_token_files(tmp_path):
+    """The command: a bytes file is OK (exit 0); a bad one exits 1 with one line for its one
+    problem."""
+    def verify(path):
+        return subprocess.run([sys.executable, "-m", "data_prep.verify", str(path)],
+                              capture_output=True, text=True, cwd=ROOT, timeout=60)
+    r, good = pack(tmp_path)
+    assert r.returncode == 0, r.stderr
+    proc = verify(good)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr
+    assert f"train: {len(TEXT * 20) - round(len(TEXT * 20) * 0.1):,} tokens" in proc.stdout
+    with h5py.File(good, "r+") as f:
+        f.attrs["num_classes"] = np.int64(100)  # a bytes vocabulary has 256
+        f["val/tokens"][:] = 0  # keeps the ids inside 100: one problem
+        f["train/tokens"][:] = 0
+    proc = verify(good)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 2, proc.stderr
+    assert "INVALID, 1 problem(s)" in lines[0]
+    assert "attr num_classes is 100, but a bytes vocabulary has 256 tokens" in lines[1]
