@@ -235,6 +235,10 @@ KINDS = {
     'python -m petra_mpi.export runs/lm/shakespeare_cpu --out model.pt': ("download", None),
     'python -m petra_mpi.generate model.pt --prompt "ROMEO:" --tokens 200 --temperature 0.8 '
     '--top-k 40': ("download", None),
+    'mpirun -n 8 python -m petra_mpi.train configs/lm/shakespeare_gpu.yaml': ("gpu", None),
+    'sbatch slurm/lm_shakespeare.sh': ("slurm", None),
+    'CONFIG=configs/lm/shakespeare_gpu_backprop.yaml sbatch slurm/lm_shakespeare.sh':
+        ("slurm", None),
     'python -m petra_mpi.schedule': ("run", r"^rank 0 +\|"),
 }
 RUNS_HERE = ("run", "long")
