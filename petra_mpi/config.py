@@ -115,6 +115,11 @@ class ModelConfig:
     times every block at start-up on the run's device, dtype and batch, then the split minimises
     the slowest stage; a resumed run keeps its checkpoint's split) or estimate (a deterministic
     cost model of multiply-accumulates and activation sizes, no timing)."""
+    memory_budget: typing.Union[int, float, str] = 0
+    """petra: memory per stage for kept blocks, which keep the autograd graph of some in-flight
+    micro-batches instead of rebuilding them (faster backward, more memory; docs/design.md §1):
+    bytes (an int), a fraction of the device's memory (a float, e.g. 0.5), or `auto` (no limit);
+    0: none kept (PETRA). `--dry-run` prints the plan."""
 
 
 @dataclass
@@ -312,10 +317,15 @@ def _check_type(value, hint, what):
         if value not in args:
             raise ConfigError(f"{what}: must be one of {', '.join(map(str, args))}, got {value!r}")
         return value
-    if origin is typing.Union:  # Optional[...]
+    if origin is typing.Union and type(None) in args:  # Optional[...]
         if value is None:
             return None
         return _check_type(value, next(a for a in args if a is not type(None)), what)
+    if origin is typing.Union:  # one of several types: the fields' validation judges the value
+        if isinstance(value, args):
+            return value
+        raise ConfigError(f"{what}: expected {' or '.join(a.__name__ for a in args)}, "
+                          f"got {value!r}")
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{what}: expected a list, got {value!r}")
@@ -369,6 +379,13 @@ def validate(cfg: Config, world_size: int | None = None):
     need(cfg.run.checkpoint_every_microbatches % cfg.train.accumulation == 0,
          "run.checkpoint_every_microbatches", "must be a multiple of train.accumulation (a "
          "checkpoint drains the pipeline and flushes the accumulated gradients)")
+    budget = cfg.model.memory_budget
+    need(budget == "auto" or type(budget) is int and budget >= 0
+         or type(budget) is float and 0 < budget <= 1, "model.memory_budget",
+         f"must be 0 (PETRA), a number of bytes, a fraction of the device's memory in (0, 1] or "
+         f"auto, got {budget!r}")
+    need(budget == 0 or cfg.train.method == "petra", "model.memory_budget",
+         f"kept blocks belong to method petra, not {cfg.train.method}: set it to 0")
     if cfg.train.method != "delayed":
         need(not (cfg.train.buffer_inputs or cfg.train.stash_weights), "train.buffer_inputs",
              "buffer_inputs and stash_weights belong to method delayed")

@@ -233,14 +233,14 @@ class WaitingStage(nn.Module):
     def peak_held_bytes(self) -> int:
         return self.peak_in_flight * self.held_per_microbatch
 
-    def forward(self, x):
+    def forward(self, x, b=None):  # b: the micro-batch, as Stage.forward takes it
         self.forward_starts.append(time.perf_counter())
         self._wait(0)
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         return torch.empty((x.shape[0], *self.out_shape[1:]))  # contents do not matter
 
-    def backward(self, y, grad_y):
+    def backward(self, y, grad_y, b=None):
         self._wait(1)
         self.in_flight -= 1
         shape = (grad_y.shape[0], *self.in_shape[1:])

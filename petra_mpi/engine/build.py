@@ -15,14 +15,16 @@ def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, se
                  buffer_inputs: bool = False, stash_weights: bool = False,
                  device="cpu", dtype=torch.float32, only: int | None = None,
                  model_kw: dict | None = None, precision: str = "fp32",
-                 compression=None, replica: int = 0) -> list[Stage]:
+                 compression=None, replica: int = 0, kept=None) -> list[Stage]:
     """All stages (or just stage `only`), with weights that depend on the seed alone: every rank
     builds the whole net from the same seed and keeps its own part. `model_kw`: depth, heads and
     patch of revvit/vit (config.model_kwargs). precision: fp32, or bf16 (autocast inside each
     block; the tensors between blocks keep `dtype`). Placed by devices.place (channels-last on
     CUDA). compression (compress.Compression): its `buffers` format packs the FIFO entries, each
     stage's with the random stream of its own stage and `replica` (the replica these stages
-    belong to: stochastic rounding draws differently in every replica, as their messages do)."""
+    belong to: stochastic rounding draws differently in every replica, as their messages do).
+    kept: per stage of the whole split, the kept plan of its blocks (Stage.set_kept; None: PETRA,
+    memory_plan.py chooses one)."""
     torch.manual_seed(seed)
     blocks = build_blocks(arch, width, num_classes, imagenet_stem, image_size=image_size,
                           **(model_kw or {}))
@@ -33,7 +35,7 @@ def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, se
         if only is not None and s != only:
             continue
         stage = Stage(stage_blocks, s, num_stages, buffer_inputs=buffer_inputs,
-                      stash_weights=stash_weights)
+                      stash_weights=stash_weights, kept=kept[s] if kept else None)
         stage.partition = sizes  # blocks per stage of the whole split (checked on resume)
         if compression is not None:
             stage.buffer_codec = compression.codec("buffers", s, replica)

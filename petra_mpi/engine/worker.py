@@ -70,14 +70,14 @@ class StageWorker:
     def forward(self, b, x):
         self._before(Kind.FORWARD, b, x)
         with self.tracer.span(FORWARD, b):
-            y = self.stage(x)
+            y = self.stage(x, b)  # b: which micro-batches a kept block keeps
         self._after(Kind.FORWARD, b)
         return y
 
     def backward(self, b, y, grad_y):
         self._before(Kind.BACKWARD, b)
         with self.tracer.span(BACKWARD, b):
-            x, grad_x = self.stage.backward(y, grad_y)
+            x, grad_x = self.stage.backward(y, grad_y, b)
         self.optimizer.accumulated()
         self._after(Kind.BACKWARD, b, x)
         return x, grad_x

@@ -1,0 +1,136 @@
+"""The kept-blocks plan: under a per-stage memory budget, which reversible blocks keep the graph of
+how many of their in-flight micro-batches (Stage.set_kept, docs/design.md §1).
+
+Cost model, per micro-batch, in units of a block's forward (partition.block_costs estimates the
+unit of every block): a block that rebuilds (or a buffered block, which recomputes) costs 4, a
+forward, a forward under autograd and a backward of twice a forward; a kept micro-batch costs 3,
+the recomputation saved. A middle stage s costs sum_i u_i (4 - kept_i / d_s), keeping kept_i of
+every d_s micro-batches; the last stage runs forward, loss and backward at once, 3 u_i per block,
+whatever the plan. Each kept micro-batch of block i holds bytes_i (Stage.kept_bytes_per_microbatch:
+saved activations, stashed weights and the input).
+
+The planner is greedy, not an exact knapsack: on each stage it fills the blocks in order of time
+saved per byte, as many slots as the budget allows; that gives the slowest stage's best time
+T. Then each stage keeps, in the same order, only as many slots as bring it down to T: a stage
+that is not the slowest gains nothing from holding more.
+"""
+import copy
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .partition import block_costs
+
+REBUILT_UNITS, KEPT_UNITS, LAST_UNITS = 4, 3, 3
+
+# model.memory_budget: "auto" keeps without a limit; a float is a fraction of the device's memory
+AUTO = "auto"
+
+
+def budget_bytes(budget, device="cpu"):
+    """model.memory_budget in bytes per stage: None for "auto" (no limit), a fraction (0 < f <= 1,
+    a float) of the device's memory (a GPU's total memory, on CPU the machine's), else the int
+    itself (0: PETRA)."""
+    if budget == AUTO:
+        return None
+    if isinstance(budget, float):
+        return int(budget * device_memory(device))
+    return int(budget)
+
+
+def device_memory(device) -> int:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def stage_units(units, kept, window, last=False) -> float:
+    """Predicted time per micro-batch of a stage, in forward units (see the module's notes)."""
+    if last:
+        return LAST_UNITS * sum(units)
+    return sum(u * (REBUILT_UNITS - (REBUILT_UNITS - KEPT_UNITS) * k / window)
+               for u, k in zip(units, kept))
+
+
+def _greedy(units, sizes, window, budget, target=None) -> list[int]:
+    """One stage: slots by time saved per byte, within `budget` bytes (None: no limit), stopping
+    once the stage's time is at most `target`."""
+    kept = [0] * len(units)
+    spent = 0
+    order = sorted((i for i, size in enumerate(sizes) if size is not None),
+                   key=lambda i: (-units[i] / max(sizes[i], 1), i))
+    for i in order:
+        while kept[i] < window:
+            if target is not None and stage_units(units, kept, window) <= target * (1 + 1e-12):
+                return kept
+            if budget is not None and spent + sizes[i] > budget:
+                break
+            kept[i] += 1
+            spent += sizes[i]
+    return kept
+
+
+@dataclass
+class Plan:
+    kept: list[list[int]]     # per stage, per block: kept micro-batches of every d_s
+    kept_bytes: list[int]     # per stage: predicted peak bytes of the kept graphs
+    units: list[float]        # per stage: predicted time per micro-batch (forward units)
+    petra_units: list[float]  # the same with nothing kept
+
+    @property
+    def relative_time(self) -> float:
+        """The slowest stage's time per micro-batch over PETRA's."""
+        return max(self.units) / max(self.petra_units)
+
+
+def choose(units, sizes, windows, budgets) -> Plan:
+    """units, sizes: per stage, per block (sizes[s][i] None: the block cannot keep); windows: d_s
+    per stage (0: the last stage); budgets: bytes per stage (None: no limit)."""
+    last = [w == 0 for w in windows]
+    best = [_greedy(u, z, w, b) if w else [0] * len(u)
+            for u, z, w, b in zip(units, sizes, windows, budgets)]
+    target = max(stage_units(u, k, w, l) for u, k, w, l in zip(units, best, windows, last))
+    kept = [_greedy(u, z, w, b, target) if w else [0] * len(u)
+            for u, z, w, b in zip(units, sizes, windows, budgets)]
+    return Plan(kept,
+                [sum(k * (z or 0) for k, z in zip(ks, zs)) for ks, zs in zip(kept, sizes)],
+                [stage_units(u, k, w, l) for u, k, w, l in zip(units, kept, windows, last)],
+                [stage_units(u, [0] * len(u), w, l) for u, w, l in zip(units, windows, last)])
+
+
+def plan_stages(stages, make_input, batch: int, budget, device="cpu",
+                image_size: int = 32) -> Plan:
+    """The plan for `stages` (all of the net, in order) under model.memory_budget `budget`, for
+    micro-batches of `batch` samples; make_input(n) gives a network input of n samples. The
+    blocks' units are partition.block_costs' estimates. Their bytes are measured on 2 and 3
+    samples and extended to `batch` as an affine function of it (activations grow with the batch,
+    weights do not), so the probe stays small. Set it with stage.set_kept(plan.kept[s])."""
+    limit = budget_bytes(budget, device)
+    blocks = [b for s in stages for b in s.blocks]
+    if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in stages[0].parameters()):
+        blocks = [copy.deepcopy(b).to("cpu", torch.float32) for b in blocks]  # as block_costs runs
+    costs, units, i = block_costs(blocks, image_size), [], 0
+    for s in stages:
+        units.append(costs[i:i + len(s.blocks)])
+        i += len(s.blocks)
+    sizes = probe_sizes(stages, make_input, batch)
+    return choose(units, sizes, [s.window for s in stages], [limit] * len(stages))
+
+
+def probe_sizes(stages, make_input, batch: int) -> list[list]:
+    """Per stage, per block: bytes of one kept micro-batch of `batch` samples (None: the block
+    cannot keep), measured on 2 and 3 samples and extended as an affine function of the batch."""
+    two, three = (kept_bytes(stages, make_input(n)) for n in (2, 3))
+    return [[None if a is None else a + (batch - 2) * (b - a) for a, b in zip(s2, s3)]
+            for s2, s3 in zip(two, three)]
+
+
+def kept_bytes(stages, x) -> list[list]:
+    """Per stage, per block: bytes of one kept micro-batch x (None: the block cannot keep)."""
+    out = []
+    for s in stages:
+        per_block, x = s.kept_bytes_per_microbatch(x)
+        out.append(per_block)
+    return out

@@ -1,0 +1,234 @@
+"""Kept blocks under a memory budget (docs/design.md §1, invariant 7): budget 0 is PETRA, a block
+keeping every micro-batch trains as `delayed` with buffer_inputs and stash_weights, a mixed plan
+as the per-micro-batch mixture of the two rules, the planner's bytes are the measured peak, and
+the config key's errors are one clear line. MPI = local for a mixed plan: tests/mpi/test_mpi.py."""
+import pytest
+import torch
+
+from petra_mpi.config import ConfigError, load_config
+from petra_mpi.engine.build import build_stages, build_workers
+from petra_mpi.engine.local import LocalEngine
+from petra_mpi.memory_plan import (budget_bytes, choose, kept_bytes, plan_stages, probe_sizes,
+                                   stage_units)
+from petra_mpi.models import build_blocks, frozen_bn_stats
+from petra_mpi.models.blocks import Head
+from petra_mpi.optim import LRSchedule
+from petra_mpi.partition import split_blocks
+from petra_mpi.stages import Stage
+from tests.support.nets import make_batches
+from tests.support.paths import ROOT
+
+# Three stages of reversible blocks (irevnet18's first coupling blocks and its first invertible
+# downsampling, all with batch norm) and a head: every block before the last stage can keep, so
+# keeping everything is exactly `delayed` with both switches (which stashes every block's weights).
+SIZES = [2, 2, 1]   # windows d_0 = 4, d_1 = 2
+ALL_KEPT = [[4, 4], [2, 2], [0]]
+MIXED = [[1, 3], [1, 0], [0]]
+N = 9
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+
+
+def tiny_stages(kept=None, stage_cls=Stage, **kw):
+    torch.manual_seed(0)
+    blocks = build_blocks("irevnet18", 4, 10, image_size=8)[1:5] + [Head(32, 10)]
+    return [stage_cls(part, s, len(SIZES), kept=kept[s] if kept else None, **kw).double()
+            for s, part in enumerate(split_blocks(blocks, SIZES))]
+
+
+def batches(n=N, batch=4, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 8, 8, 8, generator=g, dtype=torch.float64),
+             torch.randint(0, 10, (batch,), generator=g)) for _ in range(n)]
+
+
+def train(stages, method="petra", k=2, lr=0.2):
+    """Two segments (the kept rule restarts with each), momentum and lr > 0: the delay matters."""
+    workers = build_workers(stages, LRSchedule(lr, 10**6), k, momentum=0.9)
+    engine = LocalEngine(workers, method)
+    engine.train_segment(iter(batches()), N)
+    engine.train_segment(iter(batches(seed=2)), N)
+    assert all(s.in_flight() == 0 and s.kept_bytes == 0 for s in stages)
+    return stages
+
+
+def state(stages):
+    return [t.detach().clone() for s in stages for t in (*s.parameters(), *s.buffers())]
+
+
+def assert_same(got, want, exact=False):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        if exact:
+            assert torch.equal(g, w)
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-13)
+
+
+def differs(got, want) -> float:
+    return max((g.double() - w.double()).abs().max().item() for g, w in zip(got, want))
+
+
+class MixtureReference(Stage):
+    """The per-micro-batch mixture written out plainly: block i of micro-batch b follows
+    `delayed` with buffer_inputs and stash_weights (its forward keeps its input and a copy of its
+    weights, its backward recomputes under autograd with that copy, updating batch norm's
+    statistics) when b mod d_s < plan[i], else PETRA's rebuild."""
+
+    def __init__(self, blocks, index, num_stages, kept=None):
+        super().__init__(blocks, index, num_stages)
+        self.plan, self.held = kept, [{} for _ in blocks]
+
+    @torch.no_grad()
+    def forward(self, x, b=None):
+        with frozen_bn_stats():
+            for i, block in enumerate(self.blocks):
+                if b % self.window < self.plan[i] if self.window else False:
+                    self.held[i][b] = (x, [p.detach().clone() for p in block.parameters()])
+                x = block(x)
+        return x
+
+    def backward(self, y, grad_y, b=None):
+        for i in reversed(range(len(self.blocks))):
+            block, need_grad_x = self.blocks[i], not (self.is_first and i == 0)
+            if b not in self.held[i]:
+                y, grad_y = block.backward_from_output(y, grad_y, need_grad_x)
+                continue
+            x, weights = self.held[i].pop(b)
+            params = list(block.parameters())
+            live = [p.data for p in params]
+            for p, w in zip(params, weights):
+                p.data = w
+            x_leaf = x.detach().requires_grad_(need_grad_x)
+            with torch.enable_grad():
+                block(x_leaf).backward(grad_y)
+            for p, c in zip(params, live):
+                p.data = c
+            y, grad_y = x, x_leaf.grad
+        return y, grad_y
+
+    def in_flight(self):
+        return sum(len(h) for h in self.held)
+
+
+def test_budget_zero_is_petra_bitwise():
+    """The planner keeps nothing under budget 0, and that plan trains PETRA's bits (revnet18,
+    k = 2, 4 stages)."""
+    stages = build_stages("revnet18", 4, 10, 4, seed=0, dtype=torch.float64)
+    plan = plan_stages(stages, lambda n: torch.zeros(n, 3, 8, 8, dtype=torch.float64), 4, 0,
+                       image_size=8)
+    assert plan.kept == [[0] * len(s.blocks) for s in stages] and plan.relative_time == 1.0
+    got = build_stages("revnet18", 4, 10, 4, seed=0, dtype=torch.float64, kept=plan.kept)
+    want = build_stages("revnet18", 4, 10, 4, seed=0, dtype=torch.float64)
+    for stages in (got, want):
+        workers = build_workers(stages, LRSchedule(0.2, 10**6), 2, momentum=0.9)
+        LocalEngine(workers, "petra").train_segment(iter(make_batches(7)), 7)
+    assert_same(state(got), state(want), exact=True)
+
+
+def test_keeping_everything_is_delayed_with_buffers_and_stash():
+    got = state(train(tiny_stages(ALL_KEPT)))
+    want = state(train(tiny_stages(buffer_inputs=True, stash_weights=True), "delayed"))
+    assert_same(got, want)
+    assert differs(got, state(train(tiny_stages()))) > 1e-4  # PETRA differs: the test has teeth
+
+
+def test_mixed_plan_is_the_per_microbatch_mixture():
+    got = state(train(tiny_stages(MIXED)))
+    want = state(train(tiny_stages(MIXED, stage_cls=MixtureReference)))
+    assert_same(got, want)
+    # and it is neither rule alone
+    assert differs(got, state(train(tiny_stages()))) > 1e-6
+    assert differs(got, state(train(tiny_stages(ALL_KEPT)))) > 1e-6
+
+
+def test_batch_norm_statistics_update_once_per_microbatch_in_the_backward():
+    stages = tiny_stages(MIXED)
+    bns = [m for m in stages[0].modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    train(stages)
+    assert bns and all(m.num_batches_tracked.item() == 2 * N for m in bns)
+    # the forward alone leaves them alone, kept or not
+    before = state(stages)
+    for b in range(3):
+        stages[0](batches(1)[0][0], b)
+    assert_same(state(stages), before, exact=True)
+
+
+def test_predicted_kept_bytes_are_the_measured_peak():
+    stages = tiny_stages(MIXED)
+    x = batches(1)[0][0]
+    sizes = [[z or 0 for z in zs] for zs in kept_bytes(tiny_stages(), x)]
+    train(stages)
+    for s, stage in enumerate(stages):
+        assert stage.peak_kept_bytes == sum(k * z for k, z in zip(MIXED[s], sizes[s]))
+    assert stages[0].peak_kept_bytes > 0 and stages[1].peak_kept_bytes > 0
+    # the planner's probe on 2 and 3 samples, extended to the batch of 4, gives the same bytes
+    planned = probe_sizes(tiny_stages(), lambda n: batches(1, batch=n)[0][0], len(x))
+    assert [[z or 0 for z in zs] for zs in planned] == sizes
+
+
+def test_kept_bytes_include_input_weights_and_saved_activations():
+    (stage, *_) = tiny_stages()
+    x = batches(1)[0][0]
+    (first, _), _ = stage.kept_bytes_per_microbatch(x)
+    weights = sum(p.numel() * 8 for p in stage.blocks[0].parameters())
+    assert first >= x.numel() * 8 + weights
+
+
+def test_plan_rule_bounds():
+    (stage, *_) = tiny_stages()
+    with pytest.raises(ValueError, match="0 to 4 are in flight"):
+        stage.set_kept([5, 0])
+    with pytest.raises(ValueError, match="2 entries"):
+        stage.set_kept([1])
+    (stem, *_) = build_stages("revnet18", 4, 10, 3, seed=0)
+    with pytest.raises(ValueError, match="only a reversible block that rebuilds"):
+        stem.set_kept([1] + [0] * (len(stem.blocks) - 1))
+
+
+def test_planner_minimises_the_slowest_stage_under_the_budget():
+    # stage 0: two blocks, the first cheap per byte; stage 1 the slowest; last stage cheap
+    units = [[1.0, 1.0], [4.0], [0.1]]
+    sizes = [[100, 10], [50], [None]]
+    windows = [4, 2, 0]
+    free = choose(units, sizes, windows, [None, None, None])
+    assert free.kept[1] == [2]  # the slowest stage keeps everything: 4 * 3 = 12 units
+    assert free.units[1] == 12.0 and free.relative_time == 12.0 / 16.0
+    # stage 0 needs 8 - 12 ... it is already at 8 <= 12: it keeps nothing
+    assert free.kept[0] == [0, 0] and free.kept_bytes[0] == 0
+    tight = choose(units, sizes, windows, [1000, 60, None])
+    assert tight.kept[1] == [1] and tight.kept_bytes[1] == 50
+    assert tight.units[1] == 4.0 * (4 - 0.5)
+    none = choose(units, sizes, windows, [0, 0, 0])
+    assert none.kept == [[0, 0], [0], [0]] and none.relative_time == 1.0
+    # greedy by time saved per byte: block 1 first, and only what the budget allows
+    units = [[1.0, 1.0], [0.1]]
+    plan = choose(units, [[100, 10], [None]], [2, 0], [125, None])
+    assert plan.kept[0] == [1, 2] and plan.kept_bytes[0] == 120
+    assert plan.units[0] == stage_units([1.0, 1.0], [1, 2], 2)
+
+
+@pytest.mark.parametrize("value,expect", [
+    (-1, "model.memory_budget: must be 0 (PETRA), a number of bytes, a fraction"),
+    (1.5, "model.memory_budget: must be 0 (PETRA), a number of bytes, a fraction"),
+    ("lots", "model.memory_budget: must be 0 (PETRA), a number of bytes, a fraction"),
+    (True, "model.memory_budget: must be 0 (PETRA), a number of bytes, a fraction"),
+])
+def test_budget_errors_are_one_clear_line(value, expect):
+    with pytest.raises(ConfigError) as e:
+        load_config(QUICKSTART, [f"model.memory_budget={value}"])
+    assert expect in str(e.value) and "\n" not in str(e.value)
+
+
+def test_budget_belongs_to_petra():
+    with pytest.raises(ConfigError, match="model.memory_budget: kept blocks belong to method "
+                                          "petra"):
+        load_config(QUICKSTART, ["model.memory_budget=auto", "train.method=backprop"])
+    for value, want in (("auto", None), ("0.5", None), ("1000000", 10**6), ("0", 0)):
+        cfg = load_config(QUICKSTART, [f"model.memory_budget={value}"])
+        got = budget_bytes(cfg.model.memory_budget)
+        assert got == want if value != "0.5" else 0 < got
+
+
+def test_budget_fraction_is_of_the_device_memory():
+    assert budget_bytes(0.5) * 2 in (budget_bytes(1.0), budget_bytes(1.0) - 1)
+    assert budget_bytes("auto") is None and budget_bytes(0) == 0 and budget_bytes(123) == 123
