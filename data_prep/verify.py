@@ -178,6 +178,15 @@ def is_integer(value) -> bool:
         np.issubdtype(np.asarray(value).dtype, np.integer)
 
 
+def real_scalar(value):
+    """The value as a finite float, or None if it is not one real number."""
+    v = np.asarray(value) if value is not None else None
+    if v is None or v.ndim != 0 or not (np.issubdtype(v.dtype, np.floating)
+                                        or np.issubdtype(v.dtype, np.integer)):
+        return None
+    return float(v) if np.isfinite(v) else None
+
+
 def check_token_root(f, bad):
     """The token file's attributes; returns (vocabulary size, the characters of a char vocabulary)
     where they can be read, else None for either."""
@@ -214,11 +223,10 @@ def check_token_root(f, bad):
                 bad.append("/vocab is not its distinct characters in sorted order")
     else:
         bad.append(f"attr vocab is {vocab!r}, expected 'bytes' or 'char'")
-    per_token = a.get("bytes_per_token")
-    if per_token is None or np.asarray(per_token).ndim != 0 \
-            or not np.isfinite(float(per_token)) or not 1.0 <= float(per_token) <= 4.0:
-        bad.append(f"attr bytes_per_token is {per_token!r}, expected a float in [1, 4] (UTF-8 "
-                   f"bytes per token)")
+    per_token = real_scalar(a.get("bytes_per_token"))
+    if per_token is None or not 1.0 <= per_token <= 4.0:
+        bad.append(f"attr bytes_per_token is {a.get('bytes_per_token')!r}, expected a float in "
+                   f"[1, 4] (UTF-8 bytes per token)")
     return n, chars
 
 
@@ -251,17 +259,17 @@ def check_token_split(f, split, num_classes, bad):
 def check_tokens(f, bad):
     num_classes, chars = check_token_root(f, bad)
     ids = {split: check_token_split(f, split, num_classes, bad) for split in SPLITS}
-    stored = f.attrs.get("bytes_per_token")
+    stored = real_scalar(f.attrs.get("bytes_per_token"))
     if ids["val"] is None or not len(ids["val"]) or stored is None or \
-            np.asarray(stored).ndim != 0 or (f.attrs.get("vocab") == "char" and chars is None):
+            (f.attrs.get("vocab") == "char" and chars is None):
         return
     if chars is None:  # bytes: one byte a token
         expected = 1.0
     else:
         sizes = np.array([len(c.encode("utf-8")) for c in chars])
         expected = float(sizes[ids["val"]].mean())
-    if abs(float(stored) - expected) > 1e-9:
-        bad.append(f"attr bytes_per_token = {float(stored)} but the validation ids give "
+    if abs(stored - expected) > 1e-9:
+        bad.append(f"attr bytes_per_token = {stored} but the validation ids give "
                    f"{expected:.6f} UTF-8 bytes per token")
 
 
