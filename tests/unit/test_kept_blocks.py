@@ -1,7 +1,8 @@
 """Kept blocks under a memory budget (docs/design.md §1, invariant 7): budget 0 is PETRA, a block
 keeping every micro-batch trains as `delayed` with buffer_inputs and stash_weights, a mixed plan
 as the per-micro-batch mixture of the two rules, the planner's bytes are the measured peak, and
-the config key's errors are one clear line. MPI = local for a mixed plan: tests/mpi/test_mpi.py."""
+the config key's errors are one clear line, and the MPI engine follows the local one bitwise
+(mpirun -n 3, extended)."""
 import pytest
 import torch
 
@@ -15,8 +16,9 @@ from petra_mpi.models.blocks import Head
 from petra_mpi.optim import LRSchedule
 from petra_mpi.partition import split_blocks
 from petra_mpi.stages import Stage
+from tests.support.launch import mpirun
 from tests.support.nets import make_batches
-from tests.support.paths import ROOT
+from tests.support.paths import PROGRAMS, ROOT
 
 # Three stages of reversible blocks (irevnet18's first coupling blocks and its first invertible
 # downsampling, all with batch norm) and a head: every block before the last stage can keep, so
@@ -232,3 +234,34 @@ def test_budget_belongs_to_petra():
 def test_budget_fraction_is_of_the_device_memory():
     assert budget_bytes(0.5) * 2 in (budget_bytes(1.0), budget_bytes(1.0) - 1)
     assert budget_bytes("auto") is None and budget_bytes(0) == 0 and budget_bytes(123) == 123
+
+
+@pytest.mark.extended  # mpirun -n 3
+def test_mpi_equals_local_bitwise_with_a_mixed_plan(tmp_path):
+    from kept_equivalence import ARCH, SIDE, batches as mpi_batches, mixed_plan, schedule
+    n, k = 6, 2
+    proc = mpirun(3, [PROGRAMS / "kept_equivalence.py", tmp_path, n, k], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    def local(plan):
+        stages = build_stages(ARCH, 4, 10, 3, seed=0, image_size=SIDE)
+        for s in stages:
+            s.set_kept(plan(s))
+        engine = LocalEngine(build_workers(stages, schedule(), k, weight_decay=5e-4), "petra")
+        engine.train_segment(mpi_batches(n), n)
+        engine.train_segment(mpi_batches(n, seed=2), n)
+        return stages
+    try:
+        stages, petra = local(mixed_plan), local(lambda s: None)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert differs(state(stages), state(petra)) > 1e-6  # the plan changes what it learns
+    assert [s.kept for s in stages] == [[0, 1], [1, 2, 0], [0] * 5]  # a mixed plan
+    for r, stage in enumerate(stages):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert got["kept"] == stage.kept and got["peak_kept_bytes"] == stage.peak_kept_bytes
+        want = [*stage.parameters(), *stage.buffers()]
+        assert len(got["params"]) + len(got["buffers"]) == len(want)
+        for g, w in zip(got["params"] + got["buffers"], want):
+            assert torch.equal(g, w), f"rank {r} differs from the local engine"

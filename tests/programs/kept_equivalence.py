@@ -1,0 +1,57 @@
+"""Run under mpirun: train irevnet18 with a mixed kept-blocks plan (mixed_plan) with the MPI engine
+and save each rank's stage, for the MPI = local test in tests/unit/test_kept_blocks.py.
+
+Usage: mpirun -n J python tests/programs/kept_equivalence.py OUT_DIR N K
+Writes OUT_DIR/rank{r}.pt: parameters, buffers and the peak kept bytes."""
+import os
+import sys
+
+import torch
+
+from petra_mpi.compress import NO_COMPRESSION
+from petra_mpi.engine.build import build_stages, build_workers
+from petra_mpi.mpi.engine import MPIEngine
+from petra_mpi.mpi.world import World
+from petra_mpi.optim import LRSchedule
+
+ARCH, SIDE = "irevnet18", 16
+
+
+def batches(n, batch=4, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        yield (torch.randn(batch, 3, SIDE, SIDE, generator=g),
+               torch.randint(0, 10, (batch,), generator=g))
+
+
+def mixed_plan(stage) -> list[int]:
+    """Block i of stage s keeps (i + s) mod (d_s + 1) of every d_s micro-batches where it can:
+    some blocks keep none, some a few, some all (with 3 stages: [0, 1] and [1, 2, 0])."""
+    return [(i + stage.index) % (stage.window + 1) if stage.can_keep(i) else 0
+            for i in range(len(stage.blocks))]
+
+
+def schedule():
+    return LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,))
+
+
+def main():
+    out, n, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    world = World.from_environment()
+    (stage,) = build_stages(ARCH, 4, 10, world.size, seed=0, only=world.rank, image_size=SIDE)
+    stage.set_kept(mixed_plan(stage))
+    (worker,) = build_workers([stage], schedule(), k, weight_decay=5e-4)
+    engine = MPIEngine(worker, "petra", world, torch.float32, (3, SIDE, SIDE), 4, NO_COMPRESSION)
+    engine.train_segment(batches(n) if world.rank == 0 else None, n)
+    engine.train_segment(batches(n, seed=2) if world.rank == 0 else None, n)
+    os.makedirs(out, exist_ok=True)
+    torch.save({"params": [p.detach() for p in stage.parameters()],
+                "buffers": [b.detach() for b in stage.buffers()],
+                "kept": stage.kept, "peak_kept_bytes": stage.peak_kept_bytes},
+               os.path.join(out, f"rank{world.rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()
