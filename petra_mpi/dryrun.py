@@ -112,6 +112,38 @@ def batch_input(cfg, side) -> str:
     return f"images {side}x{side}"
 
 
+def print_kept_plan(cfg, num_stages: int, device, dtype, partition, side):
+    """model.memory_budget's plan (memory_plan.py): per stage, how many of every d_s in-flight
+    micro-batches each block keeps, the kept bytes at the peak and the predicted time per
+    micro-batch, and the slowest stage's time relative to PETRA's."""
+    from .memory_plan import budget_bytes, plan_stages
+    stages = build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, num_stages,
+                          seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
+                          partition=partition or cfg.model.partition, dtype=dtype,
+                          image_size=side, model_kw=model_kwargs(cfg))
+
+    def make_input(n):  # token ids, or images
+        return (torch.zeros(n, cfg.model.context, dtype=torch.long)
+                if cfg.model.arch in LM_ARCHS else torch.zeros(n, 3, side, side, dtype=dtype))
+
+    budget = cfg.model.memory_budget
+    plan = plan_stages(stages, make_input, cfg.data.batch_size, budget, device, side)
+    limit = budget_bytes(budget, device)
+    mib = 2 ** 20
+    print(f"kept blocks, model.memory_budget {budget} "
+          f"({'no limit' if limit is None else f'{limit / mib:.1f} MiB'} per stage); time per "
+          f"micro-batch estimated, 1 = PETRA's slowest stage:")
+    print(f"{'stage':>5} {'d_s':>4} {'kept MiB':>9} {'time':>6} {'PETRA':>6}  per block: kept of "
+          f"every d_s micro-batches (- cannot keep)")
+    scale = max(plan.petra_units)
+    for s, stage in enumerate(stages):
+        kept = " ".join(str(k) if stage.can_keep(i) else "-" for i, k in enumerate(plan.kept[s]))
+        print(f"{s:>5} {stage.window:>4} {plan.kept_bytes[s] / mib:>9.2f} "
+              f"{plan.units[s] / scale:>6.3f} {plan.petra_units[s] / scale:>6.3f}  {kept}")
+    slowest = max(range(len(stages)), key=lambda s: plan.units[s])
+    print(f"slowest stage {slowest}: {plan.relative_time:.3f} of PETRA's time per micro-batch")
+
+
 def report(cfg, num_stages: int, world=None, device="cpu", dtype=torch.float32,
            profile=False) -> int:
     if world is not None and world.rank != 0:
@@ -135,6 +167,8 @@ def report(cfg, num_stages: int, world=None, device="cpu", dtype=torch.float32,
               f"{r['optimizer_bytes'] / mib:>9.2f} {r['input_fifo_bytes'] / mib:>9.2f} "
               f"{r['stash_bytes'] / mib:>9.2f} {t / mib:>9.2f}")
     print(f"total estimated memory (without activations of the running op): {total / mib:.1f} MiB")
+    if cfg.model.memory_budget:
+        print_kept_plan(cfg, num_stages, device, dtype, partition, side)
     sys.stdout.flush()
     if world is not None:
         world.comm.barrier()

@@ -265,3 +265,18 @@ def test_mpi_equals_local_bitwise_with_a_mixed_plan(tmp_path):
         assert len(got["params"]) + len(got["buffers"]) == len(want)
         for g, w in zip(got["params"] + got["buffers"], want):
             assert torch.equal(g, w), f"rank {r} differs from the local engine"
+
+
+def test_dry_run_prints_the_plan(capsys):
+    from petra_mpi.dryrun import report
+    cfg = load_config(QUICKSTART, ["model.memory_budget=auto", "model.balance=estimate",
+                                   "model.width=4", "data.batch_size=8"])
+    report(cfg, 4)
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("kept blocks"))
+    assert "model.memory_budget auto (no limit per stage)" in lines[start]
+    rows = lines[start + 2:start + 6]
+    assert [int(r.split()[0]) for r in rows] == [0, 1, 2, 3]
+    assert any(float(r.split()[2]) > 0 for r in rows)  # some stage keeps
+    ratio = float(lines[start + 6].split(": ")[1].split()[0])
+    assert lines[start + 6].startswith("slowest stage") and 0.75 <= ratio < 1.0
