@@ -467,7 +467,9 @@ class Trainer:
                                    only=placement.stage if world else None,
                                    model_kw=model_kwargs(cfg), precision=cfg.run.precision,
                                    compression=compression,
-                                   replica=placement.replica if world else r)
+                                   replica=placement.replica if world else r,
+                                   memory_budget=cfg.model.memory_budget,  # kept blocks
+                                   batch_size=cfg.data.batch_size)
         self.stages = stages
         self.steps_per_epoch = -(-self.microbatches_per_epoch // cfg.train.accumulation)
         self.schedule = lr_schedule(cfg, self.steps_per_epoch, R)

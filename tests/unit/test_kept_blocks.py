@@ -280,3 +280,16 @@ def test_dry_run_prints_the_plan(capsys):
     assert any(float(r.split()[2]) > 0 for r in rows)  # some stage keeps
     ratio = float(lines[start + 6].split(": ")[1].split()[0])
     assert lines[start + 6].startswith("slowest stage") and 0.75 <= ratio < 1.0
+
+
+def test_build_stages_applies_the_budget_on_every_rank_alike():
+    """What training builds (trainer.py passes model.memory_budget): the planner's plan, the
+    same for the whole split and for each rank's own stage."""
+    kw = dict(seed=0, image_size=8, memory_budget="auto", batch_size=4)
+    whole = build_stages("revnet18", 4, 10, 4, **kw)
+    plan = plan_stages(build_stages("revnet18", 4, 10, 4, seed=0, image_size=8),
+                       lambda n: torch.zeros(n, 3, 8, 8), 4, "auto", image_size=8)
+    assert [s.kept for s in whole] == plan.kept and any(map(any, plan.kept))
+    for r in range(4):
+        (own,) = build_stages("revnet18", 4, 10, 4, only=r, **kw)
+        assert own.kept == plan.kept[r]
