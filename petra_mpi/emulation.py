@@ -22,6 +22,7 @@ from torch import nn
 from .blockcost import BlockCosts
 from .models import build_blocks
 from .partition import block_costs as estimated_block_costs
+from .schedule import delay
 
 # Paper Table 5: time per micro-batch of 256 CIFAR-10 images with one block per GPU.
 PAPER_TABLE5_MS = {"revnet18": {"backprop": 160.3, "petra": 53.4},
@@ -200,16 +201,20 @@ class Clock:
 class WaitingStage(nn.Module):
     """A Stage whose operations wait their cost and return zero tensors of the real shapes.
     `costs`: (forward, backward, fused) seconds per micro-batch of each of its blocks (fused:
-    the block's share of the last stage's forward, loss and backward). Peak held activations:
-    the inputs of its buffered blocks for every micro-batch in flight, as the real FIFOs."""
+    the block's share of the last stage's forward, loss and backward); `rebuild`: the part of
+    each block's backward that rebuilds its input. Held activations: the inputs of its buffered
+    blocks for every micro-batch in flight, as the real FIFOs, and the graphs of its kept
+    micro-batches (set_kept), as Stage holds them."""
 
     def __init__(self, index, num_stages, shapes: BlockShapes, first_block, costs, batch,
-                 num_classes=10, clock=None):
+                 num_classes=10, clock=None, rebuild=None):
         super().__init__()
         self.index, self.num_stages = index, num_stages
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         blocks = range(first_block, first_block + len(costs))
         self.costs, self.clock = costs, clock or Clock()
+        self.rebuild = list(rebuild) if rebuild is not None else [0.0] * len(costs)
+        self.window = delay(num_stages, index)  # d_s, as Stage's
         self.in_shape = (batch, *shapes.inputs[first_block])
         self.out_shape = (batch, *shapes.outputs[blocks[-1]])
         self.num_classes = num_classes
@@ -217,37 +222,56 @@ class WaitingStage(nn.Module):
         self.input_dtype = None  # images: the activations' dtype
         self.held_per_microbatch = sum(4 * batch * _numel(shapes.inputs[b]) for b in blocks
                                        if not shapes.reversible[b])
-        self.in_flight = self.peak_in_flight = 0
+        self.held = self.peak_held_bytes = 0
+        self.set_kept()
         self.between_blocks = None  # the engine's transport poll, as for a real stage
         self.anchor = nn.Parameter(torch.zeros(1))  # engines find the device from a parameter
         self.forward_starts = []  # wall clock of every forward (rank 0: the tick rate)
 
-    def _wait(self, which):
+    def set_kept(self, kept=None, kept_bytes=None):
+        """A kept plan (memory_plan.Plan.kept[s]: per block, kept micro-batches of every d_s)
+        and the bytes one kept micro-batch of each block holds (memory_plan.probe_sizes). A kept
+        micro-batch's backward skips the block's rebuild, and it holds those bytes from its
+        forward to its backward; which micro-batches keep is Stage.keeps_microbatch's rule."""
+        self.kept = [0] * len(self.costs) if kept is None else [int(k) for k in kept]
+        self.kept_bytes = ([0] * len(self.costs) if kept_bytes is None
+                           else [z or 0 for z in kept_bytes])
+        if len(self.kept) != len(self.costs) or len(self.kept_bytes) != len(self.costs):
+            raise ValueError(f"stage {self.index}: a kept plan needs one entry per block")
+        if any(not 0 <= k <= self.window for k in self.kept):
+            raise ValueError(f"stage {self.index}: keeps 0 to {self.window} micro-batches, "
+                             f"got {self.kept}")
+
+    def reset_peak(self):
+        self.peak_held_bytes = self.held
+
+    def _keeps(self, i, b) -> bool:
+        return bool(self.kept[i]) and b is not None and b % self.window < self.kept[i]
+
+    def _wait(self, seconds):
         self.clock.poll = self.between_blocks
-        for block in self.costs:
-            self.clock.wait(block[which])
+        for s in seconds:
+            self.clock.wait(s)
             if self.between_blocks is not None:
                 self.between_blocks()
 
-    @property
-    def peak_held_bytes(self) -> int:
-        return self.peak_in_flight * self.held_per_microbatch
-
     def forward(self, x, b=None):  # b: the micro-batch, as Stage.forward takes it
         self.forward_starts.append(time.perf_counter())
-        self._wait(0)
-        self.in_flight += 1
-        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        self._wait(c[0] for c in self.costs)  # a kept forward costs a forward (memory_plan)
+        self.held += self.held_per_microbatch + sum(
+            z for i, z in enumerate(self.kept_bytes) if self._keeps(i, b))
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held)
         return torch.empty((x.shape[0], *self.out_shape[1:]))  # contents do not matter
 
     def backward(self, y, grad_y, b=None):
-        self._wait(1)
-        self.in_flight -= 1
+        kept = [self._keeps(i, b) for i in range(len(self.costs))]
+        self._wait(c[1] - (r if k else 0.0) for c, r, k in zip(self.costs, self.rebuild, kept))
+        self.held -= self.held_per_microbatch + sum(z for z, k in zip(self.kept_bytes, kept) if k)
         shape = (grad_y.shape[0], *self.in_shape[1:])
         return torch.empty(shape), (None if self.is_first else torch.empty(shape))
 
     def forward_backward_loss(self, x, labels, tracer=None, b=-1):
-        self._wait(2)
+        self._wait(c[2] for c in self.costs)
         logits = torch.zeros(x.shape[0], self.num_classes)
         return F.cross_entropy(logits, labels), logits, (None if self.is_first
                                                          else torch.empty_like(x))
@@ -307,23 +331,79 @@ class _WaitWeight(torch.autograd.Function):
 class WaitingPlainStage(nn.Module):
     """One rank's module for torch.distributed.pipelining: forward with graph and backward wait
     the plain network's costs of its blocks. Peak held activations: what autograd would save for
-    every micro-batch between its forward and its weight gradient."""
+    every micro-batch between its forward and its weight gradient. `checkpointed`: activation
+    checkpointing around every block (peers.py's 1f1b_checkpointed): a micro-batch holds only its
+    blocks' inputs, its backward first recomputes the forward (one forward more), and while it
+    does, one block's saved activations are held on top."""
 
     def __init__(self, shapes: BlockShapes, blocks, forward_s, backward_s, weight_s, batch,
-                 clock=None):
+                 clock=None, checkpointed=False):
         super().__init__()
         self.clock = clock or Clock()
         self.in_shape = (batch, *shapes.inputs[blocks[0]])
         self.out_shape = (batch, *shapes.outputs[blocks[-1]])
-        self.forward_s, self.weight_grad_s = forward_s, weight_s
-        self.input_grad_s = backward_s - weight_s
-        self.held_per_microbatch = batch * sum(shapes.saved[b] for b in blocks)
+        self.forward_s, self.input_grad_s = forward_s, backward_s - weight_s
+        # the recomputation goes with the weight part: stage 0, whose input needs no gradient,
+        # runs only that one
+        self.weight_grad_s = weight_s + (forward_s if checkpointed else 0.0)
+        if checkpointed:
+            self.held_per_microbatch = sum(4 * batch * _numel(shapes.inputs[b]) for b in blocks)
+            self.recomputed = batch * max(shapes.saved[b] for b in blocks)
+        else:
+            self.held_per_microbatch = batch * sum(shapes.saved[b] for b in blocks)
+            self.recomputed = 0
         self.in_flight = self.peak_in_flight = 0
         self.weight = nn.Parameter(torch.zeros(1))
 
     @property
     def peak_held_bytes(self) -> int:
-        return self.peak_in_flight * self.held_per_microbatch
+        # 1F1B's backward runs with its most micro-batches in flight: the recomputation's
+        # activations come on top of them
+        return (self.peak_in_flight * self.held_per_microbatch
+                + (self.recomputed if self.peak_in_flight else 0))
+
+    def reset_peak(self):
+        self.peak_in_flight = self.in_flight
 
     def forward(self, x):
         return _WaitInput.apply(x, self) + _WaitWeight.apply(self.weight, self, x.shape[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Kept blocks (model.memory_budget): the plan training would make, with the profile's costs
+
+def kept_sizes(arch, width, batch, sizes, num_classes=10) -> list[list]:
+    """Per stage of the split `sizes`, per block: the bytes one kept micro-batch of `batch`
+    samples holds (saved activations, stashed weights, input; None: the block cannot keep),
+    measured on the real stages as training's planner measures them (memory_plan.probe_sizes)."""
+    from .engine.build import build_stages
+    from .memory_plan import probe_sizes
+    stages = build_stages(arch, width, num_classes, len(sizes), partition=sizes)
+    return probe_sizes(stages, lambda n: torch.zeros(n, 3, 32, 32), batch)
+
+
+def kept_plan(profile: Profile, sizes, block_bytes, budgets):
+    """memory_plan's plan (memory_plan.choose) for the split `sizes` under `budgets` (bytes of
+    kept graphs per stage, None: no limit), with each block's unit its forward in the profile:
+    the planner's model, in which a rebuild costs a forward and a backward two, is then the
+    profile's own wherever the profile says so (the paper's does)."""
+    from .memory_plan import choose
+    units, i = [], 0
+    for n in sizes:
+        units.append(list(profile.forward[i:i + n]))
+        i += n
+    J = len(sizes)
+    return choose(units, block_bytes, [delay(J, s) for s in range(J)], budgets)
+
+
+def fifo_bytes(shapes: BlockShapes, sizes, batch) -> list[int]:
+    """Per stage: the bytes PETRA's FIFOs hold at their peak (the inputs of its buffered blocks,
+    for the d_s micro-batches in flight of a segment longer than d_s), as WaitingStage counts."""
+    out, i = [], 0
+    J = len(sizes)
+    for s, n in enumerate(sizes):
+        per_microbatch = sum(4 * batch * _numel(shapes.inputs[b]) for b in range(i, i + n)
+                             if not shapes.reversible[b])
+        out.append(per_microbatch * delay(J, s))
+        i += n
+    return out

@@ -102,12 +102,14 @@ def choose(units, sizes, windows, budgets) -> Plan:
 
 def plan_stages(stages, make_input, batch: int, budget, device="cpu",
                 image_size: int = 32) -> Plan:
-    """The plan for `stages` (all of the net, in order) under model.memory_budget `budget`, for
-    micro-batches of `batch` samples; make_input(n) gives a network input of n samples. The
-    blocks' units are partition.block_costs' estimates. Their bytes are measured on 2 and 3
-    samples and extended to `batch` as an affine function of it (activations grow with the batch,
-    weights do not), so the probe stays small. Set it with stage.set_kept(plan.kept[s])."""
-    limit = budget_bytes(budget, device)
+    """The plan for `stages` (all of the net, in order) under model.memory_budget `budget` (or a
+    list of them, one per stage), for micro-batches of `batch` samples; make_input(n) gives a
+    network input of n samples. The blocks' units are partition.block_costs' estimates. Their
+    bytes are measured on 2 and 3 samples and extended to `batch` as an affine function of it
+    (activations grow with the batch, weights do not), so the probe stays small. Set it with
+    stage.set_kept(plan.kept[s])."""
+    limits = ([budget_bytes(b, device) for b in budget] if isinstance(budget, (list, tuple))
+              else [budget_bytes(budget, device)] * len(stages))
     blocks = [b for s in stages for b in s.blocks]
     if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in stages[0].parameters()):
         blocks = [copy.deepcopy(b).to("cpu", torch.float32) for b in blocks]  # as block_costs runs
@@ -116,7 +118,7 @@ def plan_stages(stages, make_input, batch: int, budget, device="cpu",
         units.append(costs[i:i + len(s.blocks)])
         i += len(s.blocks)
     sizes = probe_sizes(stages, make_input, batch)
-    return choose(units, sizes, [s.window for s in stages], [limit] * len(stages))
+    return choose(units, sizes, [s.window for s in stages], limits)
 
 
 def probe_sizes(stages, make_input, batch: int) -> list[list]:

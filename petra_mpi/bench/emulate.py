@@ -8,25 +8,35 @@ accumulation k = m). Reports images/s, each rank's busy fraction and peak held a
 performance model's prediction beside each run, and the emulation's own overhead (the same runs
 at zero cost); `--real` (J = 2, measured costs) also times the real stages to validate the
 emulation. `python -m petra_mpi.bench emulate --plot A.json B.json ...` draws images/s against
-J per method from the last lines of several runs."""
+J per method from the last lines of several runs.
+
+Throughput against memory: PETRA also runs with kept blocks (model.memory_budget, memory_plan.py)
+at a budget per rank equal to each contender's peak held bytes on that rank, and without a limit
+(`--budgets`); the emulated stages follow the plan (a kept micro-batch skips its rebuild and
+holds its graph's bytes, probed on the real stages). `--pareto FILE.png` draws images/s against
+the peak held bytes per rank (the largest over the ranks) of every run, the Pareto front marked."""
 import argparse
 import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
 from .. import perfmodel
-from ..emulation import (Clock, WaitingOptimizer, WaitingPlainStage, WaitingStage, file_profile,
-                         measured_profile, paper_profile, probe_shapes)
+from ..emulation import (Clock, WaitingOptimizer, WaitingPlainStage, WaitingStage, fifo_bytes,
+                         file_profile, kept_plan, kept_sizes, measured_profile, paper_profile,
+                         probe_shapes)
 from ..engine.worker import StageWorker
 from ..models import build_blocks
 from ..partition import resolve_partition
+from ..schedule import delay
 from .common import emit, last_json_line, measure_link, sleeping_barrier
 
 PETRA_METHODS = ("petra", "backprop")
-PIPELINING = ("gpipe", "1f1b", "zero_bubble")
+PIPELINING = ("gpipe", "1f1b", "zero_bubble", "1f1b_checkpointed")
+UNLIMITED = "unlimited"
 ZERO_COST_REPEATS = 5
 
 
@@ -44,7 +54,7 @@ def pipelining_orders(schedule, method, J, m):
     performance model (zero bubble: the schedule's own plan)."""
     if method == "gpipe":
         return perfmodel.gpipe_order(J, m)
-    if method == "1f1b":
+    if method in ("1f1b", "1f1b_checkpointed"):
         return perfmodel.one_f_one_b_order(J, m)
     names = {"F": "forward", "I": "backward_input", "W": "backward_weight", "B": "backward",
              "FULL_BACKWARD": "backward", "FORWARD": "forward", "BACKWARD_INPUT": "backward_input",
@@ -65,6 +75,8 @@ def main(argv):
     a = parse_args(argv)
     if a.plot:
         plot(a.plot, a.png or "runs/bench/emulate.png")
+        if a.pareto:
+            plot_pareto(last_json_line(a.plot[-1]), a.pareto)
         return
     report(a, run(a))
 
@@ -81,8 +93,13 @@ def parse_args(argv):
                    help="micro-batches per PETRA segment (0: max(4J, m))")
     p.add_argument("--backprop-segment", type=int, default=4,
                    help="micro-batches per backprop segment (0: skip backprop)")
-    p.add_argument("--methods", default="petra,gpipe,1f1b,zero_bubble",
-                   help="of petra, gpipe, 1f1b, zero_bubble (backprop: --backprop-segment)")
+    p.add_argument("--methods", default="petra,gpipe,1f1b,zero_bubble,1f1b_checkpointed",
+                   help="of petra, gpipe, 1f1b, zero_bubble, 1f1b_checkpointed (activation "
+                        "checkpointing around every block) (backprop: --backprop-segment)")
+    p.add_argument("--budgets", default="all",
+                   help="PETRA with kept blocks at a memory budget per rank equal to the peak "
+                        "held bytes of each run of these methods (all: every pipelining method "
+                        "run), and 'unlimited'; '' for none")
     p.add_argument("--rounds", type=int, default=1, help="alternated rounds of every run")
     p.add_argument("--poll-sleep", type=float, default=0.0005,
                    help="seconds a waiting rank sleeps between tests of its requests")
@@ -94,7 +111,10 @@ def parse_args(argv):
                    help="also time the real stages (J = 2 with --costs measured: validation)")
     p.add_argument("--png", default="", help="draw this run's images/s per method")
     p.add_argument("--plot", nargs="+", metavar="JSON",
-                   help="no run: draw images/s vs J from these files' last JSON lines to --png")
+                   help="no run: draw images/s vs J from these files' last JSON lines to --png "
+                        "(and the last file's throughput against memory to --pareto)")
+    p.add_argument("--pareto", default="", metavar="PNG",
+                   help="draw images/s against peak held bytes per rank, Pareto front marked")
     return p.parse_args(argv)
 
 
@@ -150,6 +170,10 @@ class Emulation:
         if set(self.methods) & set(PIPELINING):
             self.build_pipelining()
             self.runs += [(name, method, m) for name, (_, _, method, m) in self.pt.items()]
+        # PETRA with kept blocks (add_budget_runs): run name -> (memory_plan.Plan, the budget
+        # per rank in held bytes, None: unlimited, and the run it comes from)
+        self.plans = {}
+        self.block_kept_bytes = None  # per stage, per block: bytes of one kept micro-batch
 
     def build_petra(self):
         from ..mpi.engine import MPIEngine
@@ -158,7 +182,8 @@ class Emulation:
         mine = range(first, first + self.sizes[r])
         self.stage = WaitingStage(r, J, self.shapes, first,
                                   [(bc.forward[b], bc.backward[b], bc.last[b]) for b in mine],
-                                  a.batch, clock=self.clock)
+                                  a.batch, clock=self.clock,
+                                  rebuild=[self.profile.rebuild[b] for b in mine])
         self.worker = StageWorker(self.stage,
                                   WaitingOptimizer(sum(bc.step[b] for b in mine), self.clock))
         self.engines = {m: MPIEngine(self.worker, m, self.world, torch.float32, (3, 32, 32),
@@ -176,14 +201,16 @@ class Emulation:
         from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleavedZeroBubble)
         classes = {"gpipe": (ScheduleGPipe, False), "1f1b": (Schedule1F1B, False),
-                   "zero_bubble": (ScheduleInterleavedZeroBubble, True)}
+                   "zero_bubble": (ScheduleInterleavedZeroBubble, True),
+                   "1f1b_checkpointed": (Schedule1F1B, False)}
         for method in [m for m in self.methods if m in PIPELINING]:
             cls, multi = classes[method]
             for m in self.ms:
                 name = f"{method} m={m}"
                 err = None
                 try:
-                    module, schedule = self.pipelining_schedule(cls, multi, m)
+                    module, schedule = self.pipelining_schedule(
+                        cls, multi, m, checkpointed=method == "1f1b_checkpointed")
                 except Exception as e:  # noqa: BLE001 - reported, the others still run
                     err = f"{type(e).__name__}: {e}".splitlines()[0]
                 errors = [e for e in self.comm.allgather(err) if e]
@@ -194,7 +221,7 @@ class Emulation:
         self.pt_x = {m: torch.zeros(m * self.a.batch, 3, 32, 32) for m in self.ms}
         self.pt_y = {m: torch.zeros(m * self.a.batch, dtype=torch.int64) for m in self.ms}
 
-    def pipelining_schedule(self, cls, multi, m):
+    def pipelining_schedule(self, cls, multi, m, checkpointed=False):
         """(this rank's waiting plain stage, a `cls` schedule of m micro-batches over it)."""
         from torch.distributed.pipelining import PipelineStage
         r, J, bc, mine = self.world.rank, self.world.size, self.plain_bc, self.plain_mine
@@ -202,7 +229,7 @@ class Emulation:
                   for b in mine]  # stage 0 computes no input gradient
         module = WaitingPlainStage(self.shapes, mine, sum(bc.forward[b] for b in mine),
                                    sum(bc.backward[b] for b in mine), sum(weight), self.a.batch,
-                                   self.clock)
+                                   self.clock, checkpointed=checkpointed)
         ps = PipelineStage(module, r, J, torch.device("cpu"),
                            input_args=torch.zeros(module.in_shape).requires_grad_(r > 0),
                            output_args=torch.zeros(module.out_shape).requires_grad_())
@@ -227,8 +254,56 @@ class Emulation:
         self.clock.wait(sum(self.plain_bc.step[b] for b in self.plain_mine))  # optimizer step
         return m
 
+    def budget_methods(self):
+        """The methods whose runs' peaks PETRA gets as budgets (--budgets), and whether it also
+        runs without a limit."""
+        wanted = [b.strip() for b in self.a.budgets.split(",") if b.strip()]
+        if "all" in wanted:
+            wanted = [*PIPELINING, UNLIMITED]
+        unknown = set(wanted) - {*PIPELINING, UNLIMITED}
+        if unknown:
+            raise SystemExit(f"unknown --budgets {sorted(unknown)}")
+        return [w for w in wanted if w != UNLIMITED], UNLIMITED in wanted
+
+    def add_budget_runs(self, peaks) -> list:
+        """PETRA with kept blocks: for each run of a --budgets method, at a budget per rank of
+        that run's peak held bytes on the rank (`peaks`: this rank's, per run; a rank's peak
+        depends on its order of operations, not on time, so a zero-cost run gives it), and
+        without a limit. Of a budget, the FIFOs' peak is PETRA's anyway; the rest is the kept
+        graphs' (model.memory_budget). The new runs, added to self.runs."""
+        methods, unlimited = self.budget_methods()
+        sources = [run for run in self.runs if run[1] in methods]
+        if not sources and not unlimited:
+            return []
+        a, J = self.a, self.world.size
+        sizes = None
+        if self.world.rank == 0:
+            sizes = kept_sizes(self.profile.arch, a.width, a.batch, self.sizes)
+        self.block_kept_bytes = self.comm.bcast(sizes, root=0)
+        fifo = fifo_bytes(self.shapes, self.sizes, a.batch)
+        new = []
+        for name, method, m in sources:
+            budget = self.comm.allgather(peaks[name])
+            plan = kept_plan(self.profile, self.sizes, self.block_kept_bytes,
+                             [max(0, b - f) for b, f in zip(budget, fifo)])
+            new.append((f"petra @{name}", "petra", m))
+            self.plans[new[-1][0]] = (plan, budget, name)
+        if unlimited:
+            plan = kept_plan(self.profile, self.sizes, self.block_kept_bytes, [None] * J)
+            new.append((f"petra {UNLIMITED}", "petra", self.ms[0]))
+            self.plans[new[-1][0]] = (plan, None, UNLIMITED)
+        self.runs += new
+        return new
+
+    def holder(self, name):
+        """The waiting stage that counts run `name`'s held bytes on this rank."""
+        return self.pt[name][0] if name in self.pt else self.stage
+
     def run_once(self, name, method, m):
         """One step (pipelining) or segment (ours) of a run: the micro-batches it did."""
+        if method in PETRA_METHODS:  # its kept plan (none: PETRA as in the paper)
+            r, plan = self.world.rank, self.plans.get(name)
+            self.stage.set_kept(*((plan[0].kept[r], self.block_kept_bytes[r]) if plan else ()))
         if method == "petra":
             return self.petra_run("petra", self.segment_of[m], m)
         if method == "backprop":
@@ -245,18 +320,21 @@ class Emulation:
         # CPU seconds this process used (every thread): what the emulation itself costs a core
         return count, time.perf_counter() - start, busy, time.process_time() - cpu
 
-    def zero_cost(self) -> dict:
-        """Median wall seconds of ZERO_COST_REPEATS runs of each run at zero cost (after a
-        warm-up): the emulation's own overhead, and the frameworks' costs for the model. Runs of
-        a few milliseconds are noisy, and the frameworks' costs are fitted to them."""
+    def zero_cost(self, runs=None):
+        """(median wall seconds of ZERO_COST_REPEATS runs of each run at zero cost, after a
+        warm-up; this rank's peak held bytes of each): the emulation's own overhead, and the
+        frameworks' costs for the model. Runs of a few milliseconds are noisy, and the
+        frameworks' costs are fitted to them."""
         self.clock.scale = 0.0
-        zero = {}
-        for run in self.runs:
+        zero, peaks = {}, {}
+        for run in self.runs if runs is None else runs:
             self.run_once(*run)  # warm-up
+            self.holder(run[0]).reset_peak()
             zero[run[0]] = statistics.median(self.timed(self.run_once, *run)[1]
                                              for _ in range(ZERO_COST_REPEATS))
+            peaks[run[0]] = self.holder(run[0]).peak_held_bytes
         self.clock.scale = 1.0
-        return zero
+        return zero, peaks
 
     def timed_rounds(self):
         """(timings per run, peak held bytes per run, PETRA's steady rates on rank 0) of
@@ -266,8 +344,8 @@ class Emulation:
         steady = {name: [] for name, *_ in self.runs}
         for _ in range(self.a.rounds):
             for name, method, m in self.runs:
-                held = self.pt[name][0] if name in self.pt else self.stage
-                held.peak_in_flight = 0
+                held = self.holder(name)
+                held.reset_peak()
                 results[name].append(self.timed(self.run_once, name, method, m))
                 peaks[name] = max(peaks[name], held.peak_held_bytes)
                 if method == "petra" and self.world.rank == 0:
@@ -291,7 +369,8 @@ class Emulation:
         data = [(torch.randn(a.batch, 3, 32, 32, generator=g),
                  torch.randint(0, 10, (a.batch,), generator=g)) for _ in range(4)]
         real = {}
-        for name, method, m in [x for x in self.runs if x[1] in PETRA_METHODS]:
+        for name, method, m in [x for x in self.runs
+                                if x[1] in PETRA_METHODS and x[0] not in self.plans]:
             n = self.segment_of[m] if method == "petra" else m
             real_worker.k = m
             real_segment(engines[method], data, r, J + 2)
@@ -327,7 +406,8 @@ def run(a):
     em = Emulation(a, world)
     comm, J = world.comm, world.size
     # 1. The same runs at zero cost (warm-up too). 2. Timed runs. 3. The real stages.
-    zero = em.zero_cost()
+    zero, zero_peaks = em.zero_cost()
+    zero.update(em.zero_cost(em.add_budget_runs(zero_peaks))[0])
     link = measure_link(comm, max(em.out_bytes), repeats=10, poll_sleep=a.poll_sleep)
     results, peaks, steady = em.timed_rounds()
     real = em.real_stages(results) if a.real else {}
@@ -358,7 +438,19 @@ class Prediction:
                                                   rebuilt_down=[False] * J,
                                                   weight=em.profile.weight)
         # PETRA's ticks per second when the slowest stage sets the pace
-        self.bound = 1.0 / max(_stage_seconds(c, s, J) for s, c in enumerate(self.petra_stages))
+        self.bound = _bound(self.petra_stages)
+
+    def costs_of(self, name, method):
+        """The model's stage costs of run `name`: PETRA's with its kept plan (each stage's
+        backward, averaged over its d_s micro-batches, less the rebuilds its kept ones skip),
+        a plain stage's, checkpointed: with the forward again in the backward."""
+        if method in PETRA_METHODS:
+            plan = self.em.plans.get(name)
+            return (kept_stage_costs(self.petra_stages, plan[0].kept, self.em.profile.rebuild,
+                                     self.em.sizes) if plan else self.petra_stages)
+        if method == "1f1b_checkpointed":
+            return [replace(c, backward=c.backward + c.forward) for c in self.plain_stages]
+        return self.plain_stages
 
     def frameworks(self, zero) -> dict:
         """Each family's framework costs and where they come from, {family: (Framework, from)}.
@@ -405,7 +497,7 @@ class Prediction:
         count = results[0][0]
         wall = statistics.median(v[1] for v in results)
         family = "ours" if method in PETRA_METHODS else "pipelining"
-        costs = self.petra_stages if family == "ours" else self.plain_stages
+        costs = self.costs_of(name, method)
         framework = frameworks[family][0]
         predicted = count * a.batch / perfmodel.simulate(
             self.em.orders_of(name, method, m, self.zb_orders), costs, self.link, framework)
@@ -426,8 +518,14 @@ class Prediction:
             steady = measured["steady"][name]
             rate = statistics.median(steady) if steady else None
             row["steady_images_per_s"] = rate * a.batch if rate else None
-            row["bound_images_per_s"] = self.bound * a.batch
-            row["of_bound"] = rate / self.bound if rate else None
+            bound = _bound(costs)
+            row["bound_images_per_s"] = bound * a.batch
+            row["of_bound"] = rate / bound if rate else None
+        if name in self.em.plans:
+            plan, budget, source = self.em.plans[name]
+            row.update({"budget_of": source, "budget_bytes": budget, "kept": plan.kept,
+                        "planned_kept_bytes": plan.kept_bytes,
+                        "planned_relative_time": plan.relative_time})
         if name in measured["real"]:
             real_rate = count * a.batch / statistics.median(measured["real"][name])
             row["real_images_per_s"] = real_rate
@@ -465,6 +563,7 @@ class Prediction:
                   "validation": [{"name": row["name"], "model_error": row["model_error"],
                                   **({"emulation_error": row["emulation_error"]}
                                      if "emulation_error" in row else {})} for row in rows]}
+        record["pareto"] = pareto_front(memory_points(rows))
         if em.skipped:
             record["skipped"] = em.skipped
         return record
@@ -493,16 +592,83 @@ def report(a, r):
     cpu_all = [c for row in r["rows"] for c in row["cpu_fraction"]]
     print(f"CPU used per rank while emulating: {min(cpu_all):.3f}-{max(cpu_all):.3f} of a core "
           f"(mean {r['cpu_fraction_mean']:.3f})")
-    print(f"{'run':<18} {'images/s':>9} {'model':>8} {'err':>6}  busy fraction per rank | "
+    print(f"{'run':<30} {'images/s':>9} {'model':>8} {'err':>6}  busy fraction per rank | "
           f"peak held MiB per rank")
     for row in r["rows"]:
         print(row_line(row))
     for name, why in r.get("skipped", {}).items():
-        print(f"{name:<18} did not run: {why}")
+        print(f"{name:<30} did not run: {why}")
+    print_memory_table(r)
     if a.png:
         plot([r], a.png)
+    if a.pareto:
+        plot_pareto(r, a.pareto)
     sys.stdout.flush()
     emit(r)
+
+
+def memory_points(rows) -> list:
+    """(name, peak held bytes on the rank that holds most, images/s) of every run: PETRA's
+    steady rate where one was measured (training's segments are long: fill and drain are a
+    segment's, not the method's), a pipeline's images/s per step (its bubble is the method's)."""
+    return [(row["name"], max(row["peak_held_bytes"]),
+             (row.get("steady_images_per_s") or row["images_per_s"])) for row in rows]
+
+
+def pareto_front(points) -> list:
+    """Names of the points (name, bytes, images/s) that no other point beats: none holds at
+    most as much and runs at least as fast, and better in one of the two."""
+    return [name for name, mem, speed in points
+            if not any(m <= mem and v >= speed and (m < mem or v > speed)
+                       for _, m, v in points)]
+
+
+def print_memory_table(r):
+    """Throughput against memory: every run by its peak held bytes, the Pareto front starred,
+    the kept plans beside PETRA's budget runs."""
+    front = set(r["pareto"])
+    rows = {row["name"]: row for row in r["rows"]}
+    print("throughput against memory (peak held MiB: the rank that holds most; * Pareto front)")
+    for name, mem, speed in sorted(memory_points(r["rows"]), key=lambda p: (p[1], -p[2])):
+        row, extra = rows[name], ""
+        if "kept" in row:
+            budget = row["budget_bytes"]
+            extra = (f"  budget {'unlimited' if budget is None else f'{max(budget) / 2**20:.1f}'}"
+                     f"  kept {row['kept']}  planned time {row['planned_relative_time']:.3f} "
+                     f"of PETRA's")
+        print(f"{'*' if name in front else ' '} {name:<28} {mem / 2**20:>8.1f} MiB "
+              f"{speed:>8.1f} images/s{extra}")
+
+
+def plot_pareto(record, png):
+    """images/s against the peak held bytes per rank (the largest over the ranks), one point
+    per run, the Pareto front joined."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    points = memory_points(record["rows"])
+    front = set(pareto_front(points))
+    method = {row["name"]: row["method"] for row in record["rows"]}
+    colours = {"petra": "C3", "backprop": "C7", "gpipe": "C0", "1f1b": "C1", "zero_bubble": "C2",
+               "1f1b_checkpointed": "C4"}
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, mem, speed in points:
+        ax.scatter(mem / 2**20, speed, color=colours.get(method[name], "k"),
+                   marker="*" if name in front else "o", s=90 if name in front else 30)
+        ax.annotate(name, (mem / 2**20, speed), fontsize=6, xytext=(3, 3),
+                    textcoords="offset points")
+    on_front = sorted((mem / 2**20, speed) for name, mem, speed in points if name in front)
+    if on_front:
+        ax.step(*zip(*on_front), where="post", color="k", linewidth=0.8, label="Pareto front")
+        ax.legend(fontsize=8)
+    ax.set_xlabel("peak held MiB per rank (the largest over the ranks)")
+    ax.set_ylabel("images/s, emulated (PETRA: steady)")
+    ax.set_title(f"{record['arch']}, J = {record['ranks']}, costs: {record['costs']}",
+                 fontsize=9)
+    os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    print(f"wrote {png}")
 
 
 def row_line(row) -> str:
@@ -514,7 +680,7 @@ def row_line(row) -> str:
     if "real_images_per_s" in row:
         extra += (f"  real {row['real_images_per_s']:.1f} "
                   f"({100 * row['emulation_error']:+.1f}%)")
-    return (f"{row['name']:<18} {row['images_per_s']:>9.1f} "
+    return (f"{row['name']:<30} {row['images_per_s']:>9.1f} "
             f"{row['predicted_images_per_s']:>8.1f} {100 * row['model_error']:>+5.1f}%  "
             f"{' '.join(f'{b:.2f}' for b in row['busy_fraction'])} | "
             f"{' '.join(f'{b / 2**20:.1f}' for b in row['peak_held_bytes'])}{extra}")
@@ -530,6 +696,24 @@ def _zero(c):
 
 def _stage_seconds(c, s, J):
     return c.forward_backward if s == J - 1 else c.forward + c.backward
+
+
+def _bound(stages):
+    """Micro-batches per second of PETRA when its slowest stage sets the pace."""
+    return 1.0 / max(_stage_seconds(c, s, len(stages)) for s, c in enumerate(stages))
+
+
+def kept_stage_costs(stages, kept, rebuild, sizes):
+    """PETRA's StageCosts under a kept plan (kept[s][i]: kept micro-batches of every d_s of
+    block i of stage s): a kept micro-batch's backward skips the block's rebuild (rebuild[b]:
+    block b's), so a stage's backward costs on average rebuild x kept / d_s less per block."""
+    J, out, first = len(stages), [], 0
+    for s, (c, n) in enumerate(zip(stages, sizes)):
+        window = delay(J, s)
+        saved = sum(rebuild[first + i] * k / window for i, k in enumerate(kept[s]) if k)
+        out.append(replace(c, backward=c.backward - saved))
+        first += n
+    return out
 
 
 def _steady_rate(starts, J):
@@ -559,6 +743,8 @@ def plot(sources, png):
     for rec in records:
         J = rec["ranks"]
         for row in rec["rows"]:
+            if "kept" in row:
+                continue  # the kept plans' runs: --pareto draws them
             m = row["m"]
             if row["method"] in PETRA_METHODS:
                 label = ""
@@ -570,7 +756,8 @@ def plot(sources, png):
             if row["method"] == "petra" and J in series.get(key, {}):
                 continue  # one PETRA point per run: its steady rate does not depend on m
             series.setdefault(key, {}).setdefault(J, []).append(value)
-    colours = {"petra": "C3", "backprop": "C7", "gpipe": "C0", "1f1b": "C1", "zero_bubble": "C2"}
+    colours = {"petra": "C3", "backprop": "C7", "gpipe": "C0", "1f1b": "C1", "zero_bubble": "C2",
+               "1f1b_checkpointed": "C4"}
     styles = {"": "-", "m=4": ":", "m=2J": "--", "m=8J": "-"}
     markers = {"revnet18": "o", "revnet34": "s"}
     fig, ax = plt.subplots(figsize=(8, 4.5))

@@ -6,6 +6,9 @@ in one run (round-robin over the contenders, medians of the rounds).
   ScheduleInterleavedZeroBubble (one stage per rank) on the plain ResNet18 of the same width,
   split by its own measured block costs, over gloo.
 - 1f1b_checkpointed: Schedule1F1B with torch.utils.checkpoint around every block.
+- petra_budget_1f1b, petra_unlimited: PETRA with kept blocks (model.memory_budget,
+  memory_plan.py) at a budget per rank of 1F1B's peak activation bytes there (less PETRA's own),
+  and without a limit.
 
 Every contender updates its weights once per K x micro-batch images (K = --accumulation, 4 by
 default: the paper's CIFAR-10 recipe, micro-batch 64 and k = 4): PETRA and backprop accumulate K
@@ -90,13 +93,14 @@ class ActivationMeter:
     pipelining's stage inputs/outputs of in-flight micro-batches), while alive, each byte once
     (the union of the views' byte ranges per storage: aliases and views count once, a slice
     of a bigger tensor counts its slice). Storages of the module's parameters and buffers are
-    not activations and are skipped."""
+    not activations and are skipped. `extra()`: bytes counted otherwise (a Stage's kept graphs,
+    whose saved tensors its own hooks record)."""
 
-    def __init__(self, module, explicit=lambda: ()):
+    def __init__(self, module, explicit=lambda: (), extra=lambda: 0):
         self.skip = {t.untyped_storage().data_ptr()
                      for t in chain(module.parameters(), module.buffers())}
         self.live = {}  # span -> references
-        self.explicit, self.peak = explicit, 0
+        self.explicit, self.extra, self.peak = explicit, extra, 0
 
     def add(self, t):
         span = _span(t)
@@ -120,7 +124,7 @@ class ActivationMeter:
         per_storage = {}
         for ptr, a, b in spans:
             per_storage.setdefault(ptr, []).append((a, b))
-        return sum(_union_bytes(v) for v in per_storage.values())
+        return sum(_union_bytes(v) for v in per_storage.values()) + self.extra()
 
     def sample(self):
         self.peak = max(self.peak, self.current())
@@ -347,6 +351,9 @@ class PeersBench:
                                   momentum=MOMENTUM, hooks=[self.sampler])
         self.engines = {m: MPIEngine(worker, m, world, torch.float32, (3, 32, 32), a.batch)
                         for m in ("petra", "backprop")}
+        # our contenders: name -> (engine, this stage's kept plan: None, PETRA as in the paper)
+        self.variants = {m: (m, None) for m in self.engines}
+        self.plans = {}  # kept variant -> (memory_plan.Plan, kept budget per rank or None)
         self.pts, self.skipped = pipelining_contenders(a, world, self.pt_sizes)
         g = torch.Generator().manual_seed(0)
         self.data = [(torch.randn(a.batch, 3, 32, 32, generator=g),
@@ -357,14 +364,40 @@ class PeersBench:
         self.pt_steps = max(1, round(a.microbatches / self.M))
 
     def names(self):
-        return [*self.engines, *self.pts]
+        return [*self.variants, *self.pts]
 
-    def petra_run(self, method, n):
-        """Images trained by one segment of n micro-batches of our engine."""
+    def petra_run(self, name, n):
+        """Images trained by one segment of n micro-batches of our engine, with the variant's
+        kept plan (the stage holds nothing between segments, so the plan may change)."""
+        method, kept = self.variants[name]
+        self.stage.set_kept(kept)
         batches = ((self.data[i % len(self.data)] for i in range(n)) if self.world.rank == 0
                    else None)
         self.engines[method].train_segment(batches, n)
         return n * self.a.batch
+
+    def add_kept_variants(self, peaks):
+        """PETRA with kept blocks (memory_plan.plan_stages, as training plans them): at a budget
+        per rank of 1F1B's peak activation bytes less PETRA's own there (`peaks`: per contender
+        and rank, on rank 0), so that PETRA holds at most what 1F1B holds, and without a limit.
+        The plans are made on rank 0 on a fresh copy of the net and sent to every rank."""
+        from ..memory_plan import AUTO, plan_stages
+        a, world = self.a, self.world
+        plans = None
+        if world.rank == 0:
+            budgets = {"petra_unlimited": None}
+            if "1f1b" in peaks:
+                budgets["petra_budget_1f1b"] = [max(0, f - p) for f, p in
+                                                zip(peaks["1f1b"], peaks["petra"])]
+            probes = build_stages("revnet18", a.width, 10, world.size, seed=0,
+                                  partition=self.sizes)
+            plans = {name: (plan_stages(probes, lambda n: torch.zeros(n, 3, 32, 32), a.batch,
+                                        AUTO if budget is None else budget), budget)
+                     for name, budget in sorted(budgets.items())}
+        self.plans = world.comm.bcast(plans, root=0)
+        for name, (plan, _) in self.plans.items():
+            self.variants[name] = ("petra", plan.kept[world.rank])
+        return list(self.plans)
 
     def pt_run(self, name, steps):
         """Images trained by `steps` steps of a pipelining schedule."""
@@ -376,7 +409,7 @@ class PeersBench:
         """images/s of one timed segment of a contender, between barriers."""
         self.world.comm.Barrier()
         start = time.perf_counter()
-        if name in self.engines:
+        if name in self.variants:
             images = self.petra_run(name, self.a.microbatches)
         else:
             images = self.pt_run(name, self.pt_steps)
@@ -397,24 +430,29 @@ class PeersBench:
                 speeds[name].append(self.timed_run(name))
         return {name: statistics.median(v) for name, v in speeds.items()}
 
-    def peak_bytes(self) -> dict:
-        """Peak activation bytes of each contender from one untimed pass with the hooks on;
-        per rank, gathered on rank 0."""
-        comm, stage, peaks = self.world.comm, self.stage, {}
-        for m in self.engines:
-            meter = ActivationMeter(stage, lambda: (t for f in stage.fifos for t in f))
+    def peak_bytes(self, names) -> tuple:
+        """(peak activation bytes, peak bytes of kept graphs) of each of `names` from one
+        untimed pass with the hooks on; per rank, gathered on rank 0. Ours count their FIFOs,
+        what autograd saves and their kept graphs (Stage.kept_bytes: activations, stashed
+        weights, inputs), together at every sample."""
+        comm, stage, peaks, kept = self.world.comm, self.stage, {}, {}
+        for m in [n for n in names if n in self.variants]:
+            meter = ActivationMeter(stage, lambda: (t for f in stage.fifos for t in f),
+                                    extra=lambda: stage.kept_bytes)
             self.sampler.meter = meter
+            stage.peak_kept_bytes = 0
             try:
                 with meter.hooks():
                     comm.Barrier()
                     self.petra_run(m, self.a.microbatches)
             finally:
                 self.sampler.meter = None
-            peaks[m] = meter.peak
-        for n, c in self.pts.items():
+            peaks[m], kept[m] = meter.peak, stage.peak_kept_bytes
+        for n in [n for n in names if n in self.pts]:
             comm.Barrier()
-            peaks[n] = c.measure(self.full_x, self.full_y)
-        return {name: comm.gather(peaks[name], root=0) for name in self.names()}
+            peaks[n] = self.pts[n].measure(self.full_x, self.full_y)
+        return ({name: comm.gather(peaks[name], root=0) for name in names},
+                {name: comm.gather(kept[name], root=0) for name in kept})
 
 
 def run(a):
@@ -426,8 +464,13 @@ def run(a):
     a.pt_microbatches = a.pt_microbatches or max(a.accumulation, world.size)
     dist = init_gloo(world)
     bench = PeersBench(a, world)
+    # the contenders' memory first: PETRA's kept budget comes from 1F1B's
+    peak_bytes, kept_bytes = bench.peak_bytes(bench.names())
+    kept_names = bench.add_kept_variants(peak_bytes)
     images_per_s = bench.images_per_s()
-    peak_bytes = bench.peak_bytes()
+    more_peaks, more_kept = bench.peak_bytes(kept_names)
+    peak_bytes.update(more_peaks)
+    kept_bytes.update(more_kept)
     dist.destroy_process_group()
     if world.rank != 0:
         return None
@@ -435,10 +478,19 @@ def run(a):
               "batch": a.batch, "width": a.width, "microbatches": a.microbatches,
               "accumulation": a.accumulation, "pt_microbatches": a.pt_microbatches,
               "partition": bench.sizes, "pt_partition": bench.pt_sizes,
-              "images_per_s": images_per_s, "peak_activation_bytes": peak_bytes}
+              "images_per_s": images_per_s,
+              "peak_activation_bytes": {name: peak_bytes[name] for name in images_per_s},
+              "peak_kept_bytes": kept_bytes,
+              "kept": {name: {"budget_bytes": budget, "plan": plan.kept,
+                              "planned_kept_bytes": plan.kept_bytes,
+                              "planned_relative_time": plan.relative_time}
+                       for name, (plan, budget) in bench.plans.items()}}
     for other in ("1f1b", "1f1b_checkpointed"):
         if other in images_per_s:
             record[f"petra_vs_{other}"] = images_per_s["petra"] / images_per_s[other]
+            if "petra_budget_1f1b" in images_per_s:
+                record[f"petra_budget_1f1b_vs_{other}"] = (images_per_s["petra_budget_1f1b"] /
+                                                          images_per_s[other])
     if bench.skipped:
         record["skipped"] = bench.skipped
     return record
@@ -461,7 +513,14 @@ def report(a, r):
         print(f"{name:<18} {speed:>9.1f}  {per_rank}")
     for name, why in r.get("skipped", {}).items():
         print(f"{name:<18} did not run: {why}")
+    for name, k in r["kept"].items():
+        budget = ("no limit" if k["budget_bytes"] is None else "budget " + " ".join(
+            f"{b / mib:.2f}" for b in k["budget_bytes"]) + " MiB per rank")
+        print(f"{name}: kept graphs ({budget}) per stage {k['plan']}, peak kept MiB per rank "
+              f"{' '.join(f'{b / mib:.2f}' for b in r['peak_kept_bytes'][name])}; planned "
+              f"time {k['planned_relative_time']:.3f} of PETRA's")
     for other in ("1f1b", "1f1b_checkpointed"):
-        if f"petra_vs_{other}" in r:
-            print(f"PETRA / {other}: {r[f'petra_vs_{other}']:.2f} images/s")
+        for ours in ("petra", "petra_budget_1f1b"):
+            if f"{ours}_vs_{other}" in r:
+                print(f"{ours} / {other}: {r[f'{ours}_vs_{other}']:.2f} images/s")
     emit(r)

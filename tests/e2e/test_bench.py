@@ -130,7 +130,8 @@ def test_bench_peers_runs_every_contender():
     assert record["accumulation"] == 2 and record["pt_microbatches"] == 2
     for split in (record["partition"], record["pt_partition"]):  # each net's own balance
         assert len(split) == 2 and sum(split) == 10 and min(split) >= 1
-    names = {"petra", "backprop", "gpipe", "1f1b", "1f1b_checkpointed"}
+    names = {"petra", "backprop", "petra_budget_1f1b", "petra_unlimited", "gpipe", "1f1b",
+             "1f1b_checkpointed"}
     ran = set(record["images_per_s"])
     assert names <= ran
     assert ran - names <= {"zero_bubble"}
@@ -142,25 +143,54 @@ def test_bench_peers_runs_every_contender():
         peaks = record["peak_activation_bytes"][name]
         assert len(peaks) == 2 and min(peaks) > 0, (name, peaks)
     assert record["petra_vs_1f1b"] > 0 and record["petra_vs_1f1b_checkpointed"] > 0
+    # PETRA with kept blocks: at a budget of 1F1B's peak less its own, its kept graphs
+    # (activations, stashed weights, inputs) stay within the budget, so it holds at most what
+    # 1F1B holds where it keeps anything; only stage 0 has micro-batches in flight at J = 2
+    peaks, kept = record["peak_activation_bytes"], record["peak_kept_bytes"]
+    budget = record["kept"]["petra_budget_1f1b"]["budget_bytes"]
+    assert budget == [max(0, f - p) for f, p in zip(peaks["1f1b"], peaks["petra"])]
+    assert kept["petra_budget_1f1b"] == record["kept"]["petra_budget_1f1b"]["planned_kept_bytes"]
+    assert kept["petra_budget_1f1b"][0] > 0 and kept["petra_budget_1f1b"][1] == 0
+    for r in range(2):
+        assert kept["petra_budget_1f1b"][r] <= budget[r]
+        assert peaks["petra_budget_1f1b"][r] <= max(peaks["1f1b"][r], peaks["petra"][r])
+        assert peaks["petra_budget_1f1b"][r] <= peaks["petra"][r] + kept["petra_budget_1f1b"][r]
+    assert peaks["petra_budget_1f1b"][0] <= peaks["1f1b"][0]
+    # without a limit it keeps at least as much, and the planner's time is at most PETRA's
+    unlimited = record["kept"]["petra_unlimited"]
+    assert unlimited["budget_bytes"] is None and unlimited["planned_relative_time"] <= 1
+    assert kept["petra_unlimited"] == unlimited["planned_kept_bytes"]
+    assert kept["petra_unlimited"][0] >= kept["petra_budget_1f1b"][0]
+    assert kept["petra"] == kept["backprop"] == [0, 0]
 
 
 def test_bench_emulate_under_mpirun_4(tmp_path):
     """The emulated pipeline runs PETRA, backprop and pipelining's schedules on the real engines
-    and reports every run with the model beside it (the figures are not checked: no timing)."""
+    and reports every run with the model beside it (the figures are not checked: no timing);
+    PETRA also runs with kept blocks at each contender's memory and without a limit."""
     profile = tmp_path / "costs.json"
     n = 10  # revnet18's blocks
-    profile.write_text(json.dumps({"arch": "revnet18", "forward": [1e-3] * n,
-                                   "rebuild": [1e-3] * n, "backward": [2e-3] * n}))
+    # block 1 (reversible) does the most work: its stage, a middle one, is the slowest, so a
+    # kept plan has something to win back
+    forward = [1e-3] * n
+    forward[1] = 6e-3
+    profile.write_text(json.dumps({"arch": "revnet18", "forward": forward,
+                                   "rebuild": forward[:-1] + [0.0],
+                                   "backward": [2 * f for f in forward]}))
     proc = mpirun(4, ["-m", "petra_mpi.bench", "emulate", "--costs", profile, "--width", "4",
                       "--batch", "4", "--microbatches", "4,2J", "--segment", "10",
                       "--backprop-segment", "2", "--rounds", "1",
-                      "--png", tmp_path / "emulate.png"], timeout=600)
+                      "--png", tmp_path / "emulate.png", "--pareto", tmp_path / "pareto.png"],
+                  timeout=600)
     out = last_json(proc)
     assert out["bench"] == "emulate" and out["ranks"] == 4 and out["microbatches"] == [4, 8]
     assert out["costs"].startswith("file") and sum(out["split"]) == n
+    contenders = [f"{method} m={m}" for method in ("gpipe", "1f1b", "zero_bubble",
+                                                   "1f1b_checkpointed") for m in (4, 8)]
     names = {row["name"] for row in out["rows"]} | set(out.get("skipped", {}))
-    assert names == {"petra m=4", "petra m=8", "backprop", "gpipe m=4", "gpipe m=8",
-                     "1f1b m=4", "1f1b m=8", "zero_bubble m=4", "zero_bubble m=8"}
+    ran = [c for c in contenders if c not in out.get("skipped", {})]
+    assert names == {"petra m=4", "petra m=8", "backprop", *contenders, "petra unlimited",
+                     *(f"petra @{c}" for c in ran)}
     for row in out["rows"]:
         assert row["images_per_s"] > 0 and row["predicted_images_per_s"] > 0
         assert len(row["busy_fraction"]) == 4 and all(0 <= b <= 1 for b in row["busy_fraction"])
@@ -180,3 +210,24 @@ def test_bench_emulate_under_mpirun_4(tmp_path):
     ours = out["framework"]["ours"]
     assert ours["per_message_s"] == 0 and ours["per_step_s"] == 0 and ours["per_op_s"] >= 0
     check_png(tmp_path / "emulate.png")
+    # kept blocks: each budget run holds PETRA's FIFOs and the kept graphs its plan predicts,
+    # within the contender's peak on every rank
+    rows = {row["name"]: row for row in out["rows"]}
+    plain = rows["petra m=4"]
+    for c in ran:
+        row = rows[f"petra @{c}"]
+        assert row["budget_of"] == c and row["budget_bytes"] == rows[c]["peak_held_bytes"]
+        assert row["peak_held_bytes"] == [p + k for p, k in zip(plain["peak_held_bytes"],
+                                                                row["planned_kept_bytes"])]
+        assert all(p <= b for p, b in zip(row["peak_held_bytes"], row["budget_bytes"]))
+        assert row["planned_relative_time"] <= 1
+    assert any(any(any(k) for k in rows[f"petra @{c}"]["kept"]) for c in ran)
+    # without a limit the slowest stage keeps, and in the model PETRA is then faster
+    unlimited = rows["petra unlimited"]
+    assert unlimited["budget_bytes"] is None and unlimited["m"] == 4
+    assert unlimited["planned_relative_time"] < 1
+    assert unlimited["bound_images_per_s"] > plain["bound_images_per_s"]
+    assert unlimited["predicted_images_per_s"] >= plain["predicted_images_per_s"]
+    # the Pareto front: runs that no other run beats on both memory and images/s
+    assert out["pareto"] and set(out["pareto"]) <= set(rows)
+    check_png(tmp_path / "pareto.png")

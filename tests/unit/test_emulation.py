@@ -214,3 +214,111 @@ def test_a_runs_figures_are_its_last_json_line_whatever_follows(tmp_path):
     log.write_text("petra_mpi: 2 ranks\nno figures\n")
     with pytest.raises(ValueError, match="no line of JSON figures"):
         last_json_line(log)
+
+
+class _RecordingClock(Clock):
+    """Records every wait instead of waiting."""
+
+    def __init__(self):
+        super().__init__()
+        self.waits = []
+
+    def wait(self, seconds):
+        self.waits.append(seconds)
+
+
+def test_a_waiting_stage_follows_its_kept_plan():
+    """A kept micro-batch skips its block's rebuild in the backward and holds the block's kept
+    bytes from its forward to its backward; which micro-batches keep is Stage's rule (b mod d_s
+    below the plan's count)."""
+    shapes = probe_shapes("revnet18", 4)
+    clock = _RecordingClock()
+    # stage 1 of 3 (d_1 = 2) with blocks 1 and 2, both reversible
+    stage = WaitingStage(1, 3, shapes, 1, [(1.0, 3.0, 0.0), (2.0, 6.0, 0.0)], 4, clock=clock,
+                         rebuild=[1.0, 2.0])
+    assert stage.window == 2 and stage.held_per_microbatch == 0
+    stage.set_kept([1, 2], [100, 1000])
+    x = torch.zeros(4, *shapes.inputs[1])
+    for b in range(2):  # both in flight: block 1 keeps micro-batch 0, block 2 both
+        stage(x, b)
+    assert stage.held == stage.peak_held_bytes == 100 + 2 * 1000
+    assert clock.waits == [1.0, 2.0, 1.0, 2.0]  # a kept forward costs a forward
+    clock.waits.clear()
+    y = torch.zeros(4, *shapes.outputs[2])
+    stage.backward(y, y, 0)
+    assert clock.waits == [3.0 - 1.0, 6.0 - 2.0] and stage.held == 1000
+    stage.backward(y, y, 1)
+    assert clock.waits[2:] == [3.0, 6.0 - 2.0] and stage.held == 0
+    stage.reset_peak()
+    assert stage.peak_held_bytes == 0
+    with pytest.raises(ValueError, match="keeps 0 to 2"):
+        stage.set_kept([3, 0], [100, 1000])
+
+
+def test_waiting_stages_with_a_kept_plan_hold_what_the_real_stages_hold():
+    """With every keepable block keeping all its in-flight micro-batches, a waiting stage given
+    the probed kept bytes holds at its peak what the real stage holds: FIFOs and kept graphs."""
+    J, batch, width, split = 3, 4, 4, [3, 4, 3]
+    real = build_stages("revnet18", width, 10, J, partition=split)
+    shapes = probe_shapes("revnet18", width)
+    sizes = emulation.kept_sizes("revnet18", width, batch, split)
+    x = torch.randn(batch, 3, 32, 32)
+    first = 0
+    for s, stage in enumerate(real[:-1]):
+        kept = [stage.window if z is not None else 0 for z in sizes[s]]
+        assert any(kept), "the split must give the test something to keep"
+        stage.set_kept(kept)
+        fake = WaitingStage(s, J, shapes, first, [(0.0, 0.0, 0.0)] * split[s], batch,
+                            clock=Clock(scale=0.0))
+        fake.set_kept(kept, sizes[s])
+        first += split[s]
+        with torch.no_grad():
+            outputs = [stage(x, b) for b in range(stage.window)]
+        for b in range(stage.window):
+            fake(x, b)
+        assert fake.peak_held_bytes == stage.peak_fifo_bytes + stage.peak_kept_bytes > 0
+        assert stage.peak_fifo_bytes == emulation.fifo_bytes(shapes, split, batch)[s]
+        x = outputs[-1]
+
+
+def test_the_kept_plan_of_the_paper_profile():
+    """RevNet-18 with the paper's Table 5 costs at J = 10: one stage does a third of the work,
+    so without a limit the plan keeps that stage's block for all its d_1 = 16 micro-batches and
+    nothing elsewhere (the others are faster anyway), and PETRA's bound rises by 4/3, a rebuild
+    of 4 forwards' worth; at budget 0 nothing is kept."""
+    from petra_mpi.bench.emulate import _bound, kept_stage_costs
+    profile, J = paper_profile("revnet18"), 10
+    split = [1] * J
+    sizes = emulation.kept_sizes("revnet18", 8, 16, split)
+    stages = perfmodel.stage_costs(profile.petra_costs([0] * J, 0), split)
+    unlimited = emulation.kept_plan(profile, split, sizes, [None] * J)
+    assert unlimited.kept == [[0], [16]] + [[0]] * (J - 2)
+    assert unlimited.relative_time == pytest.approx(0.75)
+    kept = kept_stage_costs(stages, unlimited.kept, profile.rebuild, split)
+    assert _bound(kept) / _bound(stages) == pytest.approx(4 / 3)
+    none = emulation.kept_plan(profile, split, sizes, [0] * J)
+    assert none.kept == [[0]] * J and none.relative_time == 1.0
+    # a budget for 9 of block 1's micro-batches keeps 9: 4 - 9/16 forwards' worth on stage 1
+    nine = emulation.kept_plan(profile, split, sizes, [9 * sizes[1][0]] * J)
+    assert nine.kept[1] == [9] and nine.kept_bytes[1] == 9 * sizes[1][0]
+    assert nine.relative_time == pytest.approx((4 - 9 / 16) / 4)
+
+
+def test_a_checkpointed_plain_stage_holds_block_inputs_and_recomputes():
+    shapes = probe_shapes("revnet18", 4)
+    plain = emulation.WaitingPlainStage(shapes, [1, 2], 1.0, 2.0, 0.5, 4)
+    ckpt = emulation.WaitingPlainStage(shapes, [1, 2], 1.0, 2.0, 0.5, 4, checkpointed=True)
+    assert plain.input_grad_s == ckpt.input_grad_s == 1.5
+    assert plain.weight_grad_s == 0.5 and ckpt.weight_grad_s == 0.5 + 1.0  # + the recomputation
+    inputs = sum(4 * 4 * torch.Size(shapes.inputs[b]).numel() for b in (1, 2))
+    assert ckpt.held_per_microbatch == inputs < plain.held_per_microbatch
+    ckpt.peak_in_flight = 3
+    assert ckpt.peak_held_bytes == 3 * inputs + 4 * max(shapes.saved[1], shapes.saved[2])
+
+
+def test_the_pareto_front_keeps_the_runs_nothing_beats():
+    from petra_mpi.bench.emulate import pareto_front
+    points = [("a", 10, 100.0), ("b", 20, 150.0), ("c", 20, 120.0), ("d", 30, 150.0),
+              ("e", 5, 50.0), ("f", 40, 160.0), ("g", 10, 100.0)]
+    # c: b holds as much and is faster; d: b is as fast and holds less; a and g tie
+    assert pareto_front(points) == ["a", "b", "e", "f", "g"]
