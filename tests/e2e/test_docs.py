@@ -94,6 +94,9 @@ KINDS = {
     'mpirun -n 2 python -m petra_mpi.bench pipeline --rounds 2': ("bench", None),
     'mpirun -n J python -m petra_mpi.bench emulate [--arch revnet34] --framework J2.txt':
         ("usage", None),
+    'mpirun -n 10 python -m petra_mpi.bench emulate --pareto runs/bench/pareto.png':
+        ("site", None),  # 10 ranks: as the plain run above
+    'python -m petra_mpi.bench emulate --plot RUN.txt --pareto pareto.png': ("usage", None),
     'mpirun -n N python -m petra_mpi.bench replicas [--stages J] [--accumulation k]':
         ("usage", None),
     'bash scripts/gpu_validate.sh cpu': ("site", None),  # layouts that want more than 2 cores
