@@ -633,9 +633,9 @@ def print_memory_table(r):
         row, extra = rows[name], ""
         if "kept" in row:
             budget = row["budget_bytes"]
-            extra = (f"  budget {'unlimited' if budget is None else f'{max(budget) / 2**20:.1f}'}"
-                     f"  kept {row['kept']}  planned time {row['planned_relative_time']:.3f} "
-                     f"of PETRA's")
+            limit = "unlimited" if budget is None else f"{max(budget) / 2**20:.1f} MiB (largest)"
+            extra = (f"  budget {limit}  kept {row['kept']}  planned time "
+                     f"{row['planned_relative_time']:.3f} of PETRA's")
         print(f"{'*' if name in front else ' '} {name:<28} {mem / 2**20:>8.1f} MiB "
               f"{speed:>8.1f} images/s{extra}")
 
@@ -652,11 +652,16 @@ def plot_pareto(record, png):
     colours = {"petra": "C3", "backprop": "C7", "gpipe": "C0", "1f1b": "C1", "zero_bubble": "C2",
                "1f1b_checkpointed": "C4"}
     fig, ax = plt.subplots(figsize=(8, 5))
+    labels = {}  # runs of one method that hold the same bytes (PETRA under budgets that give
+    #              one plan): one label
     for name, mem, speed in points:
         ax.scatter(mem / 2**20, speed, color=colours.get(method[name], "k"),
                    marker="*" if name in front else "o", s=90 if name in front else 30)
-        ax.annotate(name, (mem / 2**20, speed), fontsize=6, xytext=(3, 3),
-                    textcoords="offset points")
+        labels.setdefault((mem, method[name]), []).append((speed, name))
+    for (mem, _), runs in labels.items():
+        runs.sort(reverse=True)
+        ax.annotate("\n".join(name for _, name in runs), (mem / 2**20, runs[0][0]), fontsize=6,
+                    xytext=(3, 3), textcoords="offset points", va="top")
     on_front = sorted((mem / 2**20, speed) for name, mem, speed in points if name in front)
     if on_front:
         ax.step(*zip(*on_front), where="post", color="k", linewidth=0.8, label="Pareto front")
