@@ -289,17 +289,29 @@ def parse_args(argv):
     p.add_argument("--rounds", type=int, default=3, help="alternated rounds of each contender")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: share)")
     p.add_argument("--no-zero-bubble", action="store_true", help="skip the zero-bubble schedule")
+    p.add_argument("--partition", type=_split_arg, metavar="A,B,...",
+                   help="blocks per stage of RevNet18 (default: split by measured costs)")
+    p.add_argument("--pt-partition", type=_split_arg, metavar="A,B,...",
+                   help="blocks per stage of ResNet18 (default: split by measured costs)")
     a = p.parse_args(argv)
     if a.accumulation < 1:
         p.error("--accumulation must be at least 1")
     return a
 
 
+def _split_arg(text):
+    return [int(n) for n in text.split(",")]
+
+
 def measured_splits(a, world):
     """(RevNet18 split, ResNet18 split): each net split by its own measured block costs, as a
     user would balance it (training's default for RevNet18; for ResNet18 the autograd costs
-    that pipelining runs); None for either when J >= 10 (one block per stage)."""
+    that pipelining runs); None for either when J >= 10 (one block per stage). --partition and
+    --pt-partition, when both are given, replace the measurement (the memory a contender holds
+    depends on its split)."""
     J = world.size
+    if a.partition and a.pt_partition:
+        return a.partition, a.pt_partition
     measured = None
     if world.rank == 0 and J < 10:
         from ..blockcost import measure_autograd_costs, measured_partition
@@ -343,9 +355,10 @@ class PeersBench:
         self.M = a.pt_microbatches
         petra_split, pt_split = measured_splits(a, world)
         (self.stage,) = build_stages("revnet18", a.width, 10, J, seed=0, only=world.rank,
-                                     partition=petra_split)
+                                     partition=a.partition or petra_split)
         self.sizes = self.stage.partition
-        self.pt_sizes = pt_split or resolve_partition(build_blocks("resnet18", a.width, 10), J)
+        self.pt_sizes = (a.pt_partition or pt_split
+                         or resolve_partition(build_blocks("resnet18", a.width, 10), J))
         self.sampler = SampleAfterForward()
         (worker,) = build_workers([self.stage], LRSchedule(LR, 10**6), a.accumulation,
                                   momentum=MOMENTUM, hooks=[self.sampler])
