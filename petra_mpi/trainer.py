@@ -18,21 +18,18 @@ import time
 
 import torch
 
-from .checkpoint import (LAYOUT_FREE, MANIFEST, block_files, checkpoint_dir, find_resume,
-                         invalidate, load_blocks, prune, read_manifest,
-                         resume_readable, save_blocks, write_manifest)
+from .checkpoint import MANIFEST, find_resume, load_blocks, read_manifest, resume_readable
 from .archs import LM_ARCHS
 from .compress import Compression
-from .config import model_kwargs, num_replicas, num_stages
-from .engine.build import build_stages, build_workers
+from .config import num_replicas, num_stages
 from .engine.evaluation import correct
 from .mpi.world import _affinity, busy_cpus, cpu_share, oversubscribed
 from .metrics import MetricsWriter, Progress, fmt_time, stage_memory, write_json_atomic
 from .models import num_blocks
-from .optim import LRSchedule, peak_lr
 from .stopping import EVAL_CHECK_BATCHES, EXIT_REQUEUE, STOP, Interrupts, agree
-from .watchdog import (CHECKPOINT_GRACE_S, EVALUATION_GRACE_S, NoWatchdog, end_startup,
-                       startup_step)
+from .run_checkpoints import RunCheckpoints, describe_run
+from .run_engine import build_run_engine
+from .watchdog import EVALUATION_GRACE_S, end_startup, startup_step
 from . import trace
 
 
@@ -49,15 +46,6 @@ def pick_device(cfg, local_rank: int = 0) -> torch.device:
         raise TrainingError("run.device is cuda but CUDA is not available")
     from .devices import bound_cuda_device
     return bound_cuda_device(local_rank)
-
-
-def lr_schedule(cfg, steps_per_epoch: int, replicas: int = 1) -> LRSchedule:
-    # the paper's rule on the effective batch: R replicas each accumulate k micro-batches a step
-    peak = peak_lr(cfg.optim.lr, cfg.data.batch_size * replicas, cfg.train.accumulation,
-                   cfg.optim.scale_lr)
-    return LRSchedule(peak, steps_per_epoch, cfg.optim.warmup_epochs, tuple(cfg.optim.milestones),
-                      cfg.optim.gamma, kind=cfg.optim.schedule,
-                      total_steps=steps_per_epoch * cfg.train.epochs)
 
 
 def cpu_threads(cfg, world, busy: float = 0.0) -> int:
@@ -383,6 +371,68 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
         trainer.close()
 
 
+def locate_resume(cfg, world, rank):
+    """The checkpoint to resume from (run.resume; rank 0 looks, every rank learns), or None."""
+    resume = find_resume(cfg.run.out_dir, cfg.run.resume) if rank == 0 else None
+    return world.comm.bcast(resume, root=0) if world else resume
+
+
+def load_resume(cfg, world, resume, identity, layout, workers, device):
+    """Load the newest checkpoint every rank can read from `resume` on (a crash may have damaged
+    the newest) into the workers: (its path, the trainer's state, the layout changes)."""
+    startup_step(f"loading the checkpoint {resume}")
+    resume, (state, changes) = resume_readable(
+        resume, lambda path: resume_from(path, identity, layout, workers, device),
+        fallback=cfg.run.resume == "auto", comm=world.comm if world else None)
+    return resume, state, changes
+
+
+def open_loaders(cfg, world, placement):
+    """(training loaders, validation loader, (training batches, validation batches, input
+    shape)): the loaders on stage 0 (in one process one training loader per replica, each its
+    shard), none elsewhere; the lengths the same on every rank."""
+    train_loaders, val_loader, lengths = [], None, None
+    if placement.stage == 0:
+        shards = ([(placement.replica, placement.R)] if world else
+                  [(r, placement.R) for r in range(placement.R)])
+        for shard in shards:
+            train_loader, val, input_shape = open_data(
+                cfg, placement.device, shard, decode_threads(cfg, placement.threads, len(shards)))
+            train_loaders.append(train_loader)
+            if val_loader is None:
+                val_loader = val
+            else:
+                val.close()
+        lengths = (len(train_loaders[0]), len(val_loader), input_shape)
+    if world:
+        lengths = world.share_lengths(lengths)
+    return train_loaders, val_loader, lengths
+
+
+def announce(cfg, world, placement, writer, state, resume, changes, already_finished,
+             microbatches_per_epoch):
+    """The start (or resume) record and lines: what runs, from where, and what changed."""
+    if already_finished:
+        print(f"petra_mpi: {cfg.run.out_dir} holds a run of {state['epoch']} epoch(s) "
+              f"that is already finished, nothing to do (use another run.out_dir, e.g. "
+              f"--set run.out_dir={cfg.run.out_dir}_2, or more train.epochs to go on)",
+              file=sys.stderr, flush=True)
+        return
+    writer.write("resume" if resume else "start", stages=placement.J, replicas=placement.R,
+                 writer_rank=placement.rank, threads=placement.threads,
+                 method=cfg.train.method, arch=cfg.model.arch, config=cfg.to_dict(),
+                 microbatches_per_epoch=microbatches_per_epoch,
+                 placement=world.placement if world else None,
+                 **({"from": resume, "epoch": state["epoch"], "position": state["position"],
+                     "layout_changes": changes} if resume else {}))
+    if resume:
+        print(f"resumed from {resume} (epoch {state['epoch'] + 1}, micro-batch "
+              f"{state['position']})", file=sys.stderr, flush=True)
+    if changes:
+        print("petra_mpi: resumed on another layout, which changes the learning dynamics: "
+              + "; ".join(changes), file=sys.stderr, flush=True)
+
+
 class Trainer:
     """One process's part of a run. Every rank builds one and calls the same methods in the same
     order: the stop votes, checkpoints and evaluations inside them are collective."""
@@ -392,177 +442,47 @@ class Trainer:
         # every replica's stage 0 reads; one rank writes every output (World.writer_rank)
         self.reads_data = placement.stage == 0
         self.writes = world.is_writer if world else True
-        self.train_loaders, self.val_loader = [], None
         startup_step(f"opening the data ({cfg.data.path})" if self.reads_data else
                      "waiting for stage 0 to open the data")
-        lengths = self._open_data()
+        self.train_loaders, self.val_loader, lengths = open_loaders(cfg, world, placement)
         self.microbatches_per_epoch, self.eval_batches = segment_lengths(cfg, *lengths[:2])
         self.input_shape = lengths[2]
-        resume = find_resume(cfg.run.out_dir, cfg.run.resume) if placement.rank == 0 else None
-        if world:
-            resume = world.comm.bcast(resume, root=0)
+        resume = locate_resume(cfg, world, placement.rank)
         partition = choose_partition(cfg, placement.J, world, placement.device, placement.dtype,
                                      self.input_shape, resume)
         self.epoch = 0  # the epoch being trained: diagnostics records carry it
         startup_step("building the stages")
-        self._build_engine(partition)
+        run = build_run_engine(cfg, world, placement, partition, self.input_shape,
+                               self.microbatches_per_epoch, diagnostics=self._write_diagnostics)
+        self.engine, self.watchdog, self.tracers = run.engine, run.watchdog, run.tracers
+        self.pipeline_workers = run.pipeline_workers  # what checkpoints and reports hold
         self.writer = MetricsWriter(cfg.run.out_dir, cfg.run.tensorboard) if self.writes else None
-        self._describe_checkpoints()
+        self.identity, self.layout, manifest_head = describe_run(
+            cfg, placement, run.stages[0].partition, self.microbatches_per_epoch,
+            run.steps_per_epoch, run.schedule.peak, self.input_shape[-1])
+        self.checkpoints = RunCheckpoints(cfg, world, placement, self.pipeline_workers,
+                                          manifest_head, self.writer, run.tracer, self.watchdog)
         self.load_state_dict({"epoch": 0, "position": 0, "best_val_acc": None, "history": [],
                               "wall_time_s": 0.0})
         changes = []
         if resume:
-            startup_step(f"loading the checkpoint {resume}")
-            # the newest checkpoint every rank can read (a crash may have damaged the newest)
-            resume, (state, changes) = resume_readable(
-                resume, lambda path: resume_from(path, self.identity, self.layout, self.workers,
-                                                 placement.device),
-                fallback=cfg.run.resume == "auto", comm=world.comm if world else None)
+            resume, state, changes = load_resume(cfg, world, resume, self.identity, self.layout,
+                                                 run.workers, placement.device)
             self.load_state_dict(state)
         # A finished run's directory: the same command again has nothing left to train.
         self.already_finished = bool(resume) and self.state["epoch"] >= cfg.train.epochs
         if self.writer:
-            self._announce(resume, changes)
+            announce(cfg, world, placement, self.writer, self.state, resume, changes,
+                     self.already_finished, self.microbatches_per_epoch)
         self.interrupts = Interrupts(stop, cfg.run.checkpoint_every_minutes,
                                      keeps_clock=placement.rank == 0)
         self.stopping = False  # every rank agreed to stop (a signal or a due wall-time stop)
         self.start = time.perf_counter()
         startup_step("training the first micro-batch")
 
-    def _open_data(self):
-        """Open this process's loaders (stage 0 only) and return (training batches, validation
-        batches, input shape), the same on every rank."""
-        cfg, placement, lengths = self.cfg, self.placement, None
-        if self.reads_data:
-            shards = ([(placement.replica, placement.R)] if self.world else
-                      [(r, placement.R) for r in range(placement.R)])
-            for shard in shards:
-                train_loader, val, input_shape = open_data(
-                    cfg, placement.device, shard,
-                    decode_threads(cfg, placement.threads, len(shards)))
-                self.train_loaders.append(train_loader)
-                if self.val_loader is None:
-                    self.val_loader = val
-                else:
-                    val.close()
-            lengths = (len(self.train_loaders[0]), len(self.val_loader), input_shape)
-        if self.world:
-            lengths = self.world.share_lengths(lengths)
-        return lengths
-
-    def _build_engine(self, partition):
-        """The stages, their workers and the engine that runs them, with the tracers and the
-        diagnostics wired on."""
-        cfg, world, placement = self.cfg, self.world, self.placement
-        J, R = placement.J, placement.R
-        compression = Compression.from_config(cfg.comm, cfg.run.seed)
-        stages = []
-        for r in range(1 if world else R):  # in one process: R identical replicas, in rank order
-            stages += build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, J,
-                                   seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
-                                   partition=partition, buffer_inputs=cfg.train.buffer_inputs,
-                                   stash_weights=cfg.train.stash_weights, device=placement.device,
-                                   dtype=placement.dtype,
-                                   image_size=self.input_shape[-1],  # the loader's image side
-                                   only=placement.stage if world else None,
-                                   model_kw=model_kwargs(cfg), precision=cfg.run.precision,
-                                   compression=compression,
-                                   replica=placement.replica if world else r,
-                                   memory_budget=cfg.model.memory_budget,  # kept blocks
-                                   batch_size=cfg.data.batch_size)
-        self.stages = stages
-        self.steps_per_epoch = -(-self.microbatches_per_epoch // cfg.train.accumulation)
-        self.schedule = lr_schedule(cfg, self.steps_per_epoch, R)
-        # Collective (a Barrier fixes the common time origin); NULL_TRACERs when run.trace is off.
-        self.tracers = trace.start(cfg.run.trace, world,
-                                   [placement.rank] if world else list(range(len(stages))),
-                                   placement.device)
-        self.tracer = self.tracers[0]  # this process's eval and checkpoint spans
-        hooks = []
-        if cfg.train.diag_every:
-            from .diagnostics import Diagnostics
-            hooks.append(Diagnostics(cfg.train.diag_every, cfg.train.accumulation,
-                                     emit=self._write_diagnostics))
-        workers = build_workers(stages, self.schedule, cfg.train.accumulation,
-                                cfg.optim.momentum, cfg.optim.nesterov, cfg.optim.weight_decay,
-                                optimizer=cfg.optim.name, betas=tuple(cfg.optim.betas),
-                                tracers=self.tracers, hooks=hooks)
-        self.workers = workers
-        # one pipeline's workers (replica 0's in one process, this rank's under MPI): what
-        # checkpoints hold (replicas are identical)
-        self.pipeline_workers = workers[:J]
-        if world:
-            from .mpi.engine import MPIEngine
-            engine = MPIEngine(workers[0], cfg.train.method, world, placement.dtype,
-                               self.input_shape, cfg.data.batch_size,
-                               compression,  # its start-up line shows the compression
-                               watchdog_s=cfg.run.watchdog_s,
-                               labels_per_sample=(cfg.model.context
-                                                  if cfg.model.arch in LM_ARCHS else 1))
-            self.watchdog = engine.watchdog  # the trainer's collectives are watched too
-        else:
-            from .engine.local import LocalEngine
-            engine = LocalEngine(workers, cfg.train.method, R, compression)
-            self.watchdog = NoWatchdog()
-            if compression.active:
-                print(f"petra_mpi: {compression.describe()}", file=sys.stderr, flush=True)
-        self.engine = engine
-
     def _write_diagnostics(self, record):
         self.writer.write("diag", step=self.pipeline_workers[-1].optimizer.steps,
                           epoch=self.epoch, **record)
-
-    def _describe_checkpoints(self):
-        cfg, J, R = self.cfg, self.placement.J, self.placement.R
-        # What a checkpoint must share with this run: the model, the data and the recipe (the
-        # sampler position and the learning-rate schedule depend on the batch size, k, the seed).
-        self.identity = {"arch": cfg.model.arch, "width": cfg.model.width,
-                         "num_classes": cfg.model.num_classes, "stem": cfg.model.stem,
-                         "method": cfg.train.method, "buffer_inputs": cfg.train.buffer_inputs,
-                         "stash_weights": cfg.train.stash_weights,
-                         "batch_size": cfg.data.batch_size,
-                         "accumulation": cfg.train.accumulation, "seed": cfg.run.seed,
-                         "data": cfg.data.path, "optimizer": cfg.optim.name,
-                         "lr_schedule": cfg.optim.schedule, **model_kwargs(cfg)}
-        # What it may differ in: reported at start-up when it does.
-        partition = self.stages[0].partition
-        self.layout = {"stages": J, "partition": partition, "replicas": R,
-                       "microbatches_per_epoch": self.microbatches_per_epoch,
-                       "steps_per_epoch": self.steps_per_epoch,
-                       "peak_lr": self.schedule.peak, "device": self.placement.device.type,
-                       "dtype": cfg.run.dtype, "precision": cfg.run.precision}
-        # The arguments of models.build_network: the plain model an export builds.
-        network = {"arch": cfg.model.arch, "width": cfg.model.width,
-                   "num_classes": cfg.model.num_classes,
-                   "imagenet_stem": cfg.model.stem == "imagenet",
-                   "image_size": self.input_shape[-1], **model_kwargs(cfg)}
-        self.manifest_head = {**self.identity, **self.layout, "format": LAYOUT_FREE,
-                              "network": network, "block_files": block_files(partition),
-                              "config": cfg.to_dict()}
-
-    def _announce(self, resume, changes):
-        state, placement = self.state, self.placement
-        if self.already_finished:
-            print(f"petra_mpi: {self.cfg.run.out_dir} holds a run of {state['epoch']} epoch(s) "
-                  f"that is already finished, nothing to do (use another run.out_dir, e.g. "
-                  f"--set run.out_dir={self.cfg.run.out_dir}_2, or more train.epochs to go on)",
-                  file=sys.stderr, flush=True)
-            return
-        self.writer.write("resume" if resume else "start", stages=placement.J, replicas=placement.R,
-                          writer_rank=placement.rank, threads=placement.threads,
-                          method=self.cfg.train.method,
-                          arch=self.cfg.model.arch, config=self.cfg.to_dict(),
-                          microbatches_per_epoch=self.microbatches_per_epoch,
-                          placement=self.world.placement if self.world else None,
-                          **({"from": resume, "epoch": state["epoch"],
-                              "position": state["position"], "layout_changes": changes}
-                             if resume else {}))
-        if resume:
-            print(f"resumed from {resume} (epoch {state['epoch'] + 1}, micro-batch "
-                  f"{state['position']})", file=sys.stderr, flush=True)
-        if changes:
-            print("petra_mpi: resumed on another layout, which changes the learning dynamics: "
-                  + "; ".join(changes), file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ the checkpoint's content
     def state_dict(self) -> dict:
@@ -579,29 +499,9 @@ class Trainer:
 
     def save_checkpoint(self, epoch: int, position: int):
         """Write the checkpoint of (epoch, position) atomically; collective."""
-        with self.tracer.span(trace.CHECKPOINT), \
-                self.watchdog.collective("checkpoint", CHECKPOINT_GRACE_S):
-            self._write_checkpoint(epoch, position)
-        self.interrupts.restart()  # the wall-time cadence counts from the last checkpoint
-
-    def _write_checkpoint(self, epoch, position):
-        world, cfg = self.world, self.cfg
-        path = checkpoint_dir(cfg.run.out_dir, epoch, position)
-        if self.placement.rank == 0:
-            invalidate(path)
-        if world:
-            world.comm.Barrier()
-        files = ([save_blocks(path, w) for w in self.pipeline_workers]
-                 if self.placement.replica == 0 else [])
-        if world:
-            files = world.gather_to_writer(files)  # also: every stage file is in place
         self.state.update(epoch=epoch, position=position)
-        if self.writes:
-            write_manifest(path, self.manifest_head, self.state_dict(), dict(files))
-            prune(cfg.run.out_dir, cfg.run.keep_checkpoints)
-            self.writer.write("checkpoint", path=path, epoch=epoch, position=position)
-        if world:
-            world.comm.Barrier()  # the checkpoint is complete when any rank returns
+        self.checkpoints.save(epoch, position, self.state_dict)
+        self.interrupts.restart()  # the wall-time cadence counts from the last checkpoint
 
     # ------------------------------------------------------------------ the loop
     def vote(self) -> int:
@@ -691,7 +591,7 @@ class Trainer:
             self.watchdog.allow("evaluation", EVALUATION_GRACE_S)
             return level
         self.watchdog.allow("evaluation", EVALUATION_GRACE_S)
-        with self.tracer.span(trace.EVAL):
+        with self.tracers[0].span(trace.EVAL):
             totals, self.stopping = evaluate_in_pieces(self.engine, val_batches, self.eval_batches,
                                                        vote_then_allow)
         return totals
