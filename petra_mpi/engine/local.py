@@ -1,13 +1,15 @@
 """All stages in one process, following the same schedule as the MPI engine: the reference
-implementation, and the engine for single-device users and tests."""
+implementation, and the engine for single-device users and tests. Each action runs through the
+same tick.run_action as the MPI engine's; here its messages wait in queues between the stages."""
 from collections import deque
 
 import torch
 
 from ..compress import NO_COMPRESSION
-from ..schedule import Kind, schedule_for
+from ..schedule import schedule_for
 from ..stopping import SegmentVotes
 from .evaluation import EvalTotals
+from .tick import run_action
 
 
 class LocalEngine:
@@ -37,9 +39,7 @@ class LocalEngine:
         assert len(feeds) == R, "one iterator of micro-batches per replica"
         for w in self.workers:
             w.begin_segment(n)
-        # per replica: activations waiting at stage s, (ỹ, δy) waiting at stage s, labels
-        queues = [([deque() for _ in range(J)], [deque() for _ in range(J)], deque())
-                  for _ in range(R)]
+        ports = self._ports(feeds, on_loss)
         def read_stop():  # the MPI engine's all-reduce over the ranks: here the request itself
             level = stop.requested
             return lambda: level
@@ -53,46 +53,28 @@ class LocalEngine:
                     w.begin_segment(n)  # the last backward now steps the optimizer
             # Every replica through tick t before tick t + 1: a stage's average needs all of them.
             for r in range(R):
-                self._tick(self.workers[r * J:(r + 1) * J], self.codecs[r * J:(r + 1) * J],
-                           *queues[r], feeds[r], t, n, on_loss if r == 0 else None)
+                self._tick(self.workers[r * J:(r + 1) * J], ports[r], t, n)
             t += 1
         for w in self.workers:
             w.settle()  # the last step of the segment, when it waited for the replicas' average
-        assert not any(q for inputs, grads, labels in queues for q in (*inputs, *grads, labels)), \
-            "pipeline not drained"
+        assert all(p.links.empty() for stages in ports for p in stages), "pipeline not drained"
         return n
 
-    def _tick(self, workers, codecs, inputs, grads, labels, batches, t, n, on_loss):
-        def send_down(s, x, grad_x):  # as the MPI engine: ỹ only to a stage that uses it
-            if workers[s - 1].stage.needs_rebuilt_input:
-                x = codecs[s]["rebuilt"].roundtrip(x)
-            grads[s - 1].append((x, codecs[s]["gradient"].roundtrip(grad_x)))
+    def _ports(self, feeds, on_loss):
+        """Per replica, one port per stage onto the replica's own links; on_loss sees replica 0."""
+        J, ports = self.J, []
+        for r, batches in enumerate(feeds):
+            ranks, links = slice(r * J, (r + 1) * J), _Links(J)
+            ports.append([_StagePort(s, self.workers[ranks], self.codecs[ranks], links, batches,
+                                     on_loss if r == 0 else None) for s in range(J)])
+        return ports
+
+    def _tick(self, workers, ports, t, n):
         # Stage by stage: each action only needs what a neighbour produced at an earlier tick.
-        for s, w in enumerate(workers):
+        for s, (w, port) in enumerate(zip(workers, ports)):
+            # w.tracer.plan passes the actions through (it records the tick when tracing is on)
             for action in w.tracer.plan(t, self.schedule.actions(s, t, n)):
-                b = action.microbatch
-                if action.kind is Kind.STEP:
-                    w.step(b)
-                    continue
-                if action.kind is Kind.BACKWARD:
-                    x, grad_x = w.backward(b, *grads[s].popleft())
-                    if s > 0:
-                        send_down(s, x, grad_x)
-                    continue
-                if s == 0:
-                    x, y = next(batches)
-                    labels.append(y)
-                else:
-                    x = inputs[s].popleft()
-                if action.kind is Kind.FORWARD:
-                    inputs[s + 1].append(codecs[s]["forward"].roundtrip(w.forward(b, x)))
-                    continue
-                y = labels.popleft()
-                loss, logits, grad_x = w.forward_backward(b, x, y)
-                if on_loss is not None:
-                    on_loss(b, loss, logits, y)
-                if s > 0:
-                    send_down(s, x, grad_x)
+                run_action(w, action, port)
 
     @torch.no_grad()
     def evaluate(self, batches, m=None) -> EvalTotals:
@@ -112,3 +94,52 @@ class LocalEngine:
             for w in pipeline:
                 w.stage.train()
         return totals
+
+
+class _Links:
+    """The messages between the stages of one replica's pipeline, in flight from one tick to a
+    later one (the MPI engine's streams)."""
+    def __init__(self, J):
+        self.inputs = [deque() for _ in range(J)]  # activations waiting at stage s
+        self.grads = [deque() for _ in range(J)]   # (ỹ, δy) waiting at stage s
+        self.labels = deque()                      # labels waiting at the last stage
+
+    def empty(self):
+        return not any(q for q in (*self.inputs, *self.grads, self.labels))
+
+
+class _StagePort:
+    """Stage s's side of tick.run_action in one process: its messages go through the sender's
+    codec round trip, as the MPI engine's go through the codec itself."""
+    def __init__(self, s, workers, codecs, links, batches, on_loss):
+        self.s, self.workers, self.codecs, self.links = s, workers, codecs, links
+        self.batches, self.on_loss = batches, on_loss
+        self.last = s == len(workers) - 1
+
+    def input(self):
+        if self.s > 0:
+            return self.links.inputs[self.s].popleft(), None
+        x, y = next(self.batches)  # stage 0 reads the data; the last stage needs its labels
+        if not self.last:
+            self.links.labels.append(y)
+        return x, y
+
+    def labels(self):
+        return self.links.labels.popleft()
+
+    def gradient_pair(self):
+        return self.links.grads[self.s].popleft()
+
+    def send_up(self, y):
+        self.links.inputs[self.s + 1].append(self.codecs[self.s]["forward"].roundtrip(y))
+
+    def send_down(self, x, grad_x):
+        s = self.s
+        if s == 0:
+            return
+        if self.workers[s - 1].stage.needs_rebuilt_input:  # as the MPI engine: ỹ only to a
+            x = self.codecs[s]["rebuilt"].roundtrip(x)     # stage that uses it
+        self.links.grads[s - 1].append((x, self.codecs[s]["gradient"].roundtrip(grad_x)))
+
+    def compute(self, work, *args):
+        return work(*args)

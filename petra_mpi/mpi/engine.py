@@ -14,12 +14,13 @@ import time
 import numpy as np
 import torch
 
-from .transport import (CONTIGUOUS, RECEIVE_DEPTH, TAG_ACTIVATION, TAG_GRADIENT, TAG_LABELS,
-                    TAG_REBUILT, Inbox, Outbox, Transport, cuda_aware_mpi, in_layout, layout_of)
+from .streams import STREAM_NAMES, open_streams
+from .transport import RECEIVE_DEPTH, Inbox, Outbox, Transport, cuda_aware_mpi
 from ..compress import NO_COMPRESSION
-from ..schedule import STOP_MARGIN, Kind, schedule_for
+from ..schedule import STOP_MARGIN, schedule_for
 from ..stopping import SegmentVotes
 from ..engine.evaluation import EvalTotals
+from ..engine.tick import run_action
 from ..watchdog import start_watchdog
 
 # A stop keeps STOP_MARGIN micro-batches beyond what has entered: enough for the receives each
@@ -27,8 +28,6 @@ from ..watchdog import start_watchdog
 assert RECEIVE_DEPTH <= STOP_MARGIN
 
 STOP_VOTE = "stop vote"  # what Transport.blocked holds while a rank waits for the vote
-STREAM_NAMES = {TAG_ACTIVATION: "activation", TAG_REBUILT: "rebuilt input",
-                TAG_GRADIENT: "gradient", TAG_LABELS: "labels"}
 
 
 class MPIEngine:
@@ -39,11 +38,10 @@ class MPIEngine:
         MPI's progress between the blocks of a stage (off only to measure what that brings).
         labels_per_sample: targets per input sample (a language model's context: one per
         token)."""
-        self.labels_per_sample = labels_per_sample
         self.w, self.method, self.world = worker, method, world
         self.poll_between_blocks = poll_between_blocks
         self.schedule = schedule_for(method, world.stages, worker.k)
-        comm, r, J = world.pipe, world.stage, world.stages
+        J = world.stages
         device = next(worker.stage.parameters()).device
         aware, why = cuda_aware_mpi() if device.type == "cuda" else (False, "")
         self.transport = t = Transport(device, aware)
@@ -59,72 +57,15 @@ class MPIEngine:
         if world.rank == 0:
             ranks = f"{world.replicas} replicas x {J} stages" if world.replicas > 1 else f"{J} ranks"
             print(f"petra_mpi: {ranks}, {line}", file=sys.stderr, flush=True)
-        # Shapes and layouts are agreed once: each rank learns its input's from the previous one,
-        # and every message of a link (activation forward, rebuilt input and gradient back)
-        # travels in the layout its producer makes (channels-last on CUDA), so nobody converts.
-        in_shape, in_fmt = (((batch_size, *input_shape), CONTIGUOUS) if r == 0
-                            else comm.recv(source=r - 1, tag=1))
-        out_shape, out_fmt = self._output_spec(in_shape, in_fmt, device, dtype)
-        if r < J - 1:
-            comm.send((out_shape, out_fmt), dest=r + 1, tag=1)
-        # A stage whose last block is buffered ignores ỹ, so its successor need not send it.
-        wants_rebuilt = comm.sendrecv(worker.stage.needs_rebuilt_input, dest=(r + 1) % J,
-                                      source=(r - 1) % J)
-        self.send_rebuilt = r > 0 and wants_rebuilt
-        self.streams = self._open_streams(compression, dtype, batch_size, (in_shape, in_fmt),
-                                          (out_shape, out_fmt))
+        self.streams = open_streams(world, t, worker, compression, dtype, input_shape,
+                                    batch_size, labels_per_sample)
         self.inboxes = [b for b in self.streams.values() if isinstance(b, Inbox)]
         self.outboxes = [b for b in self.streams.values() if isinstance(b, Outbox)]
         self.compute_seconds = 0.0  # in the stage's own work (forward, backward, optimizer step)
+        self.batches = self.on_loss = None  # the segment's, for the port (train_segment)
         # ends this rank with a report when it hangs (watchdog.py)
         self.watchdog = start_watchdog(watchdog_s, world, self.pending_messages,
                                        self.schedule.num_ticks(1))
-
-    def _open_streams(self, compression, dtype, batch_size, in_spec, out_spec) -> dict:
-        """The streams, by the name the trace shows; a stream this rank does not use is absent.
-        in_spec, out_spec: (shape, layout) of this stage's input and output."""
-        world, t, worker = self.world, self.transport, self.w
-        comm, r, J = world.pipe, world.stage, world.stages
-        (in_shape, in_fmt), (out_shape, out_fmt) = in_spec, out_spec
-
-        def codec(direction, sender):  # of what `sender` sends; a receiver only decodes with it
-            return compression.codec(direction, sender, world.replica)
-        last = r == J - 1
-        rebuilt_in = not last and worker.stage.needs_rebuilt_input
-        streams = {
-            "activation in": r > 0 and Inbox(comm, t, r - 1, TAG_ACTIVATION, in_shape, dtype,
-                                             layout=in_fmt, codec=codec("forward", r - 1)),
-            "rebuilt in": rebuilt_in and Inbox(comm, t, r + 1, TAG_REBUILT, out_shape, dtype,
-                                               layout=out_fmt, codec=codec("rebuilt", r + 1)),
-            "gradient in": not last and Inbox(comm, t, r + 1, TAG_GRADIENT, out_shape, dtype,
-                                              layout=out_fmt, codec=codec("gradient", r + 1)),
-            # with one stage (J = 1, replicas only) the labels never leave the rank
-            "labels in": last and J > 1 and Inbox(comm, t, 0, TAG_LABELS,
-                                                  (batch_size * self.labels_per_sample,),
-                                                  torch.int64),
-            "activation out": not last and Outbox(comm, t, r + 1, TAG_ACTIVATION, layout=out_fmt,
-                                                  codec=codec("forward", r)),
-            "rebuilt out": self.send_rebuilt and Outbox(comm, t, r - 1, TAG_REBUILT,
-                                                        layout=in_fmt, codec=codec("rebuilt", r)),
-            "gradient out": r > 0 and Outbox(comm, t, r - 1, TAG_GRADIENT, layout=in_fmt,
-                                             codec=codec("gradient", r)),
-            "labels out": r == 0 and J > 1 and Outbox(comm, t, J - 1, TAG_LABELS, depth=J + 2),
-        }
-        return {name: box for name, box in streams.items() if box}
-
-    @torch.no_grad()
-    def _output_spec(self, in_shape, in_fmt, device, dtype):
-        """(output shape, output layout) of this stage for an input of in_shape in in_fmt."""
-        stage = self.w.stage
-        was_training = stage.training
-        stage.eval()  # running statistics: a shape probe must not touch anything
-        try:
-            probe = torch.zeros((1, *in_shape[1:]), device=device,
-                                dtype=stage.input_dtype or dtype)
-            out = stage.evaluate(in_layout(probe, in_fmt))
-            return (in_shape[0], *out.shape[1:]), layout_of(out)
-        finally:
-            stage.train(was_training)
 
     def pending_messages(self):
         """(blocked, direction, stream, peer, count) of each stream with messages in flight, for
@@ -181,6 +122,32 @@ class MPIEngine:
         for box in self.inboxes:
             box.expect(n)
 
+    # The port of tick.run_action: this rank's streams, for the segment's batches and on_loss.
+    def input(self):
+        return self._input(self.batches)
+
+    def labels(self):
+        return self._get("labels in")
+
+    def gradient_pair(self):
+        y = self._get("rebuilt in") if "rebuilt in" in self.streams else None
+        return y, self._get("gradient in")
+
+    def send_up(self, y):
+        self._put("activation out", y)
+
+    def send_down(self, x, grad_x):
+        if "rebuilt out" in self.streams:
+            self._put("rebuilt out", x)
+        if "gradient out" in self.streams:
+            self._put("gradient out", grad_x)
+
+    def compute(self, work, *args):  # the stage's own work, apart from the waits on MPI
+        start = time.perf_counter()
+        out = work(*args)
+        self.compute_seconds += time.perf_counter() - start
+        return out
+
     def _input(self, batches):
         """The next micro-batch's input (rank 0 reads it and sends its labels to the last rank)."""
         if "activation in" in self.streams:
@@ -194,6 +161,7 @@ class MPIEngine:
         """Algorithm 1 for this rank over a segment of n micro-batches (fill to drain); a stop
         request agreed by all ranks ends it early. Returns the micro-batches trained."""
         w = self.w
+        self.batches, self.on_loss = batches, on_loss  # what the port reads and calls
         w.begin_segment(n)
         # Large messages move only while MPI is called: poll between blocks (docs/performance.md).
         w.stage.between_blocks = self.transport.poll if self.poll_between_blocks else None
@@ -210,7 +178,7 @@ class MPIEngine:
             # w.tracer.plan passes the actions through (it records the tick when tracing is on)
             for action in w.tracer.plan(t, self.schedule.actions(w.index, t, n)):
                 self.watchdog.beat(t, action.kind.value, action.microbatch)
-                self._run(action, batches, on_loss)
+                run_action(w, action, self)
             t += 1
         # A vote is posted only while 2 checks remain, so none is pending here; a request that
         # arrives later is seen by the trainer's stop check at the drain.
@@ -219,32 +187,6 @@ class MPIEngine:
         self._flush()
         self.watchdog.idle()
         return n
-
-    def _run(self, action, batches, on_loss):
-        """One action of the schedule: receive its inputs, let the worker compute, send."""
-        w, b = self.w, action.microbatch
-        if action.kind is Kind.STEP:
-            self._compute(w.step, b)
-        elif action.kind is Kind.BACKWARD:
-            y = self._get("rebuilt in") if "rebuilt in" in self.streams else None
-            x, grad_x = self._compute(w.backward, b, y, self._get("gradient in"))
-            self._send_down(x, grad_x)
-        elif action.kind is Kind.FORWARD:
-            x, _ = self._input(batches)
-            self._put("activation out", self._compute(w.forward, b, x))
-        else:  # last stage: forward, loss and backward at once
-            x, labels = self._input(batches)
-            labels = self._get("labels in") if labels is None else labels
-            loss, logits, grad_x = self._compute(w.forward_backward, b, x, labels)
-            self._send_down(x, grad_x)
-            if on_loss is not None:  # after the send: .item() and logging wait here
-                on_loss(b, loss, logits, labels)
-
-    def _compute(self, work, *args):
-        start = time.perf_counter()
-        out = work(*args)
-        self.compute_seconds += time.perf_counter() - start
-        return out
 
     def _vote(self, stop, tick):
         """Posts this rank's stop flag to a non-blocking all-reduce over every rank; returns the
@@ -262,12 +204,6 @@ class MPIEngine:
             self.watchdog.agreed(tick)  # every rank is past the ticks before `tick`
             return int(flag[0])
         return result
-
-    def _send_down(self, x, grad_x):
-        if "rebuilt out" in self.streams:
-            self._put("rebuilt out", x)
-        if "gradient out" in self.streams:
-            self._put("gradient out", grad_x)
 
     def _flush(self):
         for name, box in self.streams.items():
