@@ -100,6 +100,7 @@ def diag_records(out_dir):
     return [r for r in records if r["event"] == "diag"]
 
 
+@pytest.mark.extended  # slow: the default selection stays under 5 minutes
 def test_diagnostics_give_cosine_one_when_lr_is_zero(tmp_path):
     proc = train("--set", f"run.out_dir={tmp_path}", *QUICK, "--set", "train.diag_every=2",
                  "--set", "optim.lr=0", "--set", "train.limit_batches=6")

@@ -32,6 +32,7 @@ def error_lines(proc):
             if "do not fit beside them" not in line]
 
 
+@pytest.mark.extended  # slow: the default selection stays under 5 minutes
 def test_finished_run_does_nothing_and_a_changed_recipe_is_told_where_to_go(tmp_path):
     out = tmp_path / "run"
     first = train(out, "--set", "run.trace=true")
@@ -138,6 +139,7 @@ def burner():
     proc.wait()
 
 
+@pytest.mark.extended  # slow: the default selection stays under 5 minutes
 def test_threads_leave_room_for_a_busy_program_and_warn_when_they_cannot(tmp_path, burner):
     cpus = len(os.sched_getaffinity(0))
     if cpus < 2:
