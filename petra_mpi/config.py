@@ -392,26 +392,30 @@ def validate(cfg: Config, world_size: int | None = None):
     need(len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas), "optim.betas",
          "must be two numbers in [0, 1)")
     if world_size is not None and world_size > 1:
-        need(not cfg.train.diag_every, "train.diag_every",
-             "the diagnostics need every stage in one process: run them without mpirun")
-        asked = len(cfg.model.partition) if cfg.model.partition else cfg.model.stages
-        R = cfg.train.replicas
-        need(not asked or world_size % asked == 0, "model.stages",
-             f"the config asks for {asked} stages but {world_size} ranks are running, which is "
-             f"not a multiple of {asked}: run mpirun -n {asked} (or {asked} x the replicas), or "
-             f"drop model.stages/model.partition")
-        need(not R or world_size % R == 0, "train.replicas",
-             f"{R} replicas cannot share {world_size} ranks equally: run mpirun -n R x J (a "
-             f"multiple of {R}), or drop train.replicas")
-        need(not (asked and R) or asked * R == world_size, "train.replicas",
-             f"{R} replicas of {asked} stages need {asked * R} ranks, but {world_size} are "
-             f"running: run mpirun -n {asked * R}, or drop one of train.replicas/model.stages")
-        J = num_stages(cfg, world_size)
-        need(J <= blocks, "world size",
-             f"{world_size} ranks cannot each hold a stage of {cfg.model.arch}, which has "
-             f"{blocks} blocks: run 1 to {blocks} ranks (one rank per stage), or set "
-             f"model.stages (or train.replicas) to run data-parallel replicas of a shorter "
-             f"pipeline")
+        _validate_world(cfg, world_size, blocks, need)
+
+def _validate_world(cfg: Config, world_size: int, blocks: int, need):
+    """The checks of a config against the ranks running it (more than one)."""
+    need(not cfg.train.diag_every, "train.diag_every",
+         "the diagnostics need every stage in one process: run them without mpirun")
+    asked = len(cfg.model.partition) if cfg.model.partition else cfg.model.stages
+    R = cfg.train.replicas
+    need(not asked or world_size % asked == 0, "model.stages",
+         f"the config asks for {asked} stages but {world_size} ranks are running, which is "
+         f"not a multiple of {asked}: run mpirun -n {asked} (or {asked} x the replicas), or "
+         f"drop model.stages/model.partition")
+    need(not R or world_size % R == 0, "train.replicas",
+         f"{R} replicas cannot share {world_size} ranks equally: run mpirun -n R x J (a "
+         f"multiple of {R}), or drop train.replicas")
+    need(not (asked and R) or asked * R == world_size, "train.replicas",
+         f"{R} replicas of {asked} stages need {asked * R} ranks, but {world_size} are "
+         f"running: run mpirun -n {asked * R}, or drop one of train.replicas/model.stages")
+    J = num_stages(cfg, world_size)
+    need(J <= blocks, "world size",
+         f"{world_size} ranks cannot each hold a stage of {cfg.model.arch}, which has "
+         f"{blocks} blocks: run 1 to {blocks} ranks (one rank per stage), or set "
+         f"model.stages (or train.replicas) to run data-parallel replicas of a shorter "
+         f"pipeline")
 
 
 def num_stages(cfg: Config, world_size: int = 1) -> int:

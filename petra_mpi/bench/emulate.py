@@ -170,7 +170,7 @@ class Emulation:
         if set(self.methods) & set(PIPELINING):
             self.build_pipelining()
             self.runs += [(name, method, m) for name, (_, _, method, m) in self.pt.items()]
-        # PETRA with kept blocks (add_budget_runs): run name -> (memory_plan.Plan, the budget
+        # PETRA with kept blocks (add_budget_runs below): run name -> (memory_plan.Plan, the budget
         # per rank in held bytes, None: unlimited, and the run it comes from)
         self.plans = {}
         self.block_kept_bytes = None  # per stage, per block: bytes of one kept micro-batch
@@ -254,47 +254,6 @@ class Emulation:
         self.clock.wait(sum(self.plain_bc.step[b] for b in self.plain_mine))  # optimizer step
         return m
 
-    def budget_methods(self):
-        """The methods whose runs' peaks PETRA gets as budgets (--budgets), and whether it also
-        runs without a limit."""
-        wanted = [b.strip() for b in self.a.budgets.split(",") if b.strip()]
-        if "all" in wanted:
-            wanted = [*PIPELINING, UNLIMITED]
-        unknown = set(wanted) - {*PIPELINING, UNLIMITED}
-        if unknown:
-            raise SystemExit(f"unknown --budgets {sorted(unknown)}")
-        return [w for w in wanted if w != UNLIMITED], UNLIMITED in wanted
-
-    def add_budget_runs(self, peaks) -> list:
-        """PETRA with kept blocks: for each run of a --budgets method, at a budget per rank of
-        that run's peak held bytes on the rank (`peaks`: this rank's, per run; a rank's peak
-        depends on its order of operations, not on time, so a zero-cost run gives it), and
-        without a limit. Of a budget, the FIFOs' peak is PETRA's anyway; the rest is the kept
-        graphs' (model.memory_budget). The new runs, added to self.runs."""
-        methods, unlimited = self.budget_methods()
-        sources = [run for run in self.runs if run[1] in methods]
-        if not sources and not unlimited:
-            return []
-        a, J = self.a, self.world.size
-        sizes = None
-        if self.world.rank == 0:
-            sizes = kept_sizes(self.profile.arch, a.width, a.batch, self.sizes)
-        self.block_kept_bytes = self.comm.bcast(sizes, root=0)
-        fifo = fifo_bytes(self.shapes, self.sizes, a.batch)
-        new = []
-        for name, method, m in sources:
-            budget = self.comm.allgather(peaks[name])
-            plan = kept_plan(self.profile, self.sizes, self.block_kept_bytes,
-                             [max(0, b - f) for b, f in zip(budget, fifo)])
-            new.append((f"petra @{name}", "petra", m))
-            self.plans[new[-1][0]] = (plan, budget, name)
-        if unlimited:
-            plan = kept_plan(self.profile, self.sizes, self.block_kept_bytes, [None] * J)
-            new.append((f"petra {UNLIMITED}", "petra", self.ms[0]))
-            self.plans[new[-1][0]] = (plan, None, UNLIMITED)
-        self.runs += new
-        return new
-
     def holder(self, name):
         """The waiting stage that counts run `name`'s held bytes on this rank."""
         return self.pt[name][0] if name in self.pt else self.stage
@@ -353,33 +312,6 @@ class Emulation:
                                                      self.world.size))
         return results, peaks, steady
 
-    def real_stages(self, results) -> dict:
-        """Wall seconds of the real stages for our runs (validation of the emulation at small
-        J, measured costs); two more emulated runs of each are added to `results`."""
-        from ..engine.build import build_stages, build_workers
-        from ..mpi.engine import MPIEngine
-        from ..optim import LRSchedule
-        a, r, J = self.a, self.world.rank, self.world.size
-        (real_stage,) = build_stages(self.profile.arch, a.width, 10, J, seed=0, only=r,
-                                     partition=self.sizes)
-        (real_worker,) = build_workers([real_stage], LRSchedule(0.01, 10**6))
-        engines = {m: MPIEngine(real_worker, m, self.world, torch.float32, (3, 32, 32), a.batch)
-                   for m in PETRA_METHODS}
-        g = torch.Generator().manual_seed(0)
-        data = [(torch.randn(a.batch, 3, 32, 32, generator=g),
-                 torch.randint(0, 10, (a.batch,), generator=g)) for _ in range(4)]
-        real = {}
-        for name, method, m in [x for x in self.runs
-                                if x[1] in PETRA_METHODS and x[0] not in self.plans]:
-            n = self.segment_of[m] if method == "petra" else m
-            real_worker.k = m
-            real_segment(engines[method], data, r, J + 2)
-            real[name] = [self.timed(real_segment, engines[method], data, r, n)[1]
-                          for _ in range(3)]
-            for _ in range(2):  # the emulation again, alternated with the real runs
-                results[name].append(self.timed(self.run_once, name, method, m))
-        return real
-
     def orders_of(self, name, method, m, zb_orders):
         """Each rank's operations in one run, for the performance model."""
         J = self.world.size
@@ -387,6 +319,77 @@ class Emulation:
             n = self.segment_of[m] if method == "petra" else m
             return perfmodel.petra_orders(method, J, n, m)
         return zb_orders.get(name) or pipelining_orders(None, method, J, m)
+
+
+def budget_methods(budgets: str):
+    """The methods whose runs' peaks PETRA gets as budgets (--budgets), and whether it also
+    runs without a limit."""
+    wanted = [b.strip() for b in budgets.split(",") if b.strip()]
+    if "all" in wanted:
+        wanted = [*PIPELINING, UNLIMITED]
+    unknown = set(wanted) - {*PIPELINING, UNLIMITED}
+    if unknown:
+        raise SystemExit(f"unknown --budgets {sorted(unknown)}")
+    return [w for w in wanted if w != UNLIMITED], UNLIMITED in wanted
+
+
+def add_budget_runs(em, peaks) -> list:
+    """PETRA with kept blocks: for each run of a --budgets method, at a budget per rank of
+    that run's peak held bytes on the rank (`peaks`: this rank's, per run; a rank's peak
+    depends on its order of operations, not on time, so a zero-cost run gives it), and
+    without a limit. Of a budget, the FIFOs' peak is PETRA's anyway; the rest is the kept
+    graphs' (model.memory_budget). The new runs, added to em.runs."""
+    methods, unlimited = budget_methods(em.a.budgets)
+    sources = [run for run in em.runs if run[1] in methods]
+    if not sources and not unlimited:
+        return []
+    a, J = em.a, em.world.size
+    sizes = None
+    if em.world.rank == 0:
+        sizes = kept_sizes(em.profile.arch, a.width, a.batch, em.sizes)
+    em.block_kept_bytes = em.comm.bcast(sizes, root=0)
+    fifo = fifo_bytes(em.shapes, em.sizes, a.batch)
+    new = []
+    for name, method, m in sources:
+        budget = em.comm.allgather(peaks[name])
+        plan = kept_plan(em.profile, em.sizes, em.block_kept_bytes,
+                         [max(0, b - f) for b, f in zip(budget, fifo)])
+        new.append((f"petra @{name}", "petra", m))
+        em.plans[new[-1][0]] = (plan, budget, name)
+    if unlimited:
+        plan = kept_plan(em.profile, em.sizes, em.block_kept_bytes, [None] * J)
+        new.append((f"petra {UNLIMITED}", "petra", em.ms[0]))
+        em.plans[new[-1][0]] = (plan, None, UNLIMITED)
+    em.runs += new
+    return new
+
+
+def real_stages(em, results) -> dict:
+    """Wall seconds of the real stages for our runs (validation of the emulation at small
+    J, measured costs); two more emulated runs of each are added to `results`."""
+    from ..engine.build import build_stages, build_workers
+    from ..mpi.engine import MPIEngine
+    from ..optim import LRSchedule
+    a, r, J = em.a, em.world.rank, em.world.size
+    (real_stage,) = build_stages(em.profile.arch, a.width, 10, J, seed=0, only=r,
+                                 partition=em.sizes)
+    (real_worker,) = build_workers([real_stage], LRSchedule(0.01, 10**6))
+    engines = {m: MPIEngine(real_worker, m, em.world, torch.float32, (3, 32, 32), a.batch)
+               for m in PETRA_METHODS}
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(a.batch, 3, 32, 32, generator=g),
+             torch.randint(0, 10, (a.batch,), generator=g)) for _ in range(4)]
+    real = {}
+    for name, method, m in [x for x in em.runs
+                            if x[1] in PETRA_METHODS and x[0] not in em.plans]:
+        n = em.segment_of[m] if method == "petra" else m
+        real_worker.k = m
+        real_segment(engines[method], data, r, J + 2)
+        real[name] = [em.timed(real_segment, engines[method], data, r, n)[1]
+                      for _ in range(3)]
+        for _ in range(2):  # the emulation again, alternated with the real runs
+            results[name].append(em.timed(em.run_once, name, method, m))
+    return real
 
 
 def real_segment(engine, data, rank, n):
@@ -407,10 +410,10 @@ def run(a):
     comm, J = world.comm, world.size
     # 1. The same runs at zero cost (warm-up too). 2. Timed runs. 3. The real stages.
     zero, zero_peaks = em.zero_cost()
-    zero.update(em.zero_cost(em.add_budget_runs(zero_peaks))[0])
+    zero.update(em.zero_cost(add_budget_runs(em, zero_peaks))[0])
     link = measure_link(comm, max(em.out_bytes), repeats=10, poll_sleep=a.poll_sleep)
     results, peaks, steady = em.timed_rounds()
-    real = em.real_stages(results) if a.real else {}
+    real = real_stages(em, results) if a.real else {}
     # 4. Gather on rank 0.
     busy = {name: comm.gather(sum(v[2] for v in rs) / sum(v[1] for v in rs), root=0)
             for name, rs in results.items()}

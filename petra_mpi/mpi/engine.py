@@ -166,7 +166,9 @@ class MPIEngine:
         # Large messages move only while MPI is called: poll between blocks (docs/performance.md).
         w.stage.between_blocks = self.transport.poll if self.poll_between_blocks else None
         self._expect(n)
-        votes = None if stop is None else SegmentVotes(self.schedule, lambda: self._vote(stop, t))
+        def vote():
+            return post_stop_vote(self.world, self.transport, self.watchdog, stop, t)
+        votes = None if stop is None else SegmentVotes(self.schedule, vote)
         t = 0
         while t < self.schedule.num_ticks(n):
             shorter = n if votes is None else votes.length(t, n)
@@ -187,23 +189,6 @@ class MPIEngine:
         self._flush()
         self.watchdog.idle()
         return n
-
-    def _vote(self, stop, tick):
-        """Posts this rank's stop flag to a non-blocking all-reduce over every rank; returns the
-        wait for its result, which SegmentVotes reads one check later: all ranks see the same
-        result at the same tick and shorten the segment identically, with no extra waiting in
-        the common case."""
-        from mpi4py import MPI
-        flag = np.array([int(stop.requested)], dtype=np.int32)
-        request = self.world.comm.Iallreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
-
-        def result():
-            self.transport.blocked = STOP_VOTE
-            self.transport.wait(request)
-            self.transport.blocked = None
-            self.watchdog.agreed(tick)  # every rank is past the ticks before `tick`
-            return int(flag[0])
-        return result
 
     def _flush(self):
         for name, box in self.streams.items():
@@ -240,3 +225,21 @@ class MPIEngine:
         self._flush()
         self.watchdog.idle()
         return totals
+
+
+def post_stop_vote(world, transport, watchdog, stop, tick):
+    """Posts this rank's stop flag to a non-blocking all-reduce over every rank; returns the
+    wait for its result, which SegmentVotes reads one check later: all ranks see the same
+    result at the same tick and shorten the segment identically, with no extra waiting in
+    the common case."""
+    from mpi4py import MPI
+    flag = np.array([int(stop.requested)], dtype=np.int32)
+    request = world.comm.Iallreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
+
+    def result():
+        transport.blocked = STOP_VOTE
+        transport.wait(request)
+        transport.blocked = None
+        watchdog.agreed(tick)  # every rank is past the ticks before `tick`
+        return int(flag[0])
+    return result

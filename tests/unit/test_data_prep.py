@@ -23,6 +23,7 @@ import pytest
 from PIL import Image
 
 from tests.support.paths import ROOT
+from tests.support.verify_files import assert_one_problem
 from data_prep.common import PrepError, run_cli
 from data_prep.imagenet import encode, ordered_map, read_val_labels
 from data_prep.verify import verify
@@ -596,14 +597,7 @@ def test_verify_catches_violations(tmp_path, breaker, words):
         mean, std = stats_of(images)
         f.attrs.update(schema_version=1, num_classes=10, mean=mean, std=std, source="test")
     assert verify(str(good))[1] == []
-    bad = tmp_path / "bad.h5"
-    shutil.copy(good, bad)
-    with h5py.File(bad, "r+") as f:
-        breaker(f)
-    problems = verify(str(bad))[1]
-    assert len(problems) == 1, problems
-    for word in words:
-        assert word in problems[0], problems
+    assert_one_problem(good, tmp_path, breaker, words)
 
 
 def test_verify_cli_and_jpeg_violations(tmp_path):

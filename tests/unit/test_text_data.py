@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.support.paths import ROOT
+from tests.support.verify_files import assert_one_problem
 from petra_mpi.data import BatchLoader, open_split
 
 TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer\n"
@@ -174,20 +175,12 @@ UNICODE_TEXT = "héllo wörld, ünïcode\n" * 30
 def test_verify_catches_token_violations(tmp_path, breaker, words):
     """A packed character-vocabulary file verifies clean; each breakage is one problem naming
     what is wrong (and no complaint about images, labels or mean/std)."""
-    import shutil
     from data_prep.verify import verify
     r, good = pack(tmp_path, "--vocab", "char", text=UNICODE_TEXT)
     assert r.returncode == 0, r.stderr
     summary, problems = verify(str(good))
     assert problems == [] and any("tokens" in line for line in summary)
-    bad = tmp_path / "bad.h5"
-    shutil.copy(good, bad)
-    with h5py.File(bad, "r+") as f:
-        breaker(f)
-    problems = verify(str(bad))[1]
-    assert len(problems) == 1, problems
-    for word in words:
-        assert word in problems[0], problems
+    assert_one_problem(good, tmp_path, breaker, words)
 
 
 def test_verify_command_on_token_files(tmp_path):
