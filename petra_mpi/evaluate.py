@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from .engine.evaluation import EvalTotals
+from .engines.evaluation import EvalTotals
 from .export import (ExportError, MODEL_FORMAT, as_evaluated, exported_model, find_checkpoint,
                      load_model)
 

@@ -23,8 +23,8 @@ import sys
 
 import torch
 
-from .checkpoint import LAYOUT_FREE, MANIFEST, complete_checkpoints, is_complete, read_blocks
-from .compress import Codec
+from .run.checkpoint import LAYOUT_FREE, MANIFEST, complete_checkpoints, is_complete, read_blocks
+from .comm.compress import Codec
 from .models import build_network, set_precision
 
 MODEL_FORMAT = "petra_mpi.model/1"

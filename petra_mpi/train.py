@@ -2,7 +2,7 @@
 
 Without MPI (or with one rank) every stage runs in this process; under mpirun rank r runs stage r,
 or with R data-parallel replicas (train.replicas, or a world size that is a multiple of
-model.stages) rank replica · J + stage. trainer.py does the training.
+model.stages) rank replica · J + stage. run/trainer.py does the training.
 
 This module imports no torch: every rank checks the config and the world size first, so a wrong
 `mpirun -n` is reported at once instead of after every rank has loaded torch (seconds each on a
@@ -13,8 +13,8 @@ import faulthandler
 import sys
 
 from .config import ConfigError, load_config, validate
-from .stopping import StopRequest
-from .watchdog import begin_startup, startup_step
+from .engines.stopping import StopRequest
+from .comm.watchdog import begin_startup, startup_step
 
 
 def parse_args(argv):
@@ -50,14 +50,14 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
     """Train on this process's stages (trainer.run); `world` is the MPI context (None in one
     process); `stop` is set by SIGUSR1/SIGTERM; `profile` (with dry_run) measures the blocks'
     costs. Returns the exit status."""
-    from .trainer import run as train_run
+    from .run.trainer import run as train_run
     return train_run(cfg, world, dry_run, stop, profile)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     stop = StopRequest().install()  # first: a signal during start-up still means "stop cleanly"
-    from .mpi.world import LaunchError, World, launcher_rank_and_size
+    from .comm.world import LaunchError, World, launcher_rank_and_size
     launched = launcher_rank_and_size()
     if launched:
         cfg = checked_config(args, *launched)  # before torch loads (bind_early)
@@ -76,9 +76,9 @@ def main(argv=None) -> int:
     if cfg is None:
         return 2
     startup_step("loading torch")
-    from .checkpoint import CheckpointError
-    from .compress import NonFiniteError
-    from .trainer import TrainingError
+    from .run.checkpoint import CheckpointError
+    from .comm.compress import NonFiniteError
+    from .run.trainer import TrainingError
     reported = (TrainingError, CheckpointError, NonFiniteError)  # one line, exit status 1
     if world is None:
         try:
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         except reported as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-    from .mpi.world import run_guarded
+    from .comm.world import run_guarded
     return run_guarded(world.comm, lambda: run(cfg, world, args.dry_run, stop, args.profile),
                        reported)
 
@@ -98,7 +98,7 @@ def _bind_gpu_before_mpi(args):
         device = load_config(args.config, args.set).run.device
     except ConfigError:
         return
-    from .devices import bind_early
+    from .comm.devices import bind_early
     bind_early(device)
 
 

@@ -267,7 +267,7 @@ petra_exclude() {
 }
 
 # RANKS and FIT_ARGS: the ranks to launch on this allocation and the trainer overrides that fit
-# them (none when the config fits as it is; see petra_mpi/elastic.py).
+# them (none when the config fits as it is; see petra_mpi/run/elastic.py).
 petra_fit() {
     RANKS=${SLURM_NTASKS:-1} FIT_ARGS=()
     [[ ${ELASTIC:-0} == 1 && -n ${SLURM_NTASKS:-} ]] || return 0

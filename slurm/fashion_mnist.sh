@@ -1,7 +1,7 @@
 #!/bin/bash
 # RevNet18 on Fashion-MNIST with PETRA at full size: 10 stages, one rank and GPU each.
 # Pack the data once first (docs/data.md), e.g. from the Debian package dataset-fashion-mnist:
-#   python -m data_prep.idx --source /usr/share/datasets/fashion-mnist --out data/fashion_mnist.h5
+#   python -m petra_mpi.prep.idx --source /usr/share/datasets/fashion-mnist --out data/fashion_mnist.h5
 # From the repository root: sbatch slurm/fashion_mnist.sh  (overrides: see common.sh; the backprop
 # twin: CONFIG=configs/fashion_mnist_gpu_backprop.yaml sbatch slurm/fashion_mnist.sh)
 #SBATCH --job-name=fashion_mnist

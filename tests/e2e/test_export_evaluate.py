@@ -1,7 +1,7 @@
 """The trained model out of the pipeline: `petra_mpi.export` writes a plain state_dict (or a
 torch.export program) that loads in one process without MPI, and `petra_mpi.evaluate` gives
 exactly the run's final evaluation, on the quickstart (under mpirun) and on a CIFAR-10 file packed
-by data_prep.cifar."""
+by petra_mpi.prep.cifar."""
 import json
 import os
 import subprocess
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from petra_mpi.checkpoint import complete_checkpoints
+from petra_mpi.run.checkpoint import complete_checkpoints
 from tests.support.launch import mpirun
 from tests.support.paths import ROOT
 
@@ -79,7 +79,7 @@ saved = torch.load(sys.argv[1])
 model = petra_mpi.models.build_network(**saved["network"])
 model.load_state_dict(saved["state_dict"])
 assert type(model).__name__ == "Network" and "mpi4py" not in sys.modules
-assert not any(name.startswith(("petra_mpi.engine", "petra_mpi.stages")) for name in sys.modules)
+assert not any(name.startswith(("petra_mpi.engines", "petra_mpi.core.stages")) for name in sys.modules)
 x = torch.load(sys.argv[2])
 torch.save(model.eval()(x), sys.argv[3])
 """
@@ -123,7 +123,7 @@ def test_exported_model_on_a_packed_cifar_file_evaluates_to_the_runs_final_evalu
     from tests.support.upstream_formats import make_cifar10
     make_cifar10(tmp_path / "src", n=40, n_test=70)  # 200 train, 70 val images of 10 classes
     data = tmp_path / "cifar10.h5"
-    proc = python("-m", "data_prep.cifar", "--variant", "cifar10", "--source", tmp_path / "src",
+    proc = python("-m", "petra_mpi.prep.cifar", "--variant", "cifar10", "--source", tmp_path / "src",
                   "--out", data)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "run"
@@ -144,7 +144,7 @@ def test_evaluate_refuses_a_data_set_with_other_classes(quickstart, tmp_path):
     from tests.support.upstream_formats import make_cifar100
     make_cifar100(tmp_path / "src")
     data = tmp_path / "cifar100.h5"
-    proc = python("-m", "data_prep.cifar", "--variant", "cifar100", "--source", tmp_path / "src",
+    proc = python("-m", "petra_mpi.prep.cifar", "--variant", "cifar100", "--source", tmp_path / "src",
                   "--out", data)
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = python("-m", "petra_mpi.evaluate", quickstart, "--data", data)

@@ -15,15 +15,15 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CU
 
 
 def test_stage_backward_on_gpu_matches_cpu():
-    from petra_mpi.engine.build import build_stages
+    from petra_mpi.engines.build import build_stages
     from tests.support.nets import make_batches, run_engine
     batches = make_batches(5, dtype=torch.float64)
     cpu = run_engine("revnet18", 4, 2, batches, lr=0.1)
     gpu_batches = [(x.cuda(), y.cuda()) for x, y in batches]
     stages = build_stages("revnet18", 4, 10, 4, seed=0, dtype=torch.float64, device="cuda")
-    from petra_mpi.engine.build import build_workers
-    from petra_mpi.engine.local import LocalEngine
-    from petra_mpi.optim import LRSchedule
+    from petra_mpi.engines.build import build_workers
+    from petra_mpi.engines.local import LocalEngine
+    from petra_mpi.core.optim import LRSchedule
     workers = build_workers(stages, LRSchedule(0.1, 10**6), 2, weight_decay=0.0)
     LocalEngine(workers, "petra").train_segment(iter(gpu_batches), len(gpu_batches))
     # every stage's parameters and BN buffers (float64: only kernel rounding differs)
@@ -49,7 +49,7 @@ PINNED_SPLIT = "model.partition=[5, 5]"
 
 def final_stage_states(out_dir, stages):
     """Every stage's parameters and buffers from the run's last checkpoint (end of epoch 1)."""
-    from petra_mpi.checkpoint import complete_checkpoints
+    from petra_mpi.run.checkpoint import complete_checkpoints
     path = complete_checkpoints(str(out_dir))[-1]
     assert path.endswith("ckpt-e00001-b00000000"), path
     return [torch.load(os.path.join(path, f"stage{s}.pt"), map_location="cpu",
@@ -58,7 +58,7 @@ def final_stage_states(out_dir, stages):
 
 @pytest.mark.parametrize("aware", ["0", "1"])
 def test_mpi_training_on_gpu(tmp_path, aware):
-    from petra_mpi.mpi.transport import cuda_aware_mpi
+    from petra_mpi.comm.transport import cuda_aware_mpi
     if aware == "1" and not cuda_aware_mpi()[0]:
         pytest.skip("the MPI library is not CUDA-aware")
     proc = mpirun(2, ["-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",
@@ -141,13 +141,13 @@ def test_bench_data_decodes_jpeg_on_the_gpu():
     assert out["jpeg_images_per_s"] > 0
 
 
-# ---------------------------------------------------------------- transport (mpi/transport.py)
+# ---------------------------------------------------------------- transport (comm/transport.py)
 
 @pytest.mark.parametrize("aware", ["0", "1"])
 def test_channels_last_messages_keep_their_layout_on_gpu(aware):
     """Sent from the producer's memory (or its pinned copy in the same layout), received with
     channels-last strides, a short batch into the full-size buffer."""
-    from petra_mpi.mpi.transport import cuda_aware_mpi
+    from petra_mpi.comm.transport import cuda_aware_mpi
     if aware == "1" and not cuda_aware_mpi()[0]:
         pytest.skip("the MPI library is not CUDA-aware")
     proc = mpirun(2, [PROGRAMS / "layout.py", "cuda"], timeout=300,
@@ -159,8 +159,8 @@ def test_channels_last_messages_keep_their_layout_on_gpu(aware):
 def test_stages_on_cuda_produce_channels_last_messages():
     """What the engine agrees at start-up: a CUDA stage's output is channels-last, so its links
     carry channels-last messages (on the CPU they stay NCHW)."""
-    from petra_mpi.mpi.transport import CHANNELS_LAST, CONTIGUOUS, layout_of
-    from petra_mpi.engine.build import build_stages
+    from petra_mpi.comm.transport import CHANNELS_LAST, CONTIGUOUS, layout_of
+    from petra_mpi.engines.build import build_stages
     for device, want in (("cuda", CHANNELS_LAST), ("cpu", CONTIGUOUS)):
         stages = build_stages("revnet18", 4, 10, 3, seed=0, device=device)
         x = torch.zeros(2, 3, 32, 32, device=device)
@@ -183,7 +183,7 @@ def test_waiting_for_gpu_data_polls_mpi():
     """Transport.wait_for on a real event behind a long kernel: the host polls the transport
     until the GPU passes the event, and returns only then: the data the kernels before the event
     wrote is there when it returns."""
-    from petra_mpi.mpi.transport import Transport
+    from petra_mpi.comm.transport import Transport
     transport = Transport(torch.device("cuda"), cuda_aware=False)
     box = CountingBox()
     transport.boxes.append(box)
@@ -208,7 +208,7 @@ def test_received_gpu_buffer_stays_reserved_while_the_compute_stream_reads_it():
     """CUDA-aware receive buffers come from the transport's receive stream and are handed over
     with record_stream: freed while a queued kernel still reads them, their memory must not go to
     the next receive (which MPI would write at once) until the compute stream has passed."""
-    from petra_mpi.mpi.transport import Transport
+    from petra_mpi.comm.transport import Transport
     transport = Transport(torch.device("cuda"), cuda_aware=True)
     shape = (64, 1024)
     cycles = 10**8
@@ -238,7 +238,7 @@ def test_received_gpu_buffer_stays_reserved_while_the_compute_stream_reads_it():
 def test_replica_average_on_gpu(tmp_path, aware, collectives, path):
     """2 replicas x 2 stages on the GPU: the average takes the path the library is trusted with,
     and training ends where one GPU process simulating both replicas ends (the same average)."""
-    from petra_mpi.mpi.transport import cuda_aware_mpi
+    from petra_mpi.comm.transport import cuda_aware_mpi
     if aware == "1" and not cuda_aware_mpi()[0]:
         pytest.skip("the MPI library is not CUDA-aware")
     import subprocess
@@ -263,8 +263,8 @@ def test_replica_average_on_gpu(tmp_path, aware, collectives, path):
 def test_compression_on_gpu_needs_no_host_synchronisation(fmt):
     """Packing, the wire format and unpacking (stochastic rounding included) run on the device
     without a synchronising call (sync debug mode makes one an error)."""
-    from petra_mpi.compress import Codec
-    from petra_mpi.mpi.transport import CHANNELS_LAST, from_wire, to_wire
+    from petra_mpi.comm.compress import Codec
+    from petra_mpi.comm.transport import CHANNELS_LAST, from_wire, to_wire
     x = torch.randn(8, 6, 5, 5, device="cuda").contiguous(memory_format=torch.channels_last)
     codec = Codec(fmt, stochastic=True, seed=1)
     torch.cuda.synchronize()

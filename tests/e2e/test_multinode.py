@@ -47,11 +47,11 @@ def nodes(tmp_path_factory):
 
 
 def packed_cifar10(folder, per_batch):
-    """A CIFAR-10 file packed by data_prep.cifar from an upstream-format tarball: 5 x per_batch
+    """A CIFAR-10 file packed by petra_mpi.prep.cifar from an upstream-format tarball: 5 x per_batch
     training and 16 validation images."""
     tarball, _ = make_cifar10(folder, n=per_batch, n_test=16)
     out = folder / "cifar10.h5"
-    subprocess.run([sys.executable, "-m", "data_prep.cifar", "--source", str(tarball), "--out",
+    subprocess.run([sys.executable, "-m", "petra_mpi.prep.cifar", "--source", str(tarball), "--out",
                     str(out)], check=True, capture_output=True, cwd=ROOT)
     return out
 
@@ -91,7 +91,7 @@ def explain(job, out):
 def boundary_floats(J=6):
     """Floats per sample of the message each stage sends to the next (stage s -> s + 1), for the
     same net and split as the run."""
-    from petra_mpi.engine.build import build_stages
+    from petra_mpi.engines.build import build_stages
     stages = build_stages("revnet18", 8, 10, J, seed=0)
     x = torch.zeros(1, 3, 32, 32)
     sizes = []
@@ -105,7 +105,7 @@ def boundary_floats(J=6):
 
 def final_files(out):
     """{name: loaded} of the newest complete checkpoint's stage files."""
-    from petra_mpi.checkpoint import complete_checkpoints
+    from petra_mpi.run.checkpoint import complete_checkpoints
     newest = Path(complete_checkpoints(str(out))[-1])
     return newest.name, {p.name: torch.load(p, weights_only=False)
                          for p in sorted(newest.glob("*.pt"))}
@@ -210,7 +210,7 @@ def test_a_lost_node_ends_with_one_clear_line_requeues_and_resumes(nodes, cifar_
         (job,) = nodes.wait(jobid, lambda jobs: int(jobs[0].get("Restarts", 0)) >= 1,
                             timeout=180, what="to be requeued")
         ended = time.time() - died
-        from petra_mpi.checkpoint import complete_checkpoints, is_complete
+        from petra_mpi.run.checkpoint import complete_checkpoints, is_complete
         last = complete_checkpoints(str(out))[-1]
         kept = tmp_path / "kept"
         shutil.copytree(last, kept / Path(last).name)  # the reference resumes from this copy

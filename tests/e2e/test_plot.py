@@ -10,7 +10,7 @@ import pytest
 from tests.support.launch import run_plot
 from tests.support.outputs import check_png
 from tests.support.paths import ROOT
-from petra_mpi import plot
+from petra_mpi.perf import plot
 
 BASIC = ["loss.png", "accuracy.png", "lr.png", "throughput.png"]
 DIAG = ["grad_cosine.png", "grad_norm_ratio.png", "grad_by_stage.png", "rebuild_error.png"]

@@ -536,7 +536,7 @@ def test_pack_imagenet_array_and_merge(cluster, tmp_path):
     assert job["JobState"] == "COMPLETED", job_output(cluster, job)
     # queued under the array's account and partition (where -A is mandatory, it must be)
     assert (job["Account"], job["Partition"]) == ("petra_project", "debug"), job
-    verify = subprocess.run([sys.executable, "-m", "data_prep.verify", str(merged)], cwd=ROOT,
+    verify = subprocess.run([sys.executable, "-m", "petra_mpi.prep.verify", str(merged)], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert verify.returncode == 0, verify.stdout + verify.stderr
 

@@ -8,11 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from petra_mpi import stopping, train, trainer
+from petra_mpi.engines import stopping
+from petra_mpi import train
+from petra_mpi.run import trainer
 from petra_mpi.config import load_config, validate
-from petra_mpi.engine.local import LocalEngine
-from petra_mpi.engine.evaluation import EvalTotals
-from petra_mpi.stopping import CHECKPOINT_DUE, EXIT_REQUEUE, STOP, Interrupts, StopRequest, agree
+from petra_mpi.engines.local import LocalEngine
+from petra_mpi.engines.evaluation import EvalTotals
+from petra_mpi.engines.stopping import CHECKPOINT_DUE, EXIT_REQUEUE, STOP, Interrupts, StopRequest, agree
 from tests.support.launch import mpirun
 from tests.support.paths import QUICK
 

@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.launch import mpirun
 from tests.support.paths import PROGRAMS, QUICK, ROOT
-from petra_mpi.watchdog import EXIT_STALLED
+from petra_mpi.comm.watchdog import EXIT_STALLED
 
 
 # What mpirun passes on: EXIT_STALLED, or, when a rank's exit made it kill the others before they

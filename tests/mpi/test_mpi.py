@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from petra_mpi.compress import NO_COMPRESSION
-from petra_mpi.engine.build import build_stages, build_workers
-from petra_mpi.engine.local import LocalEngine
-from petra_mpi.optim import LRSchedule
+from petra_mpi.comm.compress import NO_COMPRESSION
+from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.engines.local import LocalEngine
+from petra_mpi.core.optim import LRSchedule
 
 from tests.support.launch import mpirun
 from tests.support.outputs import check_run_outputs

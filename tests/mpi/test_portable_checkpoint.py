@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from petra_mpi.checkpoint import (CheckpointError, block_files, complete_checkpoints,
+from petra_mpi.run.checkpoint import (CheckpointError, block_files, complete_checkpoints,
                                   load_blocks, read_manifest, save_blocks,
                                   write_manifest)
-from petra_mpi.engine.build import build_stages, build_workers
-from petra_mpi.engine.local import LocalEngine
+from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.engines.local import LocalEngine
 from petra_mpi.models import build_network
-from petra_mpi.optim import LRSchedule
+from petra_mpi.core.optim import LRSchedule
 from tests.support.nets import make_batches
 from tests.support.launch import mpirun
 from tests.support.paths import PROGRAMS, ROOT

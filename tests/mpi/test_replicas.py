@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from petra_mpi.config import ConfigError, load_config, num_replicas, num_stages, validate
-from petra_mpi.engine.build import build_workers
-from petra_mpi.engine.local import LocalEngine
-from petra_mpi.optim import StageOptimizer
+from petra_mpi.engines.build import build_workers
+from petra_mpi.engines.local import LocalEngine
+from petra_mpi.core.optim import StageOptimizer
 from tests.support.nets import end_to_end_gradients, max_relative_error
 from tests.support.launch import mpirun
 from tests.support.paths import PROGRAMS, QUICK, ROOT
@@ -309,7 +309,7 @@ def test_bench_replicas_last_line(tmp_path):
 def test_replicas_config_is_table2_with_twice_the_batch():
     """configs/replicas: 2 x 18 ranks, Table 2's k (the staleness in optimizer steps), and the lr
     rule on the effective batch R · k · 64."""
-    from petra_mpi.run_engine import lr_schedule
+    from petra_mpi.run.assemble import lr_schedule
     ours = load_config(ROOT / "configs/replicas/revnet50_imagenet_2x18.yaml")
     table2 = load_config(ROOT / "configs/table2/imagenet/revnet50_petra.yaml")
     validate(ours, 36)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from petra_mpi.checkpoint import complete_checkpoints
-from petra_mpi.stopping import EXIT_REQUEUE
+from petra_mpi.run.checkpoint import complete_checkpoints
+from petra_mpi.engines.stopping import EXIT_REQUEUE
 from tests.support.launch import mpirun
 from tests.support.paths import QUICK, ROOT
 
@@ -180,7 +180,7 @@ def fake_cuda(monkeypatch, visible):
 
 
 def test_cuda_rng_state_is_the_ranks_own_gpu_and_restores_with_fewer_visible():
-    from petra_mpi.checkpoint import cuda_rng_state, restore_cuda_rng
+    from petra_mpi.run.checkpoint import cuda_rng_state, restore_cuda_rng
     four, one = FakeCuda(4), FakeCuda(1)
     saved = cuda_rng_state(torch.device("cuda", 2), four)  # a rank that used GPU 2 of 4
     assert torch.equal(saved, four.states[2])

@@ -5,11 +5,11 @@ parameters of an uninterrupted local run of the length it returned (bitwise, on 
 import pytest
 import torch
 
-from petra_mpi.engine.build import build_stages, build_workers
-from petra_mpi.engine.local import LocalEngine
-from petra_mpi.optim import LRSchedule
-from petra_mpi.schedule import num_ticks
-from petra_mpi.stopping import STOP_CHECK_TICKS
+from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.engines.local import LocalEngine
+from petra_mpi.core.optim import LRSchedule
+from petra_mpi.core.schedule import num_ticks
+from petra_mpi.engines.stopping import STOP_CHECK_TICKS
 from tests.support.launch import mpirun
 from tests.support.paths import PROGRAMS
 from equivalence import batches  # the data the MPI script trains on

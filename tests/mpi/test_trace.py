@@ -1,4 +1,4 @@
-"""run.trace: the per-rank Chrome-trace timeline (petra_mpi/trace.py) from real runs, under
+"""run.trace: the per-rank Chrome-trace timeline (petra_mpi/core/trace.py) from real runs, under
 mpirun and in one process, its drawing by the plot command, and nothing when it is off."""
 import json
 import subprocess
@@ -11,8 +11,8 @@ from tests.support.launch import mpirun, run_plot
 from tests.support.outputs import check_png
 from tests.support.paths import QUICK, ROOT
 
-from petra_mpi import trace
-from petra_mpi.schedule import Action, Kind
+from petra_mpi.core import trace
+from petra_mpi.core.schedule import Action, Kind
 
 MICROBATCHES = 6
 SHORT = QUICK + ["--set", f"train.limit_batches={MICROBATCHES}", "--set",

@@ -12,12 +12,12 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS sta
 
 import torch  # noqa: E402
 
-from petra_mpi.bench.data import _write_jpeg_demo  # noqa: E402
+from petra_mpi.perf.bench.data import _write_jpeg_demo  # noqa: E402
 from petra_mpi.data import BatchLoader, open_split  # noqa: E402
-from petra_mpi.data import augment  # noqa: E402
-from petra_mpi.engine.build import build_stages, build_workers  # noqa: E402
-from petra_mpi.engine.local import LocalEngine  # noqa: E402
-from petra_mpi.optim import LRSchedule  # noqa: E402
+from petra_mpi.data import augment
+from petra_mpi.engines.build import build_stages, build_workers  # noqa: E402
+from petra_mpi.engines.local import LocalEngine  # noqa: E402
+from petra_mpi.core.optim import LRSchedule  # noqa: E402
 
 
 def main(out, sync):

@@ -7,8 +7,8 @@ import sys
 
 from mpi4py import MPI
 
-from petra_mpi.bench import __main__ as bench_main
-from petra_mpi.bench import emulate
+from petra_mpi.perf.bench import __main__ as bench_main
+from petra_mpi.perf.bench import emulate
 
 
 def main(argv):

@@ -14,8 +14,9 @@ import time
 
 from mpi4py import MPI
 
-from petra_mpi import train, trainer
-from petra_mpi.engine.worker import StageWorker
+from petra_mpi import train
+from petra_mpi.run import trainer
+from petra_mpi.core.worker import StageWorker
 
 fault, fault_rank, fault_b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 assert fault in ("fail", "stall", "kill", "stall-vote"), fault

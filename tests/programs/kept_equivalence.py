@@ -8,11 +8,11 @@ import sys
 
 import torch
 
-from petra_mpi.compress import NO_COMPRESSION
-from petra_mpi.engine.build import build_stages, build_workers
-from petra_mpi.mpi.engine import MPIEngine
-from petra_mpi.mpi.world import World
-from petra_mpi.optim import LRSchedule
+from petra_mpi.comm.compress import NO_COMPRESSION
+from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.engines.mpi import MPIEngine
+from petra_mpi.comm.world import World
+from petra_mpi.core.optim import LRSchedule
 
 ARCH, SIDE = "irevnet18", 16
 

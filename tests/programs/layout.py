@@ -9,7 +9,7 @@ import sys
 import torch
 from mpi4py import MPI
 
-from petra_mpi.mpi.transport import (CHANNELS_LAST, CONTIGUOUS, TAG_ACTIVATION, TAG_GRADIENT, Inbox,
+from petra_mpi.comm.transport import (CHANNELS_LAST, CONTIGUOUS, TAG_ACTIVATION, TAG_GRADIENT, Inbox,
                             Outbox, Transport, cuda_aware_mpi)
 
 comm = MPI.COMM_WORLD

@@ -12,10 +12,10 @@ import sys
 
 import torch
 
-from petra_mpi.engine.build import build_stages, build_workers
-from petra_mpi.mpi.engine import MPIEngine
-from petra_mpi.mpi.world import World
-from petra_mpi.optim import LRSchedule
+from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.engines.mpi import MPIEngine
+from petra_mpi.comm.world import World
+from petra_mpi.core.optim import LRSchedule
 
 from equivalence import REVVIT, batches, eval_batches
 

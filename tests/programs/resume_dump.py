@@ -9,10 +9,11 @@ import json
 import os
 import sys
 
-from petra_mpi import train, trainer
-from petra_mpi.checkpoint import save_blocks
+from petra_mpi import train
+from petra_mpi.run import trainer
+from petra_mpi.run.checkpoint import save_blocks
 from petra_mpi.config import load_config, validate
-from petra_mpi.mpi.world import World
+from petra_mpi.comm.world import World
 
 
 class Resumed(Exception):

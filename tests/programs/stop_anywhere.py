@@ -14,12 +14,12 @@ import sys
 import torch
 
 from equivalence import batches
-from petra_mpi.checkpoint import save_blocks
-from petra_mpi.engine.build import build_stages, build_workers
-from petra_mpi.engine.local import LocalEngine
-from petra_mpi.engine.worker import WorkerHooks
-from petra_mpi.optim import LRSchedule
-from petra_mpi.schedule import schedule_for
+from petra_mpi.run.checkpoint import save_blocks
+from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.engines.local import LocalEngine
+from petra_mpi.core.worker import WorkerHooks
+from petra_mpi.core.optim import LRSchedule
+from petra_mpi.core.schedule import schedule_for
 
 
 class StopAtTick(WorkerHooks):
@@ -72,7 +72,7 @@ def run_local(method, J, k, n, stage, tick):
 
 
 def run_mpi(world, out, method, k, n, stage, tick):
-    from petra_mpi.mpi.engine import MPIEngine
+    from petra_mpi.engines.mpi import MPIEngine
     J = world.size
     stop = StopAtTick(schedule_for(method, J, k), n, tick, stage)
     _, (worker,) = build(method, J, k, only=world.rank, hooks=[stop])
@@ -85,7 +85,7 @@ def run_mpi(world, out, method, k, n, stage, tick):
 
 def main():
     from mpi4py import MPI
-    from petra_mpi.mpi.world import World
+    from petra_mpi.comm.world import World
     out, runs = sys.argv[1], sys.argv[2:]
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)

@@ -11,7 +11,7 @@ import signal
 import sys
 
 from petra_mpi import train
-from petra_mpi.mpi import world
+from petra_mpi.comm import world
 
 where, stop_rank = sys.argv[1], int(sys.argv[2])
 assert where in ("mpi", "first-tick"), where
@@ -31,7 +31,7 @@ if world.launcher_rank_and_size()[0] == stop_rank:
 
         world.World.from_environment = classmethod(stopped_in_mpi_start)
     else:  # (the trainer, not imported yet, takes the step function from the watchdog)
-        from petra_mpi import watchdog
+        from petra_mpi.comm import watchdog
         step = watchdog.startup_step
 
         def stopped_before_training(what):

@@ -10,13 +10,13 @@ import sys
 import torch
 
 from equivalence import batches
-from petra_mpi.engine.build import build_stages, build_workers
-from petra_mpi.engine.worker import WorkerHooks
-from petra_mpi.mpi.engine import MPIEngine
-from petra_mpi.mpi.world import World
-from petra_mpi.optim import LRSchedule
-from petra_mpi.schedule import Kind
-from petra_mpi.stopping import agree
+from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.core.worker import WorkerHooks
+from petra_mpi.engines.mpi import MPIEngine
+from petra_mpi.comm.world import World
+from petra_mpi.core.optim import LRSchedule
+from petra_mpi.core.schedule import Kind
+from petra_mpi.engines.stopping import agree
 
 
 class StopAtTick(WorkerHooks):

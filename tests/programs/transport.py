@@ -9,7 +9,7 @@ import sys
 import torch
 from mpi4py import MPI
 
-from petra_mpi.mpi.transport import TAG_ACTIVATION, Inbox, Outbox, Transport
+from petra_mpi.comm.transport import TAG_ACTIVATION, Inbox, Outbox, Transport
 
 comm = MPI.COMM_WORLD
 transport = Transport(torch.device("cpu"), cuda_aware=False)

@@ -8,7 +8,7 @@ import signal
 
 import numpy as np
 
-from data_prep.common import run_cli
+from petra_mpi.prep.common import run_cli
 
 
 def idx_bytes(array):
@@ -42,12 +42,12 @@ def make_set(folder, n_train=120, n_val=40, side=28, gz=True, prefix="", test="t
 
 
 def pack(*args):
-    """`python -m data_prep.idx ARGS` in this process: (exit status, stdout, stderr)."""
+    """`python -m petra_mpi.prep.idx ARGS` in this process: (exit status, stdout, stderr)."""
     out, err = io.StringIO(), io.StringIO()
     sigterm = signal.getsignal(signal.SIGTERM)  # run_cli installs its own; keep pytest's
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            run_cli(importlib.import_module("data_prep.idx").main, [str(a) for a in args])
+            run_cli(importlib.import_module("petra_mpi.prep.idx").main, [str(a) for a in args])
     except SystemExit as e:
         status = e.code
     finally:

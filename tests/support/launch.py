@@ -1,7 +1,10 @@
 """Real launches of the project's commands, each under a timeout."""
 import os
+import queue
+import signal
 import subprocess
 import sys
+import threading
 
 from tests.support.paths import ROOT
 
@@ -17,3 +20,45 @@ def mpirun(n, args, timeout=180, env=None):
 def run_plot(*args):
     return subprocess.run([sys.executable, "-m", "petra_mpi.plot", *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
+
+
+def children_of(pid):
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return kids
+
+
+def start_and_interrupt(cmd, sig, group=False, sigint_ignored=False):
+    """Start a packer, wait for its "started" line (its handlers are in place and its temporary
+    output exists), then send `sig` to it (or, with group=True, to its whole process group, as
+    Ctrl-C in a terminal does). sigint_ignored: start it with SIGINT ignored, as a shell without
+    job control starts a background command."""
+    def ignore_sigint():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    proc = subprocess.Popen([sys.executable, "-m", *map(str, cmd)], cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=ignore_sigint if sigint_ignored else None)
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put("")],
+                     daemon=True).start()
+    while True:
+        line = lines.get(timeout=60)
+        assert line, ("the packer ended before it started", proc.wait(), proc.stderr.read())
+        if line.startswith("started: writing "):
+            break
+    kids = children_of(proc.pid)
+    assert proc.poll() is None, "the packer finished before it could be interrupted"
+    if group:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
+    err = proc.stderr.read()
+    proc.wait(timeout=60)
+    return proc.returncode, err, kids

@@ -2,11 +2,11 @@
 import torch
 import torch.nn.functional as F
 
-from petra_mpi.compress import NO_COMPRESSION
-from petra_mpi.engine.build import build_stages, build_workers
-from petra_mpi.engine.local import LocalEngine
-from petra_mpi.optim import LRSchedule
-from petra_mpi.schedule import updates_after
+from petra_mpi.comm.compress import NO_COMPRESSION
+from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.engines.local import LocalEngine
+from petra_mpi.core.optim import LRSchedule
+from petra_mpi.core.schedule import updates_after
 
 
 def make_batches(n, batch=4, size=8, dtype=torch.float64, seed=1, classes=10):

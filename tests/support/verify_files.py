@@ -1,9 +1,9 @@
-"""The data checker (data_prep.verify) on a deliberately broken copy of a good packed file."""
+"""The data checker (petra_mpi.prep.verify) on a deliberately broken copy of a good packed file."""
 import shutil
 
 import h5py
 
-from data_prep.verify import verify
+from petra_mpi.prep.verify import verify
 
 
 def assert_one_problem(good, tmp_path, breaker, words):

@@ -1,7 +1,7 @@
 """bench scaling: the plain net 1F1B is predicted with."""
 import pytest
 
-from petra_mpi.bench.scaling import parse_args, plain_twin
+from petra_mpi.perf.bench.scaling import parse_args, plain_twin
 
 
 @pytest.mark.parametrize("arch, twin", [("revnet18", "resnet18"), ("revnet50", "resnet50"),

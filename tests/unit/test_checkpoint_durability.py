@@ -1,4 +1,4 @@
-"""Checkpoints survive a crash of the node (petra_mpi/checkpoint.py): every file reaches the
+"""Checkpoints survive a crash of the node (petra_mpi/run/checkpoint.py): every file reaches the
 disk before the manifest that marks the checkpoint complete, older checkpoints are pruned only
 once that manifest is on disk, and a newest checkpoint that cannot be read back is passed over
 for the previous complete one, with one line saying so. The trainer runs for real, in one
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from petra_mpi.checkpoint import complete_checkpoints, is_complete
+from petra_mpi.run.checkpoint import complete_checkpoints, is_complete
 from tests.support.paths import QUICK, ROOT
 
 # 12 micro-batches, a checkpoint every 4: ckpt b4, b8 and the end of the epoch (e1 b0)

@@ -1,15 +1,15 @@
-"""Compressed messages and buffers (petra_mpi/compress.py): the codecs' error bounds, the wire
+"""Compressed messages and buffers (petra_mpi/comm/compress.py): the codecs' error bounds, the wire
 format of the MPI transport, and PETRA's lr = 0 gradient with bf16 messages."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tests.support.nets import applied_gradients, make_batches, max_relative_error
-from petra_mpi.compress import Codec, Compression, Packed
+from petra_mpi.comm.compress import Codec, Compression, Packed
 from petra_mpi.config import ConfigError, load_config
-from petra_mpi.engine.build import build_stages
-from petra_mpi.mpi.transport import CHANNELS_LAST, CONTIGUOUS, from_wire, to_wire
-from petra_mpi.schedule import updates_after
+from petra_mpi.engines.build import build_stages
+from petra_mpi.comm.transport import CHANNELS_LAST, CONTIGUOUS, from_wire, to_wire
+from petra_mpi.core.schedule import updates_after
 
 # Unit roundoff of rounding to the nearest: half the gap between neighbours relative to the
 # value, 2^-p for p significand bits (the implicit one included): bf16 has 8, fp16 11.
@@ -137,7 +137,7 @@ def test_compressed_fifo_keeps_fewer_bytes():
 
 
 def test_dry_run_counts_packed_fifo_entries():
-    from petra_mpi.dryrun import stage_table
+    from petra_mpi.run.dryrun import stage_table
     fifo = {}
     for fmt in ("none", "bf16", "int8"):
         cfg = load_config("configs/quickstart.yaml", [f"comm.buffers={fmt}"])
@@ -225,7 +225,7 @@ def test_lr0_gradient_with_bf16_messages(arch, forward):
 
 
 def test_packed_fifo_entry_counts_its_bytes():
-    from petra_mpi.compress import nbytes
+    from petra_mpi.comm.compress import nbytes
     p = Codec("int8_channel").pack(activation())
     assert isinstance(p, Packed) and nbytes(p) == 8 * 6 * 5 * 5 + 6 * 4
 
@@ -252,7 +252,7 @@ def test_a_nonfinite_gradient_stops_the_run_before_any_stage_uses_it(tmp_path, m
     micro-batch 3 holds one inf: the run ends with the one-line non-finite error, and no
     stage's weights have changed since that gradient was made."""
     from tests.support.paths import QUICK, ROOT
-    from petra_mpi.engine.worker import StageWorker
+    from petra_mpi.core.worker import StageWorker
     from petra_mpi.train import main
 
     workers, at_injection = [], []

@@ -17,10 +17,10 @@ from petra_mpi.models import ARCHS, PRECISIONS, num_blocks
 from petra_mpi.models.vit import VIT_ARCHS
 from petra_mpi.models.lm import LM_ARCHS
 from petra_mpi.models.invertible import INVERTIBLE_ARCHS
-from petra_mpi.compress import DIRECTIONS, FORMATS
-from petra_mpi.optim import OPTIMIZERS
-from petra_mpi.schedule import METHODS
-from petra_mpi.optim import peak_lr
+from petra_mpi.comm.compress import DIRECTIONS, FORMATS
+from petra_mpi.core.optim import OPTIMIZERS
+from petra_mpi.core.schedule import METHODS
+from petra_mpi.core.optim import peak_lr
 from petra_mpi.train import main
 
 CONFIGS = ROOT / "configs"
@@ -182,7 +182,7 @@ def test_mission_configs_are_table2_runs(name, table2):
 @pytest.mark.extended
 def test_mission_command_cifar10_under_mpirun_10(tmp_path):
     """`mpirun -n 10 python -m petra_mpi.train configs/cifar10.yaml` for real, on a CIFAR-10 file
-    packed by data_prep.cifar from a small tarball in the upstream format, shrunk only by --set."""
+    packed by petra_mpi.prep.cifar from a small tarball in the upstream format, shrunk only by --set."""
     import json
     import os
     import subprocess
@@ -193,7 +193,7 @@ def test_mission_command_cifar10_under_mpirun_10(tmp_path):
     root = CONFIGS.parent
     make_cifar10(tmp_path / "src", n=80, n_test=64)  # 400 train, 64 val images of 10 classes
     data = tmp_path / "cifar10.h5"
-    subprocess.run([sys.executable, "-m", "data_prep.cifar", "--variant", "cifar10", "--source",
+    subprocess.run([sys.executable, "-m", "petra_mpi.prep.cifar", "--variant", "cifar10", "--source",
                     str(tmp_path / "src"), "--out", str(data)], check=True, capture_output=True,
                    timeout=120, cwd=root)
     out = tmp_path / "run"

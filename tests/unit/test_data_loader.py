@@ -411,7 +411,7 @@ def test_reads_a_file_another_process_holds_open_for_writing(tmp_path):
     import subprocess
     import sys
 
-    from data_prep.verify import verify
+    from petra_mpi.prep.verify import verify
     path = tmp_path / "d.h5"
     data = write_h5(path)
     holder = subprocess.Popen(

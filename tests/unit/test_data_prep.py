@@ -1,4 +1,4 @@
-"""Tests of the offline packers (data_prep/): real fixture files in the upstream formats, packed
+"""Tests of the offline packers (petra_mpi/prep/): real fixture files in the upstream formats, packed
 through the command lines (in this process, but for the interruption tests), read back with h5py."""
 import contextlib
 import functools
@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import queue
 import threading
 import time
 
@@ -22,11 +21,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.support.launch import start_and_interrupt
 from tests.support.paths import ROOT
 from tests.support.verify_files import assert_one_problem
-from data_prep.common import PrepError, run_cli
-from data_prep.imagenet import encode, ordered_map, read_val_labels
-from data_prep.verify import verify
+from petra_mpi.prep.common import PrepError, run_cli
+from petra_mpi.prep.imagenet import encode, ordered_map, read_val_labels
+from petra_mpi.prep.verify import verify
 from tests.support.upstream_formats import (CLASSES, TARGET, make_cifar10, make_cifar100, make_imagenet,
                               smooth_image, to_planes)
 
@@ -34,19 +34,19 @@ REPO = str(ROOT)
 
 
 def run(module, *args):
-    """`python -m data_prep.MODULE ARGS` run in this process (no interpreter start-up per call):
+    """`python -m petra_mpi.prep.MODULE ARGS` run in this process (no interpreter start-up per call):
     its exit status and what it printed, as subprocess.run would give them."""
     argv = [str(a) for a in args]
     out, err = io.StringIO(), io.StringIO()
     sigterm = signal.getsignal(signal.SIGTERM)  # run_cli installs its own; keep pytest's
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            run_cli(importlib.import_module(f"data_prep.{module}").main, argv)
+            run_cli(importlib.import_module(f"petra_mpi.prep.{module}").main, argv)
     except SystemExit as e:
         status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
         signal.signal(signal.SIGTERM, sigterm)
-    return subprocess.CompletedProcess([sys.executable, "-m", f"data_prep.{module}", *argv],
+    return subprocess.CompletedProcess([sys.executable, "-m", f"petra_mpi.prep.{module}", *argv],
                                        status, out.getvalue(), err.getvalue())
 
 
@@ -386,56 +386,14 @@ def test_shards_merge_to_single_pass(tmp_path, copy):
 
 # ---------------------------------------------------------------- interruption
 
-def children_of(pid):
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        kids.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                pass
-    return kids
-
-
-def start_and_interrupt(cmd, sig, group=False, sigint_ignored=False):
-    """Start a packer, wait for its "started" line (its handlers are in place and its temporary
-    output exists), then send `sig` to it (or, with group=True, to its whole process group, as
-    Ctrl-C in a terminal does). sigint_ignored: start it with SIGINT ignored, as a shell without
-    job control starts a background command."""
-    def ignore_sigint():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    proc = subprocess.Popen([sys.executable, "-m", *map(str, cmd)], cwd=REPO, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=ignore_sigint if sigint_ignored else None)
-    lines = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put("")],
-                     daemon=True).start()
-    while True:
-        line = lines.get(timeout=60)
-        assert line, ("the packer ended before it started", proc.wait(), proc.stderr.read())
-        if line.startswith("started: writing "):
-            break
-    kids = children_of(proc.pid)
-    assert proc.poll() is None, "the packer finished before it could be interrupted"
-    if group:
-        os.killpg(proc.pid, sig)
-    else:
-        proc.send_signal(sig)
-    err = proc.stderr.read()
-    proc.wait(timeout=60)
-    return proc.returncode, err, kids
-
-
 @pytest.mark.parametrize("sigint_ignored", [False, True])
 def test_interrupted_synthetic_leaves_nothing(tmp_path, sigint_ignored):
     """Ctrl-C to a single-process packer while it computes (the pool case is below), also when
     it was started with SIGINT ignored (Python would leave it ignored)."""
     out = str(tmp_path / "s.h5")
-    rc, err, _ = start_and_interrupt(["data_prep.synthetic", "--out", out, "--train", 100000],
+    rc, err, _ = start_and_interrupt(["petra_mpi.prep.synthetic", "--out", out, "--train", 100000],
                                      signal.SIGINT, sigint_ignored=sigint_ignored)
-    assert rc == 130 and "data_prep.synthetic: interrupted" in err and "Traceback" not in err
+    assert rc == 130 and "petra_mpi.prep.synthetic: interrupted" in err and "Traceback" not in err
     assert os.listdir(tmp_path) == []
 
 
@@ -458,7 +416,7 @@ def test_interrupted_imagenet_pool_leaves_nothing(tmp_path, sig, group, sigint_i
     outdir.mkdir()
     out = str(outdir / "in.h5")
     rc, err, kids = start_and_interrupt(
-        ["data_prep.imagenet", "--source", src, "--out", out, "--size", 700, "--workers", 2],
+        ["petra_mpi.prep.imagenet", "--source", src, "--out", out, "--size", 700, "--workers", 2],
         sig, group=group, sigint_ignored=sigint_ignored)
     assert rc == 130 and "Traceback" not in err, err
     assert os.listdir(outdir) == []
@@ -470,7 +428,7 @@ def test_interrupted_imagenet_pool_leaves_nothing(tmp_path, sig, group, sigint_i
 def test_interrupt_swallowed_on_the_way_still_stops_the_commit(tmp_path, monkeypatch):
     """A signal whose KeyboardInterrupt was dropped (raised inside a finalizer, say) still
     keeps the output from appearing."""
-    from data_prep import common
+    from petra_mpi.prep import common
     monkeypatch.setattr(common, "_interrupt_signals", [signal.SIGINT])
     out = tmp_path / "x.h5"
     with pytest.raises(KeyboardInterrupt):
@@ -529,6 +487,24 @@ def test_resize_antialiases(tmp_path):
         assert got.shape == (32, 48, 3)
         assert abs(got.mean() - 127.5) < 8 and got.std() < 8, (ext, got.mean(), got.std())
         assert stats.count == 32 * 48
+
+
+def test_the_old_command_names_still_pack_and_verify(tmp_path):
+    """`python -m data_prep.X` (the packers' names before they moved into the package) runs the
+    same command as `python -m petra_mpi.prep.X`: the same file, the same checks."""
+    old, new = tmp_path / "old.h5", tmp_path / "new.h5"
+    for module, out in (("data_prep.synthetic", old), ("petra_mpi.prep.synthetic", new)):
+        proc = subprocess.run([sys.executable, "-m", module, "--out", out, "--train", "32",
+                               "--val", "16"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+    with h5py.File(old, "r") as a, h5py.File(new, "r") as b:
+        np.testing.assert_array_equal(a["train/images"][:], b["train/images"][:])
+    with h5py.File(old, "r+") as f:
+        f["train/labels"][0] = 99  # outside num_classes: the old name must fail as the new one
+    proc = subprocess.run([sys.executable, "-m", "data_prep.verify", old], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "values outside [0, 10)" in proc.stderr, proc.stderr
 
 
 def test_synthetic_matches_make_synthetic(tmp_path):

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from petra_mpi.devices import gpu_index, launcher_local_rank
+from petra_mpi.comm.devices import gpu_index, launcher_local_rank
 
 
 # ---- device binding ---------------------------------------------------------------------------
@@ -46,8 +46,8 @@ def test_launcher_local_rank_names_its_source():
 
 def test_pick_device_cpu_and_bind_early_cpu():
     from petra_mpi.config import Config
-    from petra_mpi.devices import bind_early
-    from petra_mpi.trainer import pick_device
+    from petra_mpi.comm.devices import bind_early
+    from petra_mpi.run.trainer import pick_device
     cfg = Config()
     cfg.run.device = "cpu"
     assert pick_device(cfg, 3) == torch.device("cpu")
@@ -62,14 +62,14 @@ def test_pick_device_cpu_and_bind_early_cpu():
     ({0, 1, 2, 3}, [{0, 1, 2, 3}, {0, 1, 2, 3}, {4, 5, 6, 7}], 2),  # two share one set
 ])
 def test_cpu_share(mine, node, want):
-    from petra_mpi.mpi.world import cpu_share
+    from petra_mpi.comm.world import cpu_share
     assert cpu_share(mine, node) == want
 
 
 def test_each_rank_pins_the_network_card_next_to_its_gpu():
     """PETRA_NET_DEVICES lists a node's cards in GPU order: the rank on GPU (or node-local
     rank) i gets card i as UCX_NET_DEVICES, set before MPI starts; without the list, nothing."""
-    from petra_mpi.devices import bind_early, pin_net_device
+    from petra_mpi.comm.devices import bind_early, pin_net_device
     cards = "mlx5_0:1, mlx5_1:1,mlx5_2:1,mlx5_3:1"
     env = {"SLURM_LOCALID": "2", "PETRA_NET_DEVICES": cards}
     bind_early("cpu", env)

@@ -1,4 +1,4 @@
-"""The emulated pipeline's pieces (petra_mpi/emulation.py): cost profiles, waiting stages that
+"""The emulated pipeline's pieces (petra_mpi/perf/emulation.py): cost profiles, waiting stages that
 match the real stages' shapes and held memory, and the performance model's framework costs and
 speed-up bound (the mpirun run of `bench emulate` is in tests/e2e/test_bench.py)."""
 import json
@@ -6,12 +6,13 @@ import json
 import pytest
 import torch
 
-from petra_mpi import emulation, perfmodel
-from petra_mpi.blockcost import BlockCosts
-from petra_mpi.emulation import (Clock, Profile, WaitingStage, file_profile, paper_profile,
+from petra_mpi.perf import emulation
+from petra_mpi.perf import model as perfmodel
+from petra_mpi.core.blockcost import BlockCosts
+from petra_mpi.perf.emulation import (Clock, Profile, WaitingStage, file_profile, paper_profile,
                                  probe_shapes)
-from petra_mpi.engine.build import build_stages
-from petra_mpi.mpi.transport import Transport
+from petra_mpi.engines.build import build_stages
+from petra_mpi.comm.transport import Transport
 
 
 @pytest.mark.parametrize("arch", ["revnet18", "revnet34"])
@@ -188,7 +189,7 @@ def test_speedup_bound_of_a_split():
 
 
 def test_steady_rate_counts_from_the_first_forward_paced_by_the_full_pipeline():
-    from petra_mpi.bench.emulate import _steady_rate
+    from petra_mpi.perf.bench.emulate import _steady_rate
     J = 3  # forwards 0-3 run free (fill), 4 waits for the first gradient, then one per second
     starts = [0.0, 0.1, 0.2, 0.3, 0.4, 5.0, 6.0, 7.0, 8.0]
     assert _steady_rate(starts, J) == pytest.approx(1.0)
@@ -196,7 +197,7 @@ def test_steady_rate_counts_from_the_first_forward_paced_by_the_full_pipeline():
 
 
 def test_bench_pipeline_scales_the_timed_block_costs_to_the_stage_costs_of_its_runs():
-    from petra_mpi.bench.pipeline import scaled_to
+    from petra_mpi.perf.bench.pipeline import scaled_to
     costs = BlockCosts([1.0] * 4, [3.0] * 4, [4.0] * 4, [0.5] * 4, [7] * 4, 3)
     scaled = scaled_to(costs, [2, 2], [4.0, 16.0])  # stages timed at 8 and 8, ran at 4 and 16
     assert scaled.stage_seconds([2, 2]) == [4.0, 16.0]
@@ -206,7 +207,7 @@ def test_bench_pipeline_scales_the_timed_block_costs_to_the_stage_costs_of_its_r
 
 
 def test_a_runs_figures_are_its_last_json_line_whatever_follows(tmp_path):
-    from petra_mpi.bench.common import last_json_line
+    from petra_mpi.perf.bench.common import last_json_line
     log = tmp_path / "run.txt"
     log.write_text('petra_mpi: 2 ranks\n{"framework": 1}\n{"framework": 2}\n'
                    '{"cut off": \n12.3 s\n')
@@ -286,7 +287,7 @@ def test_the_kept_plan_of_the_paper_profile():
     so without a limit the plan keeps that stage's block for all its d_1 = 16 micro-batches and
     nothing elsewhere (the others are faster anyway), and PETRA's bound rises by 4/3, a rebuild
     of 4 forwards' worth; at budget 0 nothing is kept."""
-    from petra_mpi.bench.emulate import _bound, kept_stage_costs
+    from petra_mpi.perf.bench.emulate import _bound, kept_stage_costs
     profile, J = paper_profile("revnet18"), 10
     split = [1] * J
     sizes = emulation.kept_sizes("revnet18", 8, 16, split)
@@ -317,7 +318,7 @@ def test_a_checkpointed_plain_stage_holds_block_inputs_and_recomputes():
 
 
 def test_the_pareto_front_keeps_the_runs_nothing_beats():
-    from petra_mpi.bench.emulate import pareto_front
+    from petra_mpi.perf.bench.emulate import pareto_front
     points = [("a", 10, 100.0), ("b", 20, 150.0), ("c", 20, 120.0), ("d", 30, 150.0),
               ("e", 5, 50.0), ("f", 40, 160.0), ("g", 10, 100.0)]
     # c: b holds as much and is faster; d: b is as fast and holds less; a and g tie

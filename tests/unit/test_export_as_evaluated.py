@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from tests.support.paths import QUICK
-from petra_mpi import evaluate, export, train
+from petra_mpi import evaluate
+from petra_mpi import export
+from petra_mpi import train
 
 
 def final_eval(run_dir):

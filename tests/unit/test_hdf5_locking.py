@@ -30,7 +30,7 @@ if sys.argv[1] == "h5py-without-locking":  # as h5py before 3.5: no locking= arg
                 raise TypeError("__init__() got an unexpected keyword argument 'locking'")
             super().__init__(*args, **kwargs)
     h5py.File = File
-from data_prep import imagenet, verify
+from petra_mpi.prep import imagenet, verify
 from petra_mpi.data.source import open_split
 src, parts, joined = sys.argv[2:5]
 common = ["--source", src, "--size", "{TARGET}", "--workers", "1"]

@@ -1,4 +1,4 @@
-"""The IDX packer (data_prep/idx.py) on small MNIST-format files written here, gzipped and plain;
+"""The IDX packer (petra_mpi/prep/idx.py) on small MNIST-format files written here, gzipped and plain;
 the reader's mirror rule for the sets it writes; and a short training run on such a file."""
 import gzip
 import json
@@ -12,7 +12,7 @@ import torch
 
 from tests.support.outputs import check_run_outputs
 from tests.support.paths import ROOT
-from data_prep.verify import verify
+from petra_mpi.prep.verify import verify
 from tests.support.idx_files import make_set, pack, write_idx
 from petra_mpi.data import BatchLoader, open_split
 from petra_mpi.data import augment as A
@@ -127,7 +127,7 @@ def test_bad_input_one_line_no_output(tmp_path, name):
     assert status == 2, err
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
-    assert last.startswith("data_prep.idx: error: ") and file.removesuffix(".gz")[:11] in last, last
+    assert last.startswith("petra_mpi.prep.idx: error: ") and file.removesuffix(".gz")[:11] in last, last
     for word in words:
         assert word in last, last
     assert os.listdir(outdir) == []
@@ -188,11 +188,11 @@ def test_training_smoke_on_a_packed_file(tmp_path):
 
 def test_interrupted_packer_leaves_nothing(tmp_path):
     """Ctrl-C once the packer says it has started writing: exit 130, no output, no temporary."""
-    from test_data_prep import start_and_interrupt
+    from tests.support.launch import start_and_interrupt
     make_set(tmp_path / "fashion-mnist", n_train=60000, n_val=10, gz=False)
     outdir = tmp_path / "out"
     outdir.mkdir()
-    rc, err, _ = start_and_interrupt(["data_prep.idx", "--source", tmp_path / "fashion-mnist",
+    rc, err, _ = start_and_interrupt(["petra_mpi.prep.idx", "--source", tmp_path / "fashion-mnist",
                                       "--out", outdir / "fm.h5"], signal.SIGINT)
-    assert rc == 130 and "data_prep.idx: interrupted" in err and "Traceback" not in err, err
+    assert rc == 130 and "petra_mpi.prep.idx: interrupted" in err and "Traceback" not in err, err
     assert os.listdir(outdir) == []

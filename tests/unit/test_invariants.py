@@ -7,10 +7,10 @@ import torch.nn.functional as F
 
 from tests.support.nets import (applied_gradients, end_to_end_gradients, flat_params, make_batches,
                      max_relative_error, run_engine)
-from petra_mpi.engine.build import build_stages
+from petra_mpi.engines.build import build_stages
 from petra_mpi.models import build_blocks, frozen_bn_stats, num_blocks
-from petra_mpi.optim import LRSchedule, StageOptimizer
-from petra_mpi.stages import Stage
+from petra_mpi.core.optim import LRSchedule, StageOptimizer
+from petra_mpi.core.stages import Stage
 
 
 @pytest.mark.parametrize("arch", ["revnet18", "resnet18", "irevnet18"])
@@ -118,8 +118,8 @@ def test_invariant2_follows_plain_autograd(arch, J, method, k):
     batches = make_batches(8, size=16)  # 16x16 keeps the last BN layers off 1x1 maps, whose
     # near-zero batch variance would amplify rounding differences between the two computations
     stages = build_stages(arch, 4, 10, J, seed=0, dtype=torch.float64)
-    from petra_mpi.engine.build import build_workers
-    from petra_mpi.engine.local import LocalEngine
+    from petra_mpi.engines.build import build_workers
+    from petra_mpi.engines.local import LocalEngine
     workers = build_workers(stages, LRSchedule(0.2, 3, warmup_epochs=1, milestones=(2,)), k,
                             weight_decay=5e-4)
     LocalEngine(workers, method).train_segment(iter(batches), len(batches))
@@ -182,8 +182,8 @@ def test_invariant5_bn_stats_updated_once_per_microbatch_in_backward(J, method, 
     assert all(torch.equal(b, bn.running_mean) for b, bn in zip(before, bns))
     stage0.clear()
     # a full run: every BN counted exactly once per micro-batch
-    from petra_mpi.engine.build import build_workers
-    from petra_mpi.engine.local import LocalEngine
+    from petra_mpi.engines.build import build_workers
+    from petra_mpi.engines.local import LocalEngine
     LocalEngine(build_workers(stages, LRSchedule(0.0, 10)), method).train_segment(iter(batches), 5)
     assert all(bn.num_batches_tracked.item() == 5 for bn in bns)
     # and the running statistics equal those of plain training-mode forwards (lr = 0)

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from petra_mpi.bench.memory import main as bench_memory
-from petra_mpi.engine.build import build_stages
+from petra_mpi.perf.bench.memory import main as bench_memory
+from petra_mpi.engines.build import build_stages
 from petra_mpi.models import build_blocks, count_parameters, num_blocks
 from petra_mpi.models.invertible import InvertibleDownsampleBlock, squeeze, unsqueeze
-from petra_mpi.stages import Stage
+from petra_mpi.core.stages import Stage
 
 INVERTIBLE = ["irevnet18", "irevnet34", "irevnet50"]
 

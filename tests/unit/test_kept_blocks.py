@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from petra_mpi.config import ConfigError, load_config
-from petra_mpi.engine.build import build_stages, build_workers
-from petra_mpi.engine.local import LocalEngine
-from petra_mpi.memory_plan import (budget_bytes, choose, kept_bytes, plan_stages, probe_sizes,
+from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.engines.local import LocalEngine
+from petra_mpi.core.memory_plan import (budget_bytes, choose, kept_bytes, plan_stages, probe_sizes,
                                    stage_units)
 from petra_mpi.models import build_blocks, frozen_bn_stats
 from petra_mpi.models.blocks import Head
-from petra_mpi.optim import LRSchedule
-from petra_mpi.partition import split_blocks
-from petra_mpi.stages import Stage
+from petra_mpi.core.optim import LRSchedule
+from petra_mpi.core.partition import split_blocks
+from petra_mpi.core.stages import Stage
 from tests.support.launch import mpirun
 from tests.support.nets import make_batches
 from tests.support.paths import PROGRAMS, ROOT
@@ -268,7 +268,7 @@ def test_mpi_equals_local_bitwise_with_a_mixed_plan(tmp_path):
 
 
 def test_dry_run_prints_the_plan(capsys):
-    from petra_mpi.dryrun import report
+    from petra_mpi.run.dryrun import report
     cfg = load_config(QUICKSTART, ["model.memory_budget=auto", "model.balance=estimate",
                                    "model.width=4", "data.batch_size=8"])
     report(cfg, 4)
@@ -283,7 +283,7 @@ def test_dry_run_prints_the_plan(capsys):
 
 
 def test_build_stages_applies_the_budget_on_every_rank_alike():
-    """What training builds (trainer.py passes model.memory_budget): the planner's plan, the
+    """What training builds (run/trainer.py passes model.memory_budget): the planner's plan, the
     same for the whole split and for each rank's own stage."""
     kw = dict(seed=0, image_size=8, memory_budget="auto", batch_size=4)
     whole = build_stages("revnet18", 4, 10, 4, **kw)

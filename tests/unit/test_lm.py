@@ -14,11 +14,11 @@ from tests.support.launch import mpirun
 from tests.support.paths import ROOT
 from tests.support.nets import applied_gradients, end_to_end_gradients, flat_params, max_relative_error
 from petra_mpi.config import ConfigError, load_config
-from petra_mpi.engine.build import build_stages, build_workers
-from petra_mpi.engine.local import LocalEngine
+from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.engines.local import LocalEngine
 from petra_mpi.models import build_blocks, num_blocks, set_precision
-from petra_mpi.optim import LRSchedule
-from petra_mpi.stages import Stage
+from petra_mpi.core.optim import LRSchedule
+from petra_mpi.core.stages import Stage
 
 VOCAB, CONTEXT = 10, 8
 # A tiny LM: width 8 per stream, 2 heads, 4 decoder blocks (6 blocks with embedding and head).
@@ -151,7 +151,7 @@ def test_petra_at_one_stage_equals_reversible_backprop():
     backprop = train("backprop", 3, batches)
     (net,) = build_stages("revlm", 8, VOCAB, 1, seed=0, dtype=torch.float64, **TINY)
     model = torch.nn.Sequential(*net.blocks)
-    from petra_mpi.optim import StageOptimizer
+    from petra_mpi.core.optim import StageOptimizer
     opt = StageOptimizer(model, LRSchedule(0.01, 3, warmup_epochs=1, kind="cosine",
                                            total_steps=4), weight_decay=0.05, name="adamw")
     initial = [p.detach().clone() for p in model.parameters()]
@@ -219,7 +219,7 @@ def token_file(tmp_path):
     words = ["the", "king", "queen", "doth", "speak", "and", "thou", "art", "\n"]
     text.write_text(" ".join(words[i] for i in torch.randint(0, 9, (3000,), generator=g)))
     out = tmp_path / "text.h5"
-    subprocess.run([sys.executable, "-m", "data_prep.text", "--source", str(text), "--out",
+    subprocess.run([sys.executable, "-m", "petra_mpi.prep.text", "--source", str(text), "--out",
                     str(out)], check=True, capture_output=True, cwd=ROOT, timeout=60)
     return out
 
@@ -283,7 +283,7 @@ def test_generate_from_an_export(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("ROMEO: wherefore art thou\n" * 20)
     data = tmp_path / "t.h5"
-    subprocess.run([sys.executable, "-m", "data_prep.text", "--source", str(text), "--out",
+    subprocess.run([sys.executable, "-m", "petra_mpi.prep.text", "--source", str(text), "--out",
                     str(data), "--vocab", "char"], check=True, capture_output=True, cwd=ROOT,
                    timeout=60)
     vocab = sorted(set(text.read_text()))
@@ -320,7 +320,7 @@ def tiny_lm_config(tmp_path, token_file, *sets):
 def test_dry_run_speaks_of_token_windows(tmp_path, token_file, capsys):
     """--dry-run (and --profile, which times every block on a batch of token ids) describes a
     micro-batch of a language model as windows of tokens, not images."""
-    from petra_mpi.dryrun import report
+    from petra_mpi.run.dryrun import report
     cfg = tiny_lm_config(tmp_path, token_file)
     assert report(cfg, 2, profile=True) == 0
     out = capsys.readouterr().out
@@ -335,7 +335,7 @@ def test_train_log_counts_tokens(tmp_path):
     image model's keep images_per_s alone."""
     import io
     import types
-    from petra_mpi.trainer import TrainLog
+    from petra_mpi.run.trainer import TrainLog
 
     class Writer:
         records = []

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from petra_mpi.models import build_blocks, count_parameters, num_blocks
-from petra_mpi.partition import balanced_partition, block_costs, resolve_partition
+from petra_mpi.core.partition import balanced_partition, block_costs, resolve_partition
 
 TABLE2 = {"resnet18": 11.7e6, "revnet18": 12.2e6, "resnet34": 21.8e6, "revnet34": 22.3e6,
           "resnet50": 25.6e6, "revnet50": 30.4e6}

@@ -9,12 +9,12 @@ import sys
 import pytest
 import torch
 
-from petra_mpi import perfmodel
-from petra_mpi.blockcost import BlockCosts, measure_block_costs
-from petra_mpi.mpi.transport import HostPool
+from petra_mpi.perf import model as perfmodel
+from petra_mpi.core.blockcost import BlockCosts, measure_block_costs
+from petra_mpi.comm.transport import HostPool
 from petra_mpi.models import build_blocks
-from petra_mpi.partition import balanced_partition, resolve_partition
-from petra_mpi.stages import Stage
+from petra_mpi.core.partition import balanced_partition, resolve_partition
+from petra_mpi.core.stages import Stage
 from tests.support.paths import ROOT
 
 
@@ -196,7 +196,7 @@ def test_training_prints_the_measured_split(tmp_path):
 def test_bench_data_cpu_seconds_count_worker_processes():
     """Images per CPU-second must count the decode workers: a process below this one that is
     still running (not yet waited for) and its own child are both in cpu_seconds()."""
-    from petra_mpi.bench.data import cpu_seconds
+    from petra_mpi.perf.bench.data import cpu_seconds
     burn = ("import sys, time\n"
             "while time.process_time() < 0.5: pass\n"
             "print('burnt', flush=True)\n"

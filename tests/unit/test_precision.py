@@ -32,7 +32,7 @@ def test_invariant4_rebuild_in_bf16(arch):
 def assert_bf16_rebuild(block, x):
     """One middle stage of `block` (set to bf16): float32 output, rebuild and gradients, and the
     rebuild within 1e-5 of x. Returns the forward's output."""
-    from petra_mpi.stages import Stage
+    from petra_mpi.core.stages import Stage
     stage = Stage([block], 1, 3)
     y = stage(x)
     assert y.dtype == torch.float32
@@ -73,10 +73,10 @@ def test_bf16_really_computes_in_bf16():
 def test_diagnostics_rebuild_error_in_bf16():
     """The per-stage rebuild error the diagnostics report is float32 rounding in bf16 mode when
     the weights do not change (lr = 0)."""
-    from petra_mpi.diagnostics import Diagnostics
-    from petra_mpi.engine.build import build_stages, build_workers
-    from petra_mpi.engine.local import LocalEngine
-    from petra_mpi.optim import LRSchedule
+    from petra_mpi.run.diagnostics import Diagnostics
+    from petra_mpi.engines.build import build_stages, build_workers
+    from petra_mpi.engines.local import LocalEngine
+    from petra_mpi.core.optim import LRSchedule
     stages = build_stages("revnet18", 4, 10, 10, seed=0, precision="bf16")
     records = []
     diagnostics = Diagnostics(1, 1, emit=records.append)

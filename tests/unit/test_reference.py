@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from tests.support.nets import make_batches, max_relative_error
-from petra_mpi.engine.build import build_stages, build_workers
-from petra_mpi.engine.local import LocalEngine
+from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.engines.local import LocalEngine
 from petra_mpi.models import frozen_bn_stats
-from petra_mpi.optim import LRSchedule
+from petra_mpi.core.optim import LRSchedule
 
 PEAK, STEPS_PER_EPOCH, MOMENTUM, WEIGHT_DECAY = 0.3, 2, 0.9, 5e-4
 TOL = 1e-10  # float64: the two implementations differ only by rounding (seen: ~1e-14)

@@ -5,9 +5,9 @@ import torch
 
 from tests.support.paths import QUICK
 from petra_mpi import train
-from petra_mpi.compress import Compression
-from petra_mpi.engine import local
-from petra_mpi.engine.build import build_stages
+from petra_mpi.comm.compress import Compression
+from petra_mpi.engines import local
+from petra_mpi.engines.build import build_stages
 
 STOCHASTIC = Compression(buffers="int8", stochastic=True, seed=5)
 

@@ -14,12 +14,12 @@ from tests.support.paths import ROOT
 from tests.support.nets import (applied_gradients, end_to_end_gradients, flat_params, make_batches,
                      max_relative_error)
 from petra_mpi.config import ConfigError, load_config, num_stages
-from petra_mpi.engine.build import build_stages, build_workers
-from petra_mpi.engine.local import LocalEngine
+from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.engines.local import LocalEngine
 from petra_mpi.models import build_blocks, num_blocks
-from petra_mpi.optim import LRSchedule, StageOptimizer
-from petra_mpi.partition import block_costs
-from petra_mpi.stages import Stage
+from petra_mpi.core.optim import LRSchedule, StageOptimizer
+from petra_mpi.core.partition import block_costs
+from petra_mpi.core.stages import Stage
 
 # A tiny revvit on 8x8 images: 4 tokens of 2x2 patches, width 8 per stream, 2 heads, 4 blocks
 # (6 blocks with the patch embedding and the head).
@@ -139,7 +139,7 @@ def test_attention_is_in_the_partition_cost(monkeypatch):
     monkeypatch.undo()
     assert costs[1] - without[1] >= attention  # the weightless products are counted
     # balanced: a 4-stage split of 6 blocks keeps the transformer blocks apart
-    from petra_mpi.partition import balanced_partition
+    from petra_mpi.core.partition import balanced_partition
     assert max(balanced_partition(costs, 3)) <= 2
 
 
@@ -185,7 +185,7 @@ def test_adamw_cosine_checkpoint_resume_equals_running_on(tmp_path):
     proc = train_cli("--set", f"run.out_dir={resumed}", *SMALL,
                      "--set", "run.checkpoint_every_microbatches=8")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from petra_mpi.checkpoint import complete_checkpoints
+    from petra_mpi.run.checkpoint import complete_checkpoints
     ckpts = complete_checkpoints(str(resumed))
     assert [Path(c).name for c in ckpts][:2] == ["ckpt-e00000-b00000008", "ckpt-e00001-b00000000"]
     import shutil

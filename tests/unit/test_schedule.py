@@ -3,7 +3,7 @@ from collections import Counter
 
 import pytest
 
-from petra_mpi.schedule import (Action, Kind, backward_microbatch, delay, forward_microbatch,
+from petra_mpi.core.schedule import (Action, Kind, backward_microbatch, delay, forward_microbatch,
                                 main, num_ticks, schedule_for, updates_after)
 
 
@@ -175,7 +175,7 @@ def test_the_dry_run_counts_the_fifo_a_run_holds(arch, J):
     from tests.support.nets import make_batches, run_engine
     from petra_mpi.config import load_config
     import torch
-    from petra_mpi.dryrun import stage_table
+    from petra_mpi.run.dryrun import stage_table
     stages = run_engine(arch, J, 1, make_batches(3 * J))
     cfg = load_config("configs/quickstart.yaml", [f"model.arch={arch}", "model.width=4",
                                                   "data.batch_size=4"])

@@ -8,11 +8,11 @@ import torch
 
 from tests.support.nets import make_batches
 from stop_anywhere import StopAtTick
-from petra_mpi.checkpoint import save_blocks
-from petra_mpi.engine.build import build_stages, build_workers
-from petra_mpi.engine.local import LocalEngine
-from petra_mpi.optim import LRSchedule
-from petra_mpi.schedule import schedule_for
+from petra_mpi.run.checkpoint import save_blocks
+from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.engines.local import LocalEngine
+from petra_mpi.core.optim import LRSchedule
+from petra_mpi.core.schedule import schedule_for
 
 CHECK = 8    # stopping.STOP_CHECK_TICKS, restated: the test pins the rule
 MARGIN = 3   # schedule.STOP_MARGIN

@@ -1,4 +1,4 @@
-"""Token files (data_prep/text.py) and their reader (petra_mpi/data/text.py) through BatchLoader:
+"""Token files (petra_mpi/prep/text.py) and their reader (petra_mpi/data/text.py) through BatchLoader:
 the schema, next-token windows, seeded shuffles, replica shards, mid-epoch resume, bad input."""
 import subprocess
 import sys
@@ -20,7 +20,7 @@ def pack(tmp_path, *args, text=TEXT * 20, name="a.txt"):
     src = tmp_path / name
     src.write_bytes(text.encode("utf-8") if isinstance(text, str) else text)
     out = tmp_path / "text.h5"
-    return subprocess.run([sys.executable, "-m", "data_prep.text", "--source", str(src),
+    return subprocess.run([sys.executable, "-m", "petra_mpi.prep.text", "--source", str(src),
                            "--out", str(out), *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=60), out
 
@@ -121,7 +121,7 @@ def test_loader_seeded_sharded_and_resumable(token_file):
                for (a, c), (b, d) in zip(first[3:], rest))
 
 
-# ---- data_prep.verify on token files -----------------------------------------------------------
+# ---- petra_mpi.prep.verify on token files -----------------------------------------------------------
 
 def _break_id(f):
     f["train/tokens"][3] = int(f.attrs["num_classes"])
@@ -175,7 +175,7 @@ UNICODE_TEXT = "héllo wörld, ünïcode\n" * 30
 def test_verify_catches_token_violations(tmp_path, breaker, words):
     """A packed character-vocabulary file verifies clean; each breakage is one problem naming
     what is wrong (and no complaint about images, labels or mean/std)."""
-    from data_prep.verify import verify
+    from petra_mpi.prep.verify import verify
     r, good = pack(tmp_path, "--vocab", "char", text=UNICODE_TEXT)
     assert r.returncode == 0, r.stderr
     summary, problems = verify(str(good))
@@ -187,7 +187,7 @@ def test_verify_command_on_token_files(tmp_path):
     """The command: a bytes file is OK (exit 0); a bad one exits 1 with one line for its one
     problem."""
     def verify(path):
-        return subprocess.run([sys.executable, "-m", "data_prep.verify", str(path)],
+        return subprocess.run([sys.executable, "-m", "petra_mpi.prep.verify", str(path)],
                               capture_output=True, text=True, cwd=ROOT, timeout=60)
     r, good = pack(tmp_path)
     assert r.returncode == 0, r.stderr

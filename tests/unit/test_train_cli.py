@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from petra_mpi.checkpoint import complete_checkpoints, find_resume, is_complete
+from petra_mpi.run.checkpoint import complete_checkpoints, find_resume, is_complete
 from petra_mpi.config import ConfigError, load_config
 from tests.support.outputs import check_run_outputs
 from tests.support.paths import QUICK, ROOT
@@ -196,8 +196,8 @@ def test_dry_run_profile_prints_measured_costs_and_uses_the_measured_split():
 def test_decode_workers_default_to_the_ranks_cpu_share():
     """data.decode_workers: 0 sizes each loader's JPEG decode pool from the rank's CPU share, the
     one its torch threads get, not from the whole affinity set that ranks may share."""
-    from petra_mpi.mpi.world import cpu_share
-    from petra_mpi.trainer import cpu_threads, decode_threads, open_data
+    from petra_mpi.comm.world import cpu_share
+    from petra_mpi.run.trainer import cpu_threads, decode_threads, open_data
 
     class Rank:  # a rank of a node whose ranks' CPU sets are `node`
         def __init__(self, mine, node):

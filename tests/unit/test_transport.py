@@ -1,4 +1,4 @@
-"""The transport's logic on the CPU (mpi/transport.py, replicas.py): when a pooled receive buffer may be
+"""The transport's logic on the CPU (comm/transport.py, replicas.py): when a pooled receive buffer may be
 reused, how the host waits for GPU data (by polling MPI, never by blocking), which path the
 replicas' average takes, and messages in channels-last layout. GPU events and MPI requests are
 played by fakes here; tests/mpi/test_mpi.py sends real messages, and tests/e2e/test_gpu.py
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from petra_mpi.mpi.transport import (CHANNELS_LAST, CONTIGUOUS, TAG_ACTIVATION, HostPool, Inbox, Outbox,
+from petra_mpi.comm.transport import (CHANNELS_LAST, CONTIGUOUS, TAG_ACTIVATION, HostPool, Inbox, Outbox,
                             Transport, device_collectives, empty_in_layout, in_layout, layout_of,
                             storage_order)
-from petra_mpi.mpi.replicas import MPIMean, average_path
+from petra_mpi.comm.replicas import MPIMean, average_path
 
 # ---------------------------------------------------------------- receive-buffer pool
 

@@ -80,7 +80,7 @@ def test_missing_data_names_the_path_once_and_the_packers(tmp_path):
     assert proc.returncode == 1
     lines = error_lines(proc)
     assert len(lines) == 1, proc.stderr
-    assert lines[0].count(str(path)) == 1 and "data_prep" in lines[0]
+    assert lines[0].count(str(path)) == 1 and "petra_mpi.prep" in lines[0]
 
 
 def test_verify_says_an_attribute_is_missing(tmp_path):
@@ -88,7 +88,7 @@ def test_verify_says_an_attribute_is_missing(tmp_path):
     packed(path, np.arange(64) % 10)
     with h5py.File(path, "a") as f:
         del f.attrs["mean"]
-    proc = subprocess.run([sys.executable, "-m", "data_prep.verify", str(path)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "petra_mpi.prep.verify", str(path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
@@ -156,7 +156,7 @@ def test_threads_leave_room_for_a_busy_program_and_warn_when_they_cannot(tmp_pat
 
 
 def test_cpu_share_counts_what_other_programs_keep_busy():
-    from petra_mpi.mpi.world import cpu_share, oversubscribed
+    from petra_mpi.comm.world import cpu_share, oversubscribed
     assert cpu_share({0, 1}, [{0, 1}]) == 2
     assert cpu_share({0, 1}, [{0, 1}], busy=1.0) == 1
     assert cpu_share({0, 1}, [{0, 1}], busy=2.0) == 1            # never below one thread

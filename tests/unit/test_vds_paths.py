@@ -1,4 +1,4 @@
-"""Where a virtual join (data_prep.imagenet merge) finds its shard files: the names it records
+"""Where a virtual join (petra_mpi.prep.imagenet merge) finds its shard files: the names it records
 hold when the join's folder is reached through a symbolic link, and the reader and verify look
 where HDF5 looks, HDF5_VDS_PREFIX included."""
 import os
@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from tests.support.paths import ROOT
-from data_prep import imagenet, verify
+from petra_mpi.prep import imagenet
+from petra_mpi.prep import verify
 from petra_mpi.data.source import open_split
 from tests.support.upstream_formats import TARGET, make_imagenet
 
@@ -62,7 +63,7 @@ def test_shards_found_through_hdf5_vds_prefix(shards, tmp_path):
                          + [str(tmp_path / "a" / "parts" / p.name) for p in parts]) in (0, None)
     (tmp_path / "b").mkdir()
     os.rename(tmp_path / "a" / "parts", tmp_path / "b" / "parts")
-    check = ("import sys\nfrom data_prep import verify\n"
+    check = ("import sys\nfrom petra_mpi.prep import verify\n"
              "from petra_mpi.data.source import open_split\n"
              "assert verify.main([sys.argv[1]]) == 0\n"
              "s = open_split(sys.argv[1], 'train')\nimages, labels = s.read(0, len(s))\n"

@@ -1,4 +1,4 @@
-"""Reading the watchdog reports back after a stalled run (petra_mpi/watchdog.py: read_reports,
+"""Reading the watchdog reports back after a stalled run (petra_mpi/comm/watchdog.py: read_reports,
 diagnose, and `python -m petra_mpi.watchdog --diagnose`): which rank the chain of waits ends at,
 and its host. The reports are written by the real Watchdog, so a change of their wording that the
 reader no longer understands fails here."""
@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from tests.support.paths import ROOT
-from petra_mpi.watchdog import OWN_WORK, Watchdog, diagnose, read_reports
+from petra_mpi.comm.watchdog import OWN_WORK, Watchdog, diagnose, read_reports
 
 HOSTS = ["n1", "n1", "n2", "n2", "n3", "n3"]  # 6 ranks, 2 a node
 

@@ -1,0 +1,187 @@
+"""Measured per-block costs: what one micro-batch costs each block on the run's own device, dtype
+and input shape, timed the way the stages will run it.
+
+For every block three times are taken (median of a few repetitions after a warm-up):
+- forward: the no-graph forward of a stage (batch norm with batch statistics, nothing kept);
+- backward: a middle stage's backward step, i.e. the rebuild (reversible block) or the FIFO pop
+  and recomputation (buffered block) plus one vector-Jacobian product; for the first block (the
+  stem), stage 0's, which needs no gradient for the images;
+- last: what the block costs inside the last stage, which runs forward, loss and backward at once
+  (forward under autograd plus its backward; the head's cost includes the loss).
+A middle stage costs sum(forward + backward) of its blocks per micro-batch, the last stage
+sum(last). The blocks are deep-copied first, so timing neither moves a batch-norm statistic nor
+leaves a gradient behind in the model that trains.
+"""
+import copy
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..comm.devices import place, synchronize
+from .optim import LRSchedule, StageOptimizer
+from .stages import Stage
+
+
+@dataclass
+class BlockCosts:
+    forward: list[float]   # seconds per micro-batch
+    backward: list[float]
+    last: list[float]
+    step: list[float]      # seconds per optimizer step of the block's parameters
+    output_bytes: list[int]  # size of each block's output message for one micro-batch
+    input_bytes: int = 0     # size of the first block's input (the images) for one micro-batch
+
+    def stage_seconds(self, sizes) -> list[float]:
+        """Seconds per micro-batch of each stage of a split (blocks per stage)."""
+        out, i = [], 0
+        for s, n in enumerate(sizes):
+            blocks = range(i, i + n)
+            if s == len(sizes) - 1:
+                out.append(sum(self.last[b] for b in blocks))
+            else:
+                out.append(sum(self.forward[b] + self.backward[b] for b in blocks))
+            i += n
+        return out
+
+    def to_dict(self):
+        return {"forward": self.forward, "backward": self.backward, "last": self.last,
+                "step": self.step, "output_bytes": self.output_bytes,
+                "input_bytes": self.input_bytes}
+
+
+def _median_seconds(fn, device, repeats, setup=None):
+    """Median time of fn() over `repeats` runs after a warm-up; setup() runs untimed before each."""
+    times = []
+    for r in range(repeats + 1):
+        if setup is not None:
+            setup()
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        if r:  # the first run warms up the allocator and kernel selection
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _copies_and_batch(blocks, input_shape, batch_size, num_classes, device, dtype):
+    """Deep copies of the blocks (timing must not touch the model that trains) and a random
+    batch with labels."""
+    blocks = [place(copy.deepcopy(b), device, dtype).train() for b in blocks]
+    g = torch.Generator().manual_seed(0)
+    if len(input_shape) == 1:  # a language model's windows: token ids in, one label per token
+        x = torch.randint(0, num_classes, (batch_size, *input_shape), generator=g).to(device)
+        labels = torch.randint(0, num_classes, (x.numel(),), generator=g).to(device)
+        return blocks, x, labels
+    x = torch.randn(batch_size, *input_shape, generator=g, dtype=dtype).to(device)
+    labels = torch.randint(0, num_classes, (batch_size,), generator=g).to(device)
+    return blocks, x, labels
+
+
+def measure_block_costs(blocks, input_shape, batch_size, num_classes, *, device="cpu",
+                        dtype=torch.float32, repeats=3) -> BlockCosts:
+    """Time every block (see the module docstring) on a random batch of `input_shape`."""
+    device = torch.device(device)
+    blocks, x, labels = _copies_and_batch(blocks, input_shape, batch_size, num_classes, device,
+                                          dtype)
+    images = x.numel() * x.element_size()
+    forward, backward, last, step, out_bytes = [], [], [], [], []
+    for i, block in enumerate(blocks):
+        is_head = i == len(blocks) - 1
+        # Timed where training runs it: the first block on stage 0, whose backward computes no
+        # gradient for the images; any other on a middle stage, whose backward must send one.
+        # The forward feeds the FIFO of a buffered block, the backward pops it.
+        stage = Stage([block], index=0 if i == 0 else 1, num_stages=3)
+        with torch.no_grad():
+            y = stage(x)
+        stage.clear()
+        grad_y = torch.randn_like(y)
+
+        def fwd():
+            stage(x)
+            stage.clear()
+
+        def bwd():
+            stage.backward(y, grad_y)
+
+        def fused():
+            leaf = x.detach().requires_grad_(i > 0)  # no gradient for the images either
+            out = block(leaf)
+            if is_head:
+                F.cross_entropy(out, labels).backward()
+            else:
+                out.backward(grad_y)
+
+        forward.append(_median_seconds(fwd, device, repeats))
+        backward.append(_median_seconds(bwd, device, repeats, setup=lambda: stage(x)))
+        last.append(_median_seconds(fused, device, repeats))
+        optimizer = StageOptimizer(block, LRSchedule(0.0, 1))
+        step.append(_median_seconds(optimizer.step, device, repeats,
+                                    setup=lambda: (fused(), optimizer.accumulated())))
+        out_bytes.append(y.numel() * y.element_size())
+        block.zero_grad(set_to_none=True)
+        x = y
+    return BlockCosts(forward, backward, last, step, out_bytes, images)
+
+
+def measured_partition(arch, width, num_classes, num_stages, input_shape, batch_size, *,
+                       imagenet_stem=False, device="cpu", dtype=torch.float32, precision="fp32",
+                       **model_kw):
+    """(blocks per stage minimising the slowest stage by measured cost, the BlockCosts);
+    model_kw: the transformers' depth, heads and patch; precision as run.precision."""
+    from ..models import build_blocks, set_precision
+    from .partition import resolve_partition
+    blocks = build_blocks(arch, width, num_classes, imagenet_stem, image_size=input_shape[-1],
+                          **model_kw)
+    set_precision(blocks, precision)
+    costs = measure_block_costs(blocks, input_shape, batch_size, num_classes, device=device,
+                                dtype=dtype)
+    return resolve_partition(blocks, num_stages, costs=costs), costs
+
+
+def measured_partition_for(cfg, num_stages, input_shape, device, dtype):
+    """measured_partition for the net and batch of a run's config."""
+    from ..config import model_kwargs
+    return measured_partition(cfg.model.arch, cfg.model.width, cfg.model.num_classes, num_stages,
+                              input_shape, cfg.data.batch_size,
+                              imagenet_stem=cfg.model.stem == "imagenet", device=device,
+                              dtype=dtype, precision=cfg.run.precision, **model_kwargs(cfg))
+
+
+def measure_autograd_costs(blocks, input_shape, batch_size, num_classes, *, device="cpu",
+                           dtype=torch.float32, repeats=3) -> BlockCosts:
+    """Per-block costs of ordinary autograd training (what 1F1B or GPipe run): forward with
+    graph, its backward (last = both), the optimizer step."""
+    device = torch.device(device)
+    blocks, x, labels = _copies_and_batch(blocks, input_shape, batch_size, num_classes, device,
+                                          dtype)
+    images = x.numel() * x.element_size()
+    forward, backward, last, step, out_bytes = [], [], [], [], []
+    for i, block in enumerate(blocks):
+        is_head = i == len(blocks) - 1
+        with torch.no_grad():
+            y = block(x)
+        grad_y = torch.randn_like(y)
+        graph = {}
+
+        def fwd():
+            leaf = x.detach().requires_grad_(True)
+            out = block(leaf)
+            graph["out"] = F.cross_entropy(out, labels) if is_head else out
+
+        def bwd():
+            graph.pop("out").backward(None if is_head else grad_y)
+
+        forward.append(_median_seconds(fwd, device, repeats))
+        backward.append(_median_seconds(bwd, device, repeats, setup=fwd))
+        last.append(forward[-1] + backward[-1])
+        optimizer = StageOptimizer(block, LRSchedule(0.0, 1))
+        step.append(_median_seconds(optimizer.step, device, repeats,
+                                    setup=lambda: (fwd(), bwd(), optimizer.accumulated())))
+        out_bytes.append(y.numel() * y.element_size())
+        block.zero_grad(set_to_none=True)
+        x = y
+    return BlockCosts(forward, backward, last, step, out_bytes, images)

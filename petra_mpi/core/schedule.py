@@ -1,0 +1,220 @@
+"""The schedule as data: which actions each stage runs at each tick (docs/design.md §1).
+
+Micro-batch b enters stage 0 at tick b. With J stages:
+- petra / delayed: stage s forwards b = t - s and backwards b = t - 2(J-1) + s at tick t, so the
+  forward and backward of one micro-batch on stage s are delay(J, s) = 2(J-1-s) ticks apart; the
+  last stage does both at once (forward_backward).
+- backprop: one micro-batch in flight at a time; b occupies ticks b(2J-1) ... b(2J-1) + 2(J-1),
+  going forward through every stage and back again.
+Within a tick a stage runs its backward first, then its forward, then its optimizer step if one
+is due: the backward and the forward only need the previous tick's messages, so this order
+trains exactly as any other, and the backward frees a FIFO entry before the forward pushes one.
+A segment of n micro-batches starts with an empty pipeline (fill) and ends with every backward done
+(drain); stages take an optimizer step after every k backwards and after their last one.
+
+`python -m petra_mpi.schedule --method petra --stages 4 --microbatches 8 --accumulation 2`
+prints each rank's actions as a grid.
+"""
+import argparse
+from dataclasses import dataclass
+from enum import Enum
+
+METHODS = ("petra", "backprop", "delayed")
+
+
+class Kind(str, Enum):
+    """What an action does; its value is the one name of the op everywhere (traces, models)."""
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    FORWARD_BACKWARD = "forward_backward"  # the last stage: forward, loss and backward at once
+    STEP = "step"                          # the optimizer step, after the backward of microbatch
+
+
+SYMBOLS = {Kind.FORWARD: "F", Kind.BACKWARD: "B", Kind.FORWARD_BACKWARD: "FB", Kind.STEP: "S"}
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: Kind
+    stage: int
+    microbatch: int
+
+    @property
+    def label(self) -> str:
+        """F3, B1, FB5 or S (the step's micro-batch is the backward's just before it)."""
+        return SYMBOLS[self.kind] + ("" if self.kind is Kind.STEP else str(self.microbatch))
+
+
+def delay(num_stages: int, stage: int) -> int:
+    return 2 * (num_stages - 1 - stage)
+
+
+def updates_after(b: int, n: int, k: int) -> bool:
+    """Whether a stage steps its optimizer after the backward of micro-batch b (0-based) of a
+    segment of n: every k backwards, and at the drain so no gradient is left behind."""
+    return (b + 1) % k == 0 or b == n - 1
+
+
+def _valid(b: int, n: int):
+    return b if 0 <= b < n else None
+
+
+class TickSchedule:
+    """Which micro-batch each stage forwards and backwards at each tick, and the actions that
+    follow from it; a subclass gives the timing (num_ticks, forward_microbatch,
+    backward_microbatch, entered_before)."""
+    method: str
+
+    def __init__(self, num_stages: int, accumulation: int = 1):
+        self.J, self.k = num_stages, accumulation
+
+    def num_ticks(self, n: int) -> int:
+        """How many ticks a segment of n micro-batches takes, drain included."""
+        raise NotImplementedError
+
+    def forward_microbatch(self, stage, tick, n):
+        """The micro-batch `stage` forwards at `tick`, or None (the last stage: also its
+        backward)."""
+        raise NotImplementedError
+
+    def backward_microbatch(self, stage, tick, n):
+        """The micro-batch `stage` backwards at `tick`, or None."""
+        raise NotImplementedError
+
+    def entered_before(self, tick: int) -> int:
+        """How many micro-batches entered stage 0 before `tick`."""
+        raise NotImplementedError
+
+    def actions(self, stage: int, tick: int, n: int) -> list:
+        """The actions of `stage` at `tick` of a segment of n, in the order they run."""
+        out = []
+        if stage == self.J - 1:
+            b = self.forward_microbatch(stage, tick, n)
+            if b is not None:
+                out.append(Action(Kind.FORWARD_BACKWARD, stage, b))
+            stepped = b
+        else:
+            stepped = self.backward_microbatch(stage, tick, n)
+            if stepped is not None:
+                out.append(Action(Kind.BACKWARD, stage, stepped))
+            b = self.forward_microbatch(stage, tick, n)
+            if b is not None:
+                out.append(Action(Kind.FORWARD, stage, b))
+        if stepped is not None and updates_after(stepped, n, self.k):
+            out.append(Action(Kind.STEP, stage, stepped))
+        return out
+
+    def stage_actions(self, stage: int, n: int) -> list:
+        """Every action of `stage` over a segment of n, tick by tick: one list per tick."""
+        return [self.actions(stage, t, n) for t in range(self.num_ticks(n))]
+
+
+class PetraSchedule(TickSchedule):
+    """Stage s forwards b = t - s and backwards b = t - 2(J-1) + s at tick t."""
+    method = "petra"
+
+    def num_ticks(self, n: int) -> int:
+        return n + 2 * (self.J - 1) if n else 0
+
+    def forward_microbatch(self, stage, tick, n):
+        return _valid(tick - stage, n)
+
+    def backward_microbatch(self, stage, tick, n):
+        return _valid(tick - delay(self.J, stage) - stage, n)
+
+    def entered_before(self, tick: int) -> int:
+        return tick
+
+
+class DelayedSchedule(PetraSchedule):
+    """PETRA's timing; the stages differ (buffered inputs, stashed weights), not the schedule."""
+    method = "delayed"
+
+
+class BackpropSchedule(TickSchedule):
+    """One micro-batch in flight: forward through every stage, then back, one stage busy."""
+    method = "backprop"
+
+    def num_ticks(self, n: int) -> int:
+        return n * (2 * self.J - 1)
+
+    def forward_microbatch(self, stage, tick, n):
+        b, phase = divmod(tick, 2 * self.J - 1)
+        return _valid(b, n) if phase == stage else None
+
+    def backward_microbatch(self, stage, tick, n):
+        b, phase = divmod(tick, 2 * self.J - 1)
+        return _valid(b, n) if phase == 2 * (self.J - 1) - stage else None
+
+    def entered_before(self, tick: int) -> int:
+        return -(-tick // (2 * self.J - 1))
+
+
+SCHEDULES = {s.method: s for s in (PetraSchedule, DelayedSchedule, BackpropSchedule)}
+
+
+def schedule_for(method: str, num_stages: int, accumulation: int = 1) -> TickSchedule:
+    return SCHEDULES[method](num_stages, accumulation)
+
+
+# The tick arithmetic by method name, for callers that need one number.
+def num_ticks(method: str, num_stages: int, n: int) -> int:
+    return schedule_for(method, num_stages).num_ticks(n)
+
+
+def forward_microbatch(method: str, num_stages: int, stage: int, tick: int, n: int):
+    return schedule_for(method, num_stages).forward_microbatch(stage, tick, n)
+
+
+def backward_microbatch(method: str, num_stages: int, stage: int, tick: int, n: int):
+    return schedule_for(method, num_stages).backward_microbatch(stage, tick, n)
+
+
+# Micro-batches a stopped segment keeps beyond what has entered stage 0 when the stop applies.
+# At least 1: micro-batch entered_before(t) - 1 may already have had its backward on some stage
+# (J = 1, backprop), which decided "no step" with the old length, and must not become the last.
+# At least RECEIVE_DEPTH (2) under MPI: a stream posts receives up to RECEIVE_DEPTH micro-batches
+# past the last one it received, at most micro-batch entered_before(t) - 1, and every posted
+# receive must still get its message. 3 keeps one micro-batch of slack over both bounds. Both
+# engines use this one margin, so that a stop leaves the same state in either.
+STOP_MARGIN = 3
+
+
+def stop_count(schedule: TickSchedule, tick: int, n: int) -> int:
+    """The segment length when a stop applies at `tick`: what has entered plus STOP_MARGIN, at
+    most n. Every action before `tick` is then the same in the segment of n and in the shorter
+    one, so the drain leaves every stage with its gradients applied."""
+    return min(n, schedule.entered_before(tick) + STOP_MARGIN)
+
+
+def grid(schedule: TickSchedule, n: int) -> str:
+    """Rows = stages (ranks), columns = ticks; a cell lists the tick's actions in order."""
+    cells = [[" ".join(a.label for a in acts) or "." for acts in schedule.stage_actions(s, n)]
+             for s in range(schedule.J)]
+    width = max(len(c) for row in cells for c in row)
+    ticks = len(cells[0])
+    lines = [f"{schedule.method}: {schedule.J} stages, {n} micro-batches, "
+             f"accumulation {schedule.k}, {ticks} ticks",
+             "legend: Fb forward of micro-batch b, Bb backward, FBb the last stage's forward, "
+             "loss and backward, S optimizer step, . idle; within a tick, left to right",
+             "tick    | " + " | ".join(str(t).rjust(width) for t in range(ticks))]
+    for s, row in enumerate(cells):  # " | " between ticks: a tick's actions stay together
+        lines.append(f"rank {s:<3}| " + " | ".join(c.rjust(width) for c in row))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m petra_mpi.schedule",
+                                description="Print each rank's actions tick by tick.")
+    p.add_argument("--method", choices=METHODS, default="petra")
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--accumulation", type=int, default=1)
+    a = p.parse_args(argv)
+    if a.stages < 1 or a.microbatches < 1 or a.accumulation < 1:
+        p.error("--stages, --microbatches and --accumulation must be at least 1")
+    print(grid(schedule_for(a.method, a.stages, a.accumulation), a.microbatches))
+
+
+if __name__ == "__main__":
+    main()

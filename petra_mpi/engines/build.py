@@ -1,0 +1,73 @@
+"""Building the stages and their workers, identically in every engine and on every rank."""
+import torch
+
+from ..comm.devices import place
+from ..models import build_blocks, set_precision
+from ..core.optim import StageOptimizer
+from ..core.partition import resolve_partition, split_blocks
+from ..core.stages import Stage
+from ..core.trace import NULL_TRACER
+from ..core.worker import StageWorker
+
+
+def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, seed: int = 0,
+                 imagenet_stem: bool = False, partition=None, image_size: int = 32,
+                 buffer_inputs: bool = False, stash_weights: bool = False,
+                 device="cpu", dtype=torch.float32, only: int | None = None,
+                 model_kw: dict | None = None, precision: str = "fp32",
+                 compression=None, replica: int = 0, kept=None, memory_budget=0,
+                 batch_size: int = 1) -> list[Stage]:
+    """All stages (or just stage `only`), with weights that depend on the seed alone: every rank
+    builds the whole net from the same seed and keeps its own part. `model_kw`: depth, heads and
+    patch of revvit/vit (config.model_kwargs). precision: fp32, or bf16 (autocast inside each
+    block; the tensors between blocks keep `dtype`). Placed by devices.place (channels-last on
+    CUDA). compression (compress.Compression): its `buffers` format packs the FIFO entries, each
+    stage's with the random stream of its own stage and `replica` (the replica these stages
+    belong to: stochastic rounding draws differently in every replica, as their messages do).
+    kept: per stage of the whole split, the kept plan of its blocks (Stage.set_kept; None:
+    PETRA); else, with a memory_budget (model.memory_budget) other than 0, memory_plan.py's plan
+    for micro-batches of `batch_size` samples, the same on every rank."""
+    torch.manual_seed(seed)
+    blocks = build_blocks(arch, width, num_classes, imagenet_stem, image_size=image_size,
+                          **(model_kw or {}))
+    set_precision(blocks, precision)
+    sizes = resolve_partition(blocks, num_stages, partition, image_size)
+    if memory_budget and kept is None:
+        kept = _kept_plan(blocks, sizes, memory_budget, batch_size, image_size, device, dtype)
+    stages = []
+    for s, stage_blocks in enumerate(split_blocks(blocks, sizes)):
+        if only is not None and s != only:
+            continue
+        stage = Stage(stage_blocks, s, num_stages, buffer_inputs=buffer_inputs,
+                      stash_weights=stash_weights, kept=kept[s] if kept else None,
+                      partition=sizes,
+                      buffer_codec=(None if compression is None
+                                    else compression.codec("buffers", s, replica)))
+        stages.append(place(stage, device, dtype))
+    return stages
+
+
+def _kept_plan(blocks, sizes, budget, batch_size, image_size, device, dtype):
+    """memory_plan's plan for the whole split, probed on CPU in the run's dtype (deterministic:
+    every rank computes the same)."""
+    from ..core.memory_plan import plan_stages
+    for block in blocks:
+        block.to(dtype)
+    probes = [Stage(part, s, len(sizes)) for s, part in enumerate(split_blocks(blocks, sizes))]
+    context = getattr(blocks[0], "context", None)  # a language model takes token ids
+
+    def make_input(n):
+        return (torch.zeros(n, context, dtype=torch.long) if context
+                else torch.zeros(n, 3, image_size, image_size, dtype=dtype))
+    return plan_stages(probes, make_input, batch_size, budget, device, image_size).kept
+
+
+def build_workers(stages, schedule, accumulation: int = 1, momentum: float = 0.9,
+                  nesterov: bool = True, weight_decay: float = 0.0, on_update=None, *,
+                  optimizer: str = "sgd", betas=(0.9, 0.999), tracers=None, hooks=()):
+    """One worker per stage; tracers: one per stage (trace.start), hooks: WorkerHooks for all."""
+    tracers = tracers or [NULL_TRACER] * len(stages)
+    return [StageWorker(s, StageOptimizer(s, schedule, momentum, nesterov, weight_decay,
+                                          name=optimizer, betas=betas),
+                        accumulation, on_update, tracer=tracer, hooks=hooks)
+            for s, tracer in zip(stages, tracers)]

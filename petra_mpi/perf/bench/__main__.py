@@ -1,0 +1,36 @@
+"""`python -m petra_mpi.bench NAME [options]`: overhead, pipeline, peers, scaling, replicas and
+emulate (under mpirun), data, memory.
+
+Each benchmark prints a readable table and, as its very last line, one JSON object of figures."""
+import importlib
+import sys
+
+from ...comm.world import launcher_rank_and_size, run_guarded
+
+BENCHES = ("overhead", "pipeline", "peers", "scaling", "replicas", "emulate", "data",
+           "memory")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in BENCHES:
+        print(f"usage: python -m petra_mpi.bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
+        return 2
+    bench = importlib.import_module(f"petra_mpi.perf.bench.{argv[0]}")
+    if launcher_rank_and_size() is None:
+        bench.main(argv[1:])
+        return 0
+    # under a launcher: a rank that fails aborts the others (they would wait on it for ever)
+    from mpi4py import MPI
+
+    def run_bench():
+        try:
+            bench.main(argv[1:])
+        except SystemExit as e:  # a usage error, alike on every rank: exit with it, no abort
+            return e.code
+        return 0
+    return run_guarded(MPI.COMM_WORLD, run_bench)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

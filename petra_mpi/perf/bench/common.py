@@ -1,0 +1,81 @@
+"""Shared helpers of the benchmarks."""
+import json
+import statistics
+import time
+
+import numpy as np
+
+from .. import model as perfmodel
+from ...comm.transport import wait_for_request
+
+POLL_SLEEP_S = 0.0005
+
+
+def timed(fn, sync=None) -> float:
+    """Seconds fn() takes; `sync` (e.g. torch.cuda.synchronize) waits for queued device work
+    before the clock starts and before it stops."""
+    if sync:
+        sync()
+    start = time.perf_counter()
+    fn()
+    if sync:
+        sync()
+    return time.perf_counter() - start
+
+
+def alternate(fns: dict, repeats: int, sync=None) -> dict:
+    """Time each function `repeats` times, interleaved (A B A B ...) so that machine noise hits
+    every contender alike; returns the median seconds of each."""
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(timed(fn, sync))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def emit(record: dict):
+    """The contract: the very last line of a benchmark is one JSON object."""
+    print(json.dumps(record), flush=True)
+
+
+def sleeping_barrier(comm, poll_sleep=POLL_SLEEP_S):
+    """A barrier that sleeps while it waits: MPI's Barrier spins a core per waiting rank (MPICH),
+    which on a machine with fewer cores than ranks slows the ranks still working."""
+    wait_for_request(comm.Ibarrier(), poll_sleep)
+
+
+def measure_link(comm, nbytes, repeats=20, poll_sleep=0.0) -> perfmodel.Link:
+    """Latency and bandwidth between ranks 0 and 1 from ping-pong round trips (half of each);
+    poll_sleep > 0: every wait sleeps between tests (the emulation's ranks leave their cores)."""
+    def half_round_trip(size):
+        buf = np.zeros(max(1, size), dtype=np.uint8)
+        times = []
+        for _ in range(repeats):
+            sleeping_barrier(comm, poll_sleep)
+            start = time.perf_counter()
+            if comm.rank == 0:
+                wait_for_request(comm.Isend(buf, dest=1), poll_sleep)
+                wait_for_request(comm.Irecv(buf, source=1), poll_sleep)
+            elif comm.rank == 1:
+                wait_for_request(comm.Irecv(buf, source=0), poll_sleep)
+                wait_for_request(comm.Isend(buf, dest=0), poll_sleep)
+            times.append((time.perf_counter() - start) / 2)
+        return statistics.median(times)
+
+    small, large = half_round_trip(8), half_round_trip(nbytes)
+    link = perfmodel.Link(small, nbytes / max(large - small, 1e-9))
+    return comm.bcast(link, root=0)
+
+
+def last_json_line(path) -> dict:
+    """The figures of a benchmark run saved to `path`: its last line that is a JSON object (a
+    saved log may have lines after it, such as the shell's timing)."""
+    with open(path) as f:
+        lines = f.read().splitlines()
+    for line in reversed(lines):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    raise ValueError(f"{path}: no line of JSON figures (is it a benchmark's output?)")

@@ -1,0 +1,89 @@
+"""A run's engine from (config, world, placement): its stages, their workers and optimizers, the
+learning-rate schedule, the tracers, and the engine that runs them (MPI or one process)."""
+import dataclasses
+import sys
+
+from ..archs import LM_ARCHS
+from ..comm.compress import Compression
+from ..config import model_kwargs
+from ..engines.build import build_stages, build_workers
+from ..core.optim import LRSchedule, peak_lr
+from ..comm.watchdog import NoWatchdog
+from ..core import trace
+
+
+@dataclasses.dataclass
+class RunEngine:
+    stages: list
+    workers: list
+    pipeline_workers: list  # one pipeline's (replica 0's in one process, this rank's under MPI)
+    steps_per_epoch: int
+    schedule: LRSchedule
+    tracers: list
+    engine: object          # MPIEngine or LocalEngine
+    watchdog: object        # the MPI engine's (the trainer's collectives are watched too)
+
+    @property
+    def tracer(self):
+        return self.tracers[0]  # this process's eval and checkpoint spans
+
+
+def lr_schedule(cfg, steps_per_epoch: int, replicas: int = 1) -> LRSchedule:
+    # the paper's rule on the effective batch: R replicas each accumulate k micro-batches a step
+    peak = peak_lr(cfg.optim.lr, cfg.data.batch_size * replicas, cfg.train.accumulation,
+                   cfg.optim.scale_lr)
+    return LRSchedule(peak, steps_per_epoch, cfg.optim.warmup_epochs, tuple(cfg.optim.milestones),
+                      cfg.optim.gamma, kind=cfg.optim.schedule,
+                      total_steps=steps_per_epoch * cfg.train.epochs)
+
+
+def build_run_engine(cfg, world, placement, partition, input_shape, microbatches_per_epoch,
+                     diagnostics=None) -> RunEngine:
+    """The stages (in one process: R identical replicas, in rank order; under MPI this rank's),
+    their workers and the engine. diagnostics: a callback for train.diag_every's records."""
+    J, R = placement.J, placement.R
+    compression = Compression.from_config(cfg.comm, cfg.run.seed)
+    stages = []
+    for r in range(1 if world else R):
+        stages += build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, J,
+                               seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
+                               partition=partition, buffer_inputs=cfg.train.buffer_inputs,
+                               stash_weights=cfg.train.stash_weights, device=placement.device,
+                               dtype=placement.dtype,
+                               image_size=input_shape[-1],  # the loader's image side
+                               only=placement.stage if world else None,
+                               model_kw=model_kwargs(cfg), precision=cfg.run.precision,
+                               compression=compression,
+                               replica=placement.replica if world else r,
+                               memory_budget=cfg.model.memory_budget,  # kept blocks
+                               batch_size=cfg.data.batch_size)
+    steps_per_epoch = -(-microbatches_per_epoch // cfg.train.accumulation)
+    schedule = lr_schedule(cfg, steps_per_epoch, R)
+    # Collective (a Barrier fixes the common time origin); NULL_TRACERs when run.trace is off.
+    tracers = trace.start(cfg.run.trace, world,
+                          [placement.rank] if world else list(range(len(stages))),
+                          placement.device)
+    hooks = []
+    if cfg.train.diag_every:
+        from .diagnostics import Diagnostics
+        hooks.append(Diagnostics(cfg.train.diag_every, cfg.train.accumulation, emit=diagnostics))
+    workers = build_workers(stages, schedule, cfg.train.accumulation, cfg.optim.momentum,
+                            cfg.optim.nesterov, cfg.optim.weight_decay, optimizer=cfg.optim.name,
+                            betas=tuple(cfg.optim.betas), tracers=tracers, hooks=hooks)
+    if world:
+        from ..engines.mpi import MPIEngine
+        engine = MPIEngine(workers[0], cfg.train.method, world, placement.dtype, input_shape,
+                           cfg.data.batch_size,
+                           compression,  # its start-up line shows the compression
+                           watchdog_s=cfg.run.watchdog_s,
+                           labels_per_sample=(cfg.model.context
+                                              if cfg.model.arch in LM_ARCHS else 1))
+        watchdog = engine.watchdog
+    else:
+        from ..engines.local import LocalEngine
+        engine = LocalEngine(workers, cfg.train.method, R, compression)
+        watchdog = NoWatchdog()
+        if compression.active:
+            print(f"petra_mpi: {compression.describe()}", file=sys.stderr, flush=True)
+    return RunEngine(stages, workers, workers[:J], steps_per_epoch, schedule, tracers, engine,
+                     watchdog)

@@ -1,0 +1,175 @@
+"""`--dry-run`: build every stage, push one batch of the configured shape through them, and print
+the per-stage table of parameters, buffers and estimated memory; no training, and of the data
+only the file's header (the image size the loader will deliver, see input_side). With
+`--profile` every block is first timed on the run's device and batch (blockcost.py) and the
+stages are those that balancing by measured cost gives."""
+import sys
+
+import torch
+
+from ..archs import LM_ARCHS
+from ..config import model_kwargs
+from ..comm.compress import Codec
+from ..engines.build import build_stages
+from ..core.schedule import delay
+
+
+def input_side(cfg) -> tuple[int, str]:
+    """(side of the images training feeds the net, where it was read). As the data loader
+    delivers them: JPEG data cropped to data.crop, array data (and the synthetic set) at their
+    stored size, read from data.path's header. A file that cannot be read here (a dry run away
+    from the data) falls back to what model.stem implies: data.crop for the ImageNet stem, else
+    32 (CIFAR, ImageNet 32x32)."""
+    from ..data import open_split
+    from ..data.synthetic import SIZE
+    if cfg.data.path == "synthetic":
+        return SIZE, "synthetic set"
+    try:
+        src = open_split(cfg.data.path, "train")
+    except (OSError, ValueError):
+        guess = cfg.data.crop if cfg.model.stem == "imagenet" else 32
+        return guess, f"model.stem {cfg.model.stem}: {cfg.data.path} not readable here"
+    return (cfg.data.crop if src.kind == "jpeg" else src.image_size), cfg.data.path
+
+
+def stage_table(cfg, num_stages: int, dtype=torch.float32, partition=None,
+                side=None, as_the_paper_counts=False) -> list[dict]:
+    """Per-stage figures for batch `data.batch_size`, from a real forward of a zero batch;
+    `partition`: blocks per stage (default model.partition, else the estimate); `side`: of the
+    input images (default: input_side). Stage s holds delay(J, s) micro-batches' inputs (or
+    weights) at its peak, its backward running before its forward within a tick; the paper's
+    Table 3 counts one more (`as_the_paper_counts`)."""
+    side = side or input_side(cfg)[0]
+    stages = build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, num_stages,
+                          seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
+                          partition=partition or cfg.model.partition,
+                          buffer_inputs=cfg.train.buffer_inputs,
+                          stash_weights=cfg.train.stash_weights, dtype=dtype,
+                          image_size=side, model_kw=model_kwargs(cfg))
+    batch = cfg.data.batch_size
+    x = (torch.zeros(1, cfg.model.context, dtype=torch.long) if cfg.model.arch in LM_ARCHS
+         else torch.zeros(1, 3, side, side, dtype=dtype))  # token ids, or an image
+    rows = []
+    itemsize = torch.finfo(dtype).bits // 8
+    # a FIFO keeps its inputs in comm.buffers' format (an int8 tensor's few scales not counted)
+    buffer_codec = Codec(cfg.comm.buffers)
+    fifo_itemsize = buffer_codec.code_dtype.itemsize if buffer_codec.active else itemsize
+    for stage in stages:
+        stage.eval()
+        in_shape = tuple(x.shape[1:])
+        fifo = 0
+        with torch.no_grad():
+            for block, buffered in zip(stage.blocks, stage.buffered):
+                if buffered and not stage.is_last:  # token ids are kept as they are
+                    fifo += x.numel() * batch * (fifo_itemsize if x.is_floating_point()
+                                                 else x.element_size())
+                x = block(x)
+        params = sum(p.numel() for p in stage.parameters()) * itemsize
+        in_flight = (1 if cfg.train.method == "backprop" else
+                     delay(num_stages, stage.index) + (1 if as_the_paper_counts else 0))
+        rows.append({
+            "stage": stage.index, "blocks": len(stage.blocks),
+            "kind": "+".join("rev" if not b else "buf" for b in stage.buffered),
+            "input": in_shape, "output": tuple(x.shape[1:]),
+            "param_bytes": params,
+            # SGD: one momentum buffer; AdamW: two moments
+            "optimizer_bytes": 2 * params if cfg.optim.name == "adamw"
+            else params if cfg.optim.momentum > 0 else 0,
+            "input_fifo_bytes": fifo * in_flight,
+            "stash_bytes": params * in_flight if cfg.train.stash_weights and not stage.is_last
+            else 0,
+        })
+    return rows
+
+
+def profile_blocks(cfg, num_stages: int, device, dtype, side: int) -> list[int]:
+    """Time every block on `side`x`side` images, print each block's and each stage's cost,
+    return the split: the one minimising the slowest stage by the measured costs, or
+    model.partition when it is fixed."""
+    from ..core.blockcost import measured_partition_for
+    shape = (cfg.model.context,) if cfg.model.arch in LM_ARCHS else (3, side, side)
+    sizes, costs = measured_partition_for(cfg, num_stages, shape, device, dtype)
+    sizes = list(cfg.model.partition or sizes)
+    what = (batch_input(cfg, side) if cfg.model.arch in LM_ARCHS
+            else f"of {side}x{side} images")
+    print(f"measured on {device}, batch {cfg.data.batch_size} {what}, ms per micro-batch:")
+    print(f"{'block':>5} {'forward':>8} {'backward':>8} {'in last':>8} {'step':>8}")
+    for b, f in enumerate(costs.forward):
+        print(f"{b:>5} {1e3 * f:>8.2f} {1e3 * costs.backward[b]:>8.2f} "
+              f"{1e3 * costs.last[b]:>8.2f} {1e3 * costs.step[b]:>8.2f}")
+    per_stage = costs.stage_seconds(sizes)
+    print(f"split {sizes} ({'model.partition' if cfg.model.partition else 'measured balance'}): "
+          f"ms per micro-batch per stage {' '.join(f'{1e3 * c:.1f}' for c in per_stage)}; "
+          f"slowest / mean {max(per_stage) / (sum(per_stage) / len(per_stage)):.2f}")
+    return sizes
+
+
+def batch_input(cfg, side) -> str:
+    """What one micro-batch's samples are: token windows for a language model, else images."""
+    if cfg.model.arch in LM_ARCHS:
+        return (f"windows of {cfg.model.context} tokens "
+                f"({cfg.data.batch_size * cfg.model.context} tokens a micro-batch)")
+    return f"images {side}x{side}"
+
+
+def print_kept_plan(cfg, num_stages: int, device, dtype, partition, side):
+    """model.memory_budget's plan (memory_plan.py): per stage, how many of every d_s in-flight
+    micro-batches each block keeps, the kept bytes at the peak and the predicted time per
+    micro-batch, and the slowest stage's time relative to PETRA's."""
+    from ..core.memory_plan import budget_bytes, plan_stages
+    stages = build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, num_stages,
+                          seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
+                          partition=partition or cfg.model.partition, dtype=dtype,
+                          image_size=side, model_kw=model_kwargs(cfg))
+
+    def make_input(n):  # token ids, or images
+        return (torch.zeros(n, cfg.model.context, dtype=torch.long)
+                if cfg.model.arch in LM_ARCHS else torch.zeros(n, 3, side, side, dtype=dtype))
+
+    budget = cfg.model.memory_budget
+    plan = plan_stages(stages, make_input, cfg.data.batch_size, budget, device, side)
+    limit = budget_bytes(budget, device)
+    mib = 2 ** 20
+    print(f"kept blocks, model.memory_budget {budget} "
+          f"({'no limit' if limit is None else f'{limit / mib:.1f} MiB'} per stage); time per "
+          f"micro-batch estimated, 1 = PETRA's slowest stage:")
+    print(f"{'stage':>5} {'d_s':>4} {'kept MiB':>9} {'time':>6} {'PETRA':>6}  per block: kept of "
+          f"every d_s micro-batches (- cannot keep)")
+    scale = max(plan.petra_units)
+    for s, stage in enumerate(stages):
+        kept = " ".join(str(k) if stage.can_keep(i) else "-" for i, k in enumerate(plan.kept[s]))
+        print(f"{s:>5} {stage.window:>4} {plan.kept_bytes[s] / mib:>9.2f} "
+              f"{plan.units[s] / scale:>6.3f} {plan.petra_units[s] / scale:>6.3f}  {kept}")
+    slowest = max(range(len(stages)), key=lambda s: plan.units[s])
+    print(f"slowest stage {slowest}: {plan.relative_time:.3f} of PETRA's time per micro-batch")
+
+
+def report(cfg, num_stages: int, world=None, device="cpu", dtype=torch.float32,
+           profile=False) -> int:
+    if world is not None and world.rank != 0:
+        world.comm.barrier()
+        return 0
+    side, where = input_side(cfg)
+    partition = profile_blocks(cfg, num_stages, device, dtype, side) if profile else None
+    rows = stage_table(cfg, num_stages, dtype, partition, side)
+    mib = 2 ** 20
+    print(f"{cfg.model.arch} width {cfg.model.width}, {num_stages} stages, method "
+          f"{cfg.train.method}, batch {cfg.data.batch_size} (config {cfg.source}), "
+          f"{batch_input(cfg, side)} ({where})")
+    print(f"{'stage':>5} {'blocks':>6} {'kind':<14} {'input':<16} {'output':<16} "
+          f"{'params MiB':>10} {'optim MiB':>9} {'FIFO MiB':>9} {'stash MiB':>9} {'total MiB':>9}")
+    total = 0
+    for r in rows:
+        t = r["param_bytes"] + r["optimizer_bytes"] + r["input_fifo_bytes"] + r["stash_bytes"]
+        total += t
+        print(f"{r['stage']:>5} {r['blocks']:>6} {r['kind']:<14} {str(r['input']):<16} "
+              f"{str(r['output']):<16} {r['param_bytes'] / mib:>10.2f} "
+              f"{r['optimizer_bytes'] / mib:>9.2f} {r['input_fifo_bytes'] / mib:>9.2f} "
+              f"{r['stash_bytes'] / mib:>9.2f} {t / mib:>9.2f}")
+    print(f"total estimated memory (without activations of the running op): {total / mib:.1f} MiB")
+    if cfg.model.memory_budget:
+        print_kept_plan(cfg, num_stages, device, dtype, partition, side)
+    sys.stdout.flush()
+    if world is not None:
+        world.comm.barrier()
+    return 0
