@@ -41,6 +41,12 @@ OPTIMIZERS = ("sgd", "adamw")
 NO_DECAY_NAMES = ("pos_embed",)  # parameters named so take no weight decay, whatever their shape
 
 
+def constant_lr(lr: float = 0.01) -> LRSchedule:
+    """The same learning rate at every step: what benchmarks train with (they time the steps;
+    what the weights learn does not matter)."""
+    return LRSchedule(lr, 10**9)
+
+
 class StageOptimizer:
     """Owns one stage's SGD or AdamW; the engine calls step() when the schedule says so."""
 

@@ -1,9 +1,11 @@
-"""Building the stages and their workers, identically in every engine and on every rank."""
+"""Building the stages, their workers and the engine that runs them, identically in every engine
+and on every rank: the trainer (run/assemble.py) and every benchmark build through here."""
 import torch
 
 from ..comm.devices import place
 from ..models import build_blocks, set_precision
-from ..core.optim import StageOptimizer
+from ..comm.compress import NO_COMPRESSION
+from ..core.optim import StageOptimizer, constant_lr
 from ..core.partition import resolve_partition, split_blocks
 from ..core.stages import Stage
 from ..core.trace import NULL_TRACER
@@ -62,12 +64,29 @@ def _kept_plan(blocks, sizes, budget, batch_size, image_size, device, dtype):
     return plan_stages(probes, make_input, batch_size, budget, device, image_size).kept
 
 
-def build_workers(stages, schedule, accumulation: int = 1, momentum: float = 0.9,
+def build_workers(stages, schedule=None, accumulation: int = 1, momentum: float = 0.9,
                   nesterov: bool = True, weight_decay: float = 0.0, on_update=None, *,
                   optimizer: str = "sgd", betas=(0.9, 0.999), tracers=None, hooks=()):
-    """One worker per stage; tracers: one per stage (trace.start), hooks: WorkerHooks for all."""
+    """One worker per stage; schedule: the learning rate per step (None: constant_lr, for
+    benchmarks); tracers: one per stage (trace.start), hooks: WorkerHooks for all."""
+    schedule = schedule or constant_lr()
     tracers = tracers or [NULL_TRACER] * len(stages)
     return [StageWorker(s, StageOptimizer(s, schedule, momentum, nesterov, weight_decay,
                                           name=optimizer, betas=betas),
                         accumulation, on_update, tracer=tracer, hooks=hooks)
             for s, tracer in zip(stages, tracers)]
+
+
+def build_engine(workers, method: str, world, input_shape, batch_size: int, *,
+                 dtype=torch.float32, compression=NO_COMPRESSION, replicas: int = 1,
+                 **mpi_options):
+    """The engine that runs `workers` with `method`: under MPI (world given) this rank's single
+    worker on the MPIEngine (mpi_options: its watchdog_s, poll_between_blocks, poll_sleep,
+    labels_per_sample), else every worker (R replicas of J stages, in rank order) in one
+    process. Several engines may share a worker: benchmarks alternate methods on one stage."""
+    if world:
+        from .mpi import MPIEngine  # imports MPI only when a world exists
+        return MPIEngine(workers[0], method, world, dtype, input_shape, batch_size,
+                         compression, **mpi_options)
+    from .local import LocalEngine
+    return LocalEngine(workers, method, replicas, compression)

@@ -6,7 +6,7 @@ import sys
 from ..archs import LM_ARCHS
 from ..comm.compress import Compression
 from ..config import model_kwargs
-from ..engines.build import build_stages, build_workers
+from ..engines.build import build_engine, build_stages, build_workers
 from ..core.optim import LRSchedule, peak_lr
 from ..comm.watchdog import NoWatchdog
 from ..core import trace
@@ -70,20 +70,15 @@ def build_run_engine(cfg, world, placement, partition, input_shape, microbatches
     workers = build_workers(stages, schedule, cfg.train.accumulation, cfg.optim.momentum,
                             cfg.optim.nesterov, cfg.optim.weight_decay, optimizer=cfg.optim.name,
                             betas=tuple(cfg.optim.betas), tracers=tracers, hooks=hooks)
-    if world:
-        from ..engines.mpi import MPIEngine
-        engine = MPIEngine(workers[0], cfg.train.method, world, placement.dtype, input_shape,
-                           cfg.data.batch_size,
-                           compression,  # its start-up line shows the compression
-                           watchdog_s=cfg.run.watchdog_s,
-                           labels_per_sample=(cfg.model.context
-                                              if cfg.model.arch in LM_ARCHS else 1))
-        watchdog = engine.watchdog
-    else:
-        from ..engines.local import LocalEngine
-        engine = LocalEngine(workers, cfg.train.method, R, compression)
-        watchdog = NoWatchdog()
-        if compression.active:
-            print(f"petra_mpi: {compression.describe()}", file=sys.stderr, flush=True)
+    engine = build_engine(workers, cfg.train.method, world, input_shape, cfg.data.batch_size,
+                          dtype=placement.dtype, replicas=R,
+                          compression=compression,  # the MPI engine's start-up line shows it
+                          **({"watchdog_s": cfg.run.watchdog_s,
+                              "labels_per_sample": (cfg.model.context
+                                                    if cfg.model.arch in LM_ARCHS else 1)}
+                             if world else {}))
+    watchdog = engine.watchdog if world else NoWatchdog()
+    if not world and compression.active:
+        print(f"petra_mpi: {compression.describe()}", file=sys.stderr, flush=True)
     return RunEngine(stages, workers, workers[:J], steps_per_epoch, schedule, tracers, engine,
                      watchdog)

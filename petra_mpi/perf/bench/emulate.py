@@ -29,6 +29,7 @@ from ..emulation import (Clock, WaitingOptimizer, WaitingPlainStage, WaitingStag
                          file_profile, kept_plan, kept_sizes, measured_profile, paper_profile,
                          probe_shapes)
 from ...core.worker import StageWorker
+from ...engines.build import build_engine
 from ...models import build_blocks
 from ...core.partition import resolve_partition
 from ...core.schedule import delay
@@ -176,7 +177,6 @@ class Emulation:
         self.block_kept_bytes = None  # per stage, per block: bytes of one kept micro-batch
 
     def build_petra(self):
-        from ...engines.mpi import MPIEngine
         a, r, J, bc = self.a, self.world.rank, self.world.size, self.petra_bc
         first = sum(self.sizes[:r])
         mine = range(first, first + self.sizes[r])
@@ -186,8 +186,8 @@ class Emulation:
                                   rebuild=[self.profile.rebuild[b] for b in mine])
         self.worker = StageWorker(self.stage,
                                   WaitingOptimizer(sum(bc.step[b] for b in mine), self.clock))
-        self.engines = {m: MPIEngine(self.worker, m, self.world, torch.float32, (3, 32, 32),
-                                     a.batch, poll_sleep=a.poll_sleep) for m in PETRA_METHODS}
+        self.engines = {m: build_engine([self.worker], m, self.world, (3, 32, 32), a.batch,
+                                        poll_sleep=a.poll_sleep) for m in PETRA_METHODS}
         self.x0 = torch.zeros(a.batch, 3, 32, 32)
         self.y0 = torch.zeros(a.batch, dtype=torch.int64)
 
@@ -366,13 +366,12 @@ def real_stages(em, results) -> dict:
     """Wall seconds of the real stages for our runs (validation of the emulation at small
     J, measured costs); two more emulated runs of each are added to `results`."""
     from ...engines.build import build_stages, build_workers
-    from ...engines.mpi import MPIEngine
-    from ...core.optim import LRSchedule
     a, r, J = em.a, em.world.rank, em.world.size
     (real_stage,) = build_stages(em.profile.arch, a.width, 10, J, seed=0, only=r,
                                  partition=em.sizes)
-    (real_worker,) = build_workers([real_stage], LRSchedule(0.01, 10**6))
-    engines = {m: MPIEngine(real_worker, m, em.world, torch.float32, (3, 32, 32), a.batch)
+    workers = build_workers([real_stage])
+    real_worker = workers[0]
+    engines = {m: build_engine(workers, m, em.world, (3, 32, 32), a.batch)
                for m in PETRA_METHODS}
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(a.batch, 3, 32, 32, generator=g),

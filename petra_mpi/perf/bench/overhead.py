@@ -13,7 +13,7 @@ from ...comm.devices import synchronize
 from ...engines.build import build_stages, build_workers
 from ...models import PRECISIONS, num_blocks
 from ...models.vit import VIT_ARCHS
-from ...core.optim import LRSchedule, StageOptimizer
+from ...core.optim import StageOptimizer, constant_lr
 from .common import alternate, emit
 
 
@@ -46,7 +46,7 @@ def run(a) -> dict:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible")
     sync = lambda: synchronize(device)  # noqa: E731
-    schedule = LRSchedule(0.01, 10**6)
+    schedule = constant_lr()
     kw = {"model_kw": dict(depth=a.depth, heads=a.heads, patch=a.patch)} if a.arch in VIT_ARCHS \
         else {}
     kw.update(device=device, precision=a.precision)

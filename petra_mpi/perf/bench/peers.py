@@ -30,12 +30,11 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 from torch import nn
 
-from ...engines.build import build_stages, build_workers
+from ...engines.build import build_engine, build_stages, build_workers
 from ...core.worker import WorkerHooks
-from ...engines.mpi import MPIEngine
 from ...comm.world import World
 from ...models import build_blocks
-from ...core.optim import LRSchedule
+from ...core.optim import constant_lr
 from ...core.partition import resolve_partition, split_blocks
 from ...core.schedule import Kind
 from .common import emit
@@ -360,9 +359,9 @@ class PeersBench:
         self.pt_sizes = (a.pt_partition or pt_split
                          or resolve_partition(build_blocks("resnet18", a.width, 10), J))
         self.sampler = SampleAfterForward()
-        (worker,) = build_workers([self.stage], LRSchedule(LR, 10**6), a.accumulation,
-                                  momentum=MOMENTUM, hooks=[self.sampler])
-        self.engines = {m: MPIEngine(worker, m, world, torch.float32, (3, 32, 32), a.batch)
+        workers = build_workers([self.stage], constant_lr(LR), a.accumulation,
+                                momentum=MOMENTUM, hooks=[self.sampler])
+        self.engines = {m: build_engine(workers, m, world, (3, 32, 32), a.batch)
                         for m in ("petra", "backprop")}
         # our contenders: name -> (engine, this stage's kept plan: None, PETRA as in the paper)
         self.variants = {m: (m, None) for m in self.engines}

@@ -14,11 +14,9 @@ import torch
 
 from ...comm.compress import DIRECTIONS, Codec, Compression
 from ...comm.devices import bind_early, bound_cuda_device, rank_map, synchronize
-from ...engines.build import build_stages, build_workers
-from ...engines.mpi import MPIEngine
+from ...engines.build import build_engine, build_stages, build_workers
 from ...comm.world import World
 from ...models import PRECISIONS, num_blocks
-from ...core.optim import LRSchedule
 from ...core.partition import resolve_partition
 from ..model import speedup_bound
 from ...core.schedule import num_ticks
@@ -113,9 +111,11 @@ class PipelineBench:
                               partition=sizes, device=self.device, precision=a.precision,
                               compression=self.compression)
         self.split = stages[0].partition
-        (self.worker,) = build_workers(stages, LRSchedule(0.01, 10**6))
-        self.engines = {m: MPIEngine(self.worker, m, world, torch.float32, (3, 32, 32), a.batch,
-                                     self.compression, poll_between_blocks=not a.no_poll)
+        workers = build_workers(stages)
+        self.worker = workers[0]
+        self.engines = {m: build_engine(workers, m, world, (3, 32, 32), a.batch,
+                                        compression=self.compression,
+                                        poll_between_blocks=not a.no_poll)
                         for m in ("petra", "backprop")}
         g = torch.Generator().manual_seed(0)
         self.data = [(torch.randn(a.batch, 3, 32, 32, generator=g).to(self.device),

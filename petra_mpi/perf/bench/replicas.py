@@ -12,10 +12,8 @@ import time
 
 import torch
 
-from ...engines.build import build_stages, build_workers
-from ...engines.mpi import MPIEngine
+from ...engines.build import build_engine, build_stages, build_workers
 from ...comm.world import World
-from ...core.optim import LRSchedule
 from .common import emit, sleeping_barrier
 
 
@@ -65,8 +63,8 @@ class Layouts:
     def _engine(a, w):
         (stage,) = build_stages(a.arch, a.width, 10, a.stages, seed=0, only=w.stage,
                                 model_kw=None, image_size=32)
-        (worker,) = build_workers([stage], LRSchedule(0.01, 10**6), a.accumulation)
-        return MPIEngine(worker, "petra", w, torch.float32, (3, 32, 32), a.batch)
+        workers = build_workers([stage], accumulation=a.accumulation)
+        return build_engine(workers, "petra", w, (3, 32, 32), a.batch)
 
     def time(self, name, n):
         """Seconds for n micro-batches per replica, fill and drain included."""

@@ -14,12 +14,10 @@ import torch
 
 from .. import model as perfmodel
 from ...core.blockcost import measure_autograd_costs, measure_block_costs
-from ...engines.build import build_stages, build_workers
+from ...engines.build import build_engine, build_stages, build_workers
 from ..emulation import PAPER_TABLE5_MS
-from ...engines.local import LocalEngine
 from ...comm.world import World
 from ...models import ARCHS, build_blocks
-from ...core.optim import LRSchedule
 from ...core.partition import resolve_partition
 from .common import emit, last_json_line, measure_link
 
@@ -40,15 +38,13 @@ def measured_images_per_s(a, world, J, sizes, method, data):
         if rank != 0:
             return None
         stages = build_stages(a.arch, a.width, 10, 1, seed=0)
-        engine = LocalEngine(build_workers(stages, LRSchedule(0.01, 10**6)), method)
+        engine = build_engine(build_workers(stages), method, None, (3, 32, 32), a.batch)
     else:
         if rank >= J:
             return None
-        from ...engines.mpi import MPIEngine
         sub = World(sub_comm)
         stages = build_stages(a.arch, a.width, 10, J, seed=0, only=rank, partition=sizes)
-        (worker,) = build_workers(stages, LRSchedule(0.01, 10**6))
-        engine = MPIEngine(worker, method, sub, torch.float32, (3, 32, 32), a.batch)
+        engine = build_engine(build_workers(stages), method, sub, (3, 32, 32), a.batch)
 
     def segment(n):
         batches = (data[i % len(data)] for i in range(n)) if rank == 0 else None
