@@ -1,7 +1,8 @@
 """The markers that sort tests by kind, and the fixtures every test may ask for.
 
 Tests live in three folders, each test marked with its folder's name: `unit` (in one process),
-`mpi` (real `mpirun` jobs) and `e2e` (a SLURM cluster, learning curves, benchmarks, plots, GPU).
+`mpi` (real `mpirun` jobs) and `e2e` (whole commands as users run them: the train CLI and its
+messages, a SLURM cluster, learning curves, benchmarks, plots, docs, GPU).
 What they share as code is the package `tests.support`.
 
 `python -m pytest -q` runs the default selection, a few minutes on two cores; tests marked

@@ -138,7 +138,7 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def place(module, device, dtype):
+def to_device(module, device, dtype):
     """`module` on `device` in `dtype`, channels-last on CUDA (cuDNN then runs the convolutions
     NHWC, what tensor cores prefer). On CPU the layout stays NCHW: one thread of this project's
     CPUs ran RevNet18's 32x32 backward slower channels-last. The block-cost timing places its

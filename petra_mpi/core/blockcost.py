@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..comm.devices import place, synchronize
+from ..comm.devices import synchronize, to_device
 from .optim import LRSchedule, StageOptimizer
 from .stages import Stage
 
@@ -70,7 +70,7 @@ def _median_seconds(fn, device, repeats, setup=None):
 def _copies_and_batch(blocks, input_shape, batch_size, num_classes, device, dtype):
     """Deep copies of the blocks (timing must not touch the model that trains) and a random
     batch with labels."""
-    blocks = [place(copy.deepcopy(b), device, dtype).train() for b in blocks]
+    blocks = [to_device(copy.deepcopy(b), device, dtype).train() for b in blocks]
     g = torch.Generator().manual_seed(0)
     if len(input_shape) == 1:  # a language model's windows: token ids in, one label per token
         x = torch.randint(0, num_classes, (batch_size, *input_shape), generator=g).to(device)

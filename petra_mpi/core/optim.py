@@ -48,9 +48,9 @@ def constant_lr(lr: float = 0.01) -> LRSchedule:
 
 
 class StageOptimizer:
-    """Owns one stage's SGD or AdamW; the engine calls step() when the schedule says so."""
+    """Owns one stage's SGD or AdamW; the engine calls step() when the tick schedule says so."""
 
-    def __init__(self, module: torch.nn.Module, schedule: LRSchedule, momentum: float = 0.9,
+    def __init__(self, module: torch.nn.Module, lr_schedule: LRSchedule, momentum: float = 0.9,
                  nesterov: bool = True, weight_decay: float = 0.0, *, name: str = "sgd",
                  betas=(0.9, 0.999)):
         if name not in OPTIMIZERS:
@@ -63,19 +63,19 @@ class StageOptimizer:
         groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
         self.params = decay + no_decay
-        self.schedule = schedule
+        self.lr_schedule = lr_schedule
         self.name = name
         # the torch optimizer, SGD or AdamW; None for a stage without parameters
         if not self.params:
             self.torch_optimizer = None
         elif name == "sgd":
-            self.torch_optimizer = torch.optim.SGD(groups, lr=schedule(0), momentum=momentum,
+            self.torch_optimizer = torch.optim.SGD(groups, lr=lr_schedule(0), momentum=momentum,
                                                    nesterov=nesterov and momentum > 0)
         else:  # decoupled weight decay: p ← p − lr·wd·p beside the Adam step
-            self.torch_optimizer = torch.optim.AdamW(groups, lr=schedule(0), betas=tuple(betas))
+            self.torch_optimizer = torch.optim.AdamW(groups, lr=lr_schedule(0), betas=tuple(betas))
         self.steps = 0       # optimizer steps taken
         self.pending = 0     # backwards accumulated since the last step
-        self.last_lr = schedule(0)
+        self.last_lr = lr_schedule(0)
 
     def accumulated(self):
         self.pending += 1
@@ -89,7 +89,7 @@ class StageOptimizer:
             for p in self.params:
                 if p.grad is not None and self.pending > 1:
                     p.grad.div_(self.pending)
-            lr = self.last_lr = self.schedule(self.steps)
+            lr = self.last_lr = self.lr_schedule(self.steps)
             for group in self.torch_optimizer.param_groups:
                 group["lr"] = lr
             self.torch_optimizer.step()

@@ -2,7 +2,7 @@
 and on every rank: the trainer (run/assemble.py) and every benchmark build through here."""
 import torch
 
-from ..comm.devices import place
+from ..comm.devices import to_device
 from ..models import build_blocks, set_precision
 from ..comm.compress import NO_COMPRESSION
 from ..core.optim import StageOptimizer, constant_lr
@@ -22,7 +22,7 @@ def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, se
     """All stages (or just stage `only`), with weights that depend on the seed alone: every rank
     builds the whole net from the same seed and keeps its own part. `model_kw`: depth, heads and
     patch of revvit/vit (config.model_kwargs). precision: fp32, or bf16 (autocast inside each
-    block; the tensors between blocks keep `dtype`). Placed by devices.place (channels-last on
+    block; the tensors between blocks keep `dtype`). Placed by devices.to_device (channels-last on
     CUDA). compression (compress.Compression): its `buffers` format packs the FIFO entries, each
     stage's with the random stream of its own stage and `replica` (the replica these stages
     belong to: stochastic rounding draws differently in every replica, as their messages do).
@@ -45,7 +45,7 @@ def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, se
                       partition=sizes,
                       buffer_codec=(None if compression is None
                                     else compression.codec("buffers", s, replica)))
-        stages.append(place(stage, device, dtype))
+        stages.append(to_device(stage, device, dtype))
     return stages
 
 
@@ -64,14 +64,15 @@ def _kept_plan(blocks, sizes, budget, batch_size, image_size, device, dtype):
     return plan_stages(probes, make_input, batch_size, budget, device, image_size).kept
 
 
-def build_workers(stages, schedule=None, accumulation: int = 1, momentum: float = 0.9,
+def build_workers(stages, lr_schedule=None, accumulation: int = 1, momentum: float = 0.9,
                   nesterov: bool = True, weight_decay: float = 0.0, on_update=None, *,
                   optimizer: str = "sgd", betas=(0.9, 0.999), tracers=None, hooks=()):
-    """One worker per stage; schedule: the learning rate per step (None: constant_lr, for
-    benchmarks); tracers: one per stage (trace.start), hooks: WorkerHooks for all."""
-    schedule = schedule or constant_lr()
+    """One worker per stage; lr_schedule: the learning rate per optimizer step (None:
+    constant_lr, for benchmarks); tracers: one per stage (trace.start), hooks: WorkerHooks for
+    all."""
+    lr_schedule = lr_schedule or constant_lr()
     tracers = tracers or [NULL_TRACER] * len(stages)
-    return [StageWorker(s, StageOptimizer(s, schedule, momentum, nesterov, weight_decay,
+    return [StageWorker(s, StageOptimizer(s, lr_schedule, momentum, nesterov, weight_decay,
                                           name=optimizer, betas=betas),
                         accumulation, on_update, tracer=tracer, hooks=hooks)
             for s, tracer in zip(stages, tracers)]

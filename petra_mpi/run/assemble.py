@@ -18,7 +18,7 @@ class RunEngine:
     workers: list
     pipeline_workers: list  # one pipeline's (replica 0's in one process, this rank's under MPI)
     steps_per_epoch: int
-    schedule: LRSchedule
+    lr_schedule: LRSchedule
     tracers: list
     engine: object          # MPIEngine or LocalEngine
     watchdog: object        # the MPI engine's (the trainer's collectives are watched too)
@@ -28,7 +28,7 @@ class RunEngine:
         return self.tracers[0]  # this process's eval and checkpoint spans
 
 
-def lr_schedule(cfg, steps_per_epoch: int, replicas: int = 1) -> LRSchedule:
+def run_lr_schedule(cfg, steps_per_epoch: int, replicas: int = 1) -> LRSchedule:
     # the paper's rule on the effective batch: R replicas each accumulate k micro-batches a step
     peak = peak_lr(cfg.optim.lr, cfg.data.batch_size * replicas, cfg.train.accumulation,
                    cfg.optim.scale_lr)
@@ -58,7 +58,7 @@ def build_run_engine(cfg, world, placement, partition, input_shape, microbatches
                                memory_budget=cfg.model.memory_budget,  # kept blocks
                                batch_size=cfg.data.batch_size)
     steps_per_epoch = -(-microbatches_per_epoch // cfg.train.accumulation)
-    schedule = lr_schedule(cfg, steps_per_epoch, R)
+    schedule = run_lr_schedule(cfg, steps_per_epoch, R)
     # Collective (a Barrier fixes the common time origin); NULL_TRACERs when run.trace is off.
     tracers = trace.start(cfg.run.trace, world,
                           [placement.rank] if world else list(range(len(stages))),

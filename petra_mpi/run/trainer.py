@@ -318,7 +318,7 @@ class Placement:
     threads: int
 
 
-def place(cfg, world) -> Placement:
+def find_placement(cfg, world) -> Placement:
     """Split the world into R replicas of J stages, bind the device and set the CPU threads."""
     size = world.size if world else 1
     J, R = num_stages(cfg, size), num_replicas(cfg, size)
@@ -354,7 +354,7 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
     `stop` is set by SIGUSR1/SIGTERM; `profile` (with dry_run) measures the blocks' costs.
     Returns the exit status: 0 when the run finished, EXIT_REQUEUE when it stopped on request."""
     startup_step("setting up the device")
-    placement = place(cfg, world)
+    placement = find_placement(cfg, world)
     if dry_run:
         from .dryrun import report
         return report(cfg, placement.J, world, device=placement.device, dtype=placement.dtype,
@@ -459,7 +459,7 @@ class Trainer:
         self.writer = MetricsWriter(cfg.run.out_dir, cfg.run.tensorboard) if self.writes else None
         self.identity, self.layout, manifest_head = describe_run(
             cfg, placement, run.stages[0].partition, self.microbatches_per_epoch,
-            run.steps_per_epoch, run.schedule.peak, self.input_shape[-1])
+            run.steps_per_epoch, run.lr_schedule.peak, self.input_shape[-1])
         self.checkpoints = RunCheckpoints(cfg, world, placement, self.pipeline_workers,
                                           manifest_head, self.writer, run.tracer, self.watchdog)
         self.load_state_dict({"epoch": 0, "position": 0, "best_val_acc": None, "history": [],

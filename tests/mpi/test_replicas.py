@@ -309,10 +309,10 @@ def test_bench_replicas_last_line(tmp_path):
 def test_replicas_config_is_table2_with_twice_the_batch():
     """configs/replicas: 2 x 18 ranks, Table 2's k (the staleness in optimizer steps), and the lr
     rule on the effective batch R · k · 64."""
-    from petra_mpi.run.assemble import lr_schedule
+    from petra_mpi.run.assemble import run_lr_schedule
     ours = load_config(ROOT / "configs/replicas/revnet50_imagenet_2x18.yaml")
     table2 = load_config(ROOT / "configs/table2/imagenet/revnet50_petra.yaml")
     validate(ours, 36)
     assert (num_stages(ours, 36), num_replicas(ours, 36)) == (18, 2)
     assert ours.train.accumulation == table2.train.accumulation == 32
-    assert lr_schedule(ours, 100, 2).peak == 2 * lr_schedule(table2, 100).peak == 1.6
+    assert run_lr_schedule(ours, 100, 2).peak == 2 * run_lr_schedule(table2, 100).peak == 1.6
