@@ -167,8 +167,8 @@ def measure_autograd_costs(blocks, input_shape, batch_size, num_classes, *, devi
         grad_y = torch.randn_like(y)
         graph = {}
 
-        def fwd():
-            leaf = x.detach().requires_grad_(True)
+        def fwd():  # token ids (a language model's first block) take no gradient
+            leaf = x.detach().requires_grad_(x.is_floating_point())
             out = block(leaf)
             graph["out"] = F.cross_entropy(out, labels) if is_head else out
 

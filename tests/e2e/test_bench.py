@@ -119,6 +119,27 @@ def test_bench_data_times_every_loader_and_the_jpeg_path():
         out["jpeg_images_per_s"] / out["pipeline_images_per_s"])
 
 
+@pytest.mark.extended
+def test_bench_peers_on_the_language_model():
+    """--model revlm: PETRA on the reversible LM against the pipelines on the plain LM, fed
+    windows of token ids with a label per token; speeds also in tokens per second."""
+    proc = mpirun(2, ["-m", "petra_mpi.bench", "peers", "--model", "revlm", "--width", "16",
+                      "--depth", "2", "--heads", "2", "--context", "8", "--batch", "4",
+                      "--microbatches", "4", "--accumulation", "1", "--rounds", "1",
+                      "--threads", "1", "--no-zero-bubble"], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (record["model"], record["plain_model"], record["context"]) == ("revlm", "lm", 8)
+    # embedding + 2 decoder blocks + head, on 2 ranks each
+    assert sum(record["partition"]) == sum(record["pt_partition"]) == 4
+    assert {"petra", "backprop", "gpipe", "1f1b", "1f1b_checkpointed"} <= set(
+        record["images_per_s"])
+    for name, windows in record["images_per_s"].items():
+        assert windows > 0 and record["tokens_per_s"][name] == pytest.approx(8 * windows)
+        assert min(record["peak_activation_bytes"][name]) > 0, name
+    assert "tokens/s" in proc.stdout
+
+
 def test_bench_peers_runs_every_contender():
     # the splits given, not measured: what each contender holds, and so PETRA's kept budget,
     # depends on them

@@ -53,6 +53,7 @@ KINDS = {
     'mpirun -n 2 python -m petra_mpi.bench emulate --costs measured --width 32 --batch 64 --real':
         ("bench", None),
     'mpirun -n 2 python -m petra_mpi.bench peers': ("bench", None),
+    'mpirun -n 2 python -m petra_mpi.bench peers --model revlm --rounds 3': ("bench", None),
     'mpirun -n 2 python -m petra_mpi.bench scaling --rounds 2 --microbatches 12':
         ("bench", None),
     'mpirun -n 2 python -m petra_mpi.bench replicas': ("bench", None),
@@ -191,7 +192,7 @@ KINDS = {
         ("usage", None),
     'mpirun -n J python -m petra_mpi.bench pipeline --device cuda [--precision bf16]':
         ("usage", None),
-    'mpirun -n J python -m petra_mpi.bench peers [--width 32] [--batch 64] [--microbatches 24]':
+    'mpirun -n J python -m petra_mpi.bench peers [--model revnet18|revlm] [--width 32] [--batch 64]':
         ("usage", None),
     'mpirun -n J python -m petra_mpi.bench pipeline': ("usage", None),
     '[mpirun -n P] python -m petra_mpi.bench scaling': ("usage", None),

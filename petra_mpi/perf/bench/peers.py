@@ -1,10 +1,11 @@
 """Under `mpirun -n J`: PETRA against other pipeline-parallel trainers on the same ranks, alternated
 in one run (round-robin over the contenders, medians of the rounds).
 
-- petra, backprop: our MPI engine on RevNet18 (as `bench pipeline`).
+- petra, backprop: our MPI engine on RevNet18 (as `bench pipeline`), or with `--model revlm` on
+  the reversible causal language model (configs/lm/shakespeare_cpu.yaml's size by default).
 - gpipe, 1f1b, zero_bubble: torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B and
-  ScheduleInterleavedZeroBubble (one stage per rank) on the plain ResNet18 of the same width,
-  split by its own measured block costs, over gloo.
+  ScheduleInterleavedZeroBubble (one stage per rank) on the plain twin of the same width
+  (ResNet18, or the plain transformer `lm`), split by its own measured block costs, over gloo.
 - 1f1b_checkpointed: Schedule1F1B with torch.utils.checkpoint around every block.
 - petra_budget_1f1b, petra_unlimited: PETRA with kept blocks (model.memory_budget,
   memory_plan.py) at a budget per rank of 1F1B's peak activation bytes there (less PETRA's own),
@@ -23,6 +24,7 @@ import socket
 import statistics
 import time
 import weakref
+from dataclasses import dataclass
 from itertools import chain
 
 import torch
@@ -50,6 +52,53 @@ class SampleAfterForward(WorkerHooks):
 
 LR, MOMENTUM = 0.01, 0.9
 ZERO_BUBBLE = "zero_bubble"
+
+
+@dataclass
+class Workload:
+    """What every contender trains: PETRA's reversible net (`arch`) or the pipelines' plain twin
+    (`plain`), and random batches of the net's kind: 32x32 images and a label each, or windows of
+    `context` token ids and a label per token."""
+    arch: str
+    plain: str
+    width: int
+    num_classes: int
+    model_kw: dict
+    context: int = 0  # a language model's window; 0: images
+
+    @classmethod
+    def from_args(cls, a):
+        if a.model == "revlm":
+            kw = {"depth": a.depth, "heads": a.heads, "context": a.context}
+            return cls("revlm", "lm", a.width or 128, 256, kw, a.context)
+        return cls("revnet18", "resnet18", a.width or 32, 10, {})
+
+    @property
+    def input_shape(self) -> tuple:
+        return (self.context,) if self.context else (3, 32, 32)
+
+    @property
+    def labels_per_sample(self) -> int:
+        return self.context or 1
+
+    def blocks(self, arch):
+        return build_blocks(arch, self.width, self.num_classes, **self.model_kw)
+
+    def stages(self, J, **kw):
+        return build_stages(self.arch, self.width, self.num_classes, J, seed=0,
+                            model_kw=self.model_kw, **kw)
+
+    def zeros(self, n):
+        return (torch.zeros(n, self.context, dtype=torch.long) if self.context
+                else torch.zeros(n, *self.input_shape))
+
+    def batch(self, n, g):
+        """(inputs, labels) of n random samples."""
+        if self.context:
+            x = torch.randint(0, self.num_classes, (n, self.context), generator=g)
+            return x, torch.randint(0, self.num_classes, (n * self.context,), generator=g)
+        return (torch.randn(n, *self.input_shape, generator=g),
+                torch.randint(0, self.num_classes, (n,), generator=g))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,14 +267,14 @@ def _loss(logits, target):
 
 
 class PTContender:
-    def __init__(self, name, schedule_cls, multi, checkpointed, a, world, sizes):
+    def __init__(self, name, schedule_cls, multi, checkpointed, a, world, sizes, work):
         from torch.distributed.pipelining import PipelineStage
         r, J = world.rank, world.size
         torch.manual_seed(0)
-        blocks = build_blocks("resnet18", a.width, 10)
+        blocks = work.blocks(work.plain)
         start = sum(sizes[:r])
         with torch.no_grad():  # shapes of this rank's micro-batch input and output
-            x = torch.zeros(a.batch, 3, 32, 32)
+            x = work.zeros(a.batch)
             for i, b in enumerate(blocks[:start + sizes[r]]):
                 b.eval()
                 if i == start:
@@ -236,7 +285,8 @@ class PTContender:
         self.stage = PipelineStage(self.module, r, J, torch.device("cpu"),
                                    # the metadata says which gradients travel: a received
                                    # input's and every output's
-                                   input_args=torch.empty_like(x_in).requires_grad_(r > 0),
+                                   input_args=torch.empty_like(x_in).requires_grad_(
+                                       r > 0 and x_in.is_floating_point()),
                                    output_args=torch.empty_like(x).requires_grad_())
         self.schedule = schedule_cls([self.stage] if multi else self.stage, a.pt_microbatches,
                                      loss_fn=_loss)
@@ -276,7 +326,12 @@ def main(argv):
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="mpirun -n J python -m petra_mpi.bench peers",
                                 description=__doc__)
-    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--model", choices=("revnet18", "revlm"), default="revnet18",
+                   help="revnet18 (plain twin ResNet18) or revlm (plain twin lm), random data")
+    p.add_argument("--width", type=int, default=0, help="0: 32 (revnet18), 128 (revlm)")
+    p.add_argument("--depth", type=int, default=4, help="revlm: decoder blocks")
+    p.add_argument("--heads", type=int, default=4, help="revlm: attention heads")
+    p.add_argument("--context", type=int, default=64, help="revlm: tokens per window")
     p.add_argument("--batch", type=int, default=64, help="micro-batch size (every contender)")
     p.add_argument("--microbatches", type=int, default=24,
                    help="PETRA/backprop micro-batches per timed segment (fill and drain included)")
@@ -289,9 +344,9 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: share)")
     p.add_argument("--no-zero-bubble", action="store_true", help="skip the zero-bubble schedule")
     p.add_argument("--partition", type=_split_arg, metavar="A,B,...",
-                   help="blocks per stage of RevNet18 (default: split by measured costs)")
+                   help="blocks per stage of the reversible net (default: by measured costs)")
     p.add_argument("--pt-partition", type=_split_arg, metavar="A,B,...",
-                   help="blocks per stage of ResNet18 (default: split by measured costs)")
+                   help="blocks per stage of the plain twin (default: by measured costs)")
     a = p.parse_args(argv)
     if a.accumulation < 1:
         p.error("--accumulation must be at least 1")
@@ -302,26 +357,28 @@ def _split_arg(text):
     return [int(n) for n in text.split(",")]
 
 
-def measured_splits(a, world):
-    """(RevNet18 split, ResNet18 split): each net split by its own measured block costs, as a
-    user would balance it (training's default for RevNet18; for ResNet18 the autograd costs
-    that pipelining runs); None for either when J >= 10 (one block per stage). --partition and
-    --pt-partition, when both are given, replace the measurement (the memory a contender holds
-    depends on its split)."""
+def measured_splits(a, world, work):
+    """(reversible net's split, plain twin's split): each net split by its own measured block
+    costs, as a user would balance it (training's default for ours; for the twin the autograd
+    costs that pipelining runs); None for either when there is one block per stage.
+    --partition and --pt-partition, when both are given, replace the measurement (the memory a
+    contender holds depends on its split)."""
     J = world.size
     if a.partition and a.pt_partition:
         return a.partition, a.pt_partition
     measured = None
-    if world.rank == 0 and J < 10:
+    plain = work.blocks(work.plain)
+    if world.rank == 0 and J < len(plain):
         from ...core.blockcost import measure_autograd_costs, measured_partition
-        petra_split, _ = measured_partition("revnet18", a.width, 10, J, (3, 32, 32), a.batch)
-        plain = build_blocks("resnet18", a.width, 10)
+        petra_split, _ = measured_partition(work.arch, work.width, work.num_classes, J,
+                                            work.input_shape, a.batch, **work.model_kw)
         measured = (petra_split, resolve_partition(
-            plain, J, costs=measure_autograd_costs(plain, (3, 32, 32), a.batch, 10)))
+            plain, J, costs=measure_autograd_costs(plain, work.input_shape, a.batch,
+                                                   work.num_classes)))
     return world.comm.bcast(measured, root=0) or (None, None)
 
 
-def pipelining_contenders(a, world, pt_sizes):
+def pipelining_contenders(a, world, pt_sizes, work):
     """({name: PTContender}, {name: why it did not build}); a contender that fails to build on
     any rank is dropped on every rank, so no rank waits on a schedule the others skip."""
     from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe,
@@ -333,7 +390,7 @@ def pipelining_contenders(a, world, pt_sizes):
     pts, skipped = {}, {}
     for name, cls, multi, ckpt in specs:
         try:
-            pts[name] = PTContender(name, cls, multi, ckpt, a, world, pt_sizes)
+            pts[name] = PTContender(name, cls, multi, ckpt, a, world, pt_sizes, work)
             err = None
         except Exception as e:  # noqa: BLE001 - reported, the others still run
             err = f"{type(e).__name__}: {e}".splitlines()[0]
@@ -345,32 +402,31 @@ def pipelining_contenders(a, world, pt_sizes):
 
 
 class PeersBench:
-    """Every contender on this rank: PETRA and backprop on one RevNet18 stage, the
-    torch.distributed.pipelining schedules on one ResNet18 stage, and the data they train on."""
+    """Every contender on this rank: PETRA and backprop on one stage of the reversible net, the
+    torch.distributed.pipelining schedules on one stage of its plain twin, and the data they
+    train on."""
 
-    def __init__(self, a, world):
-        self.a, self.world = a, world
+    def __init__(self, a, world, work):
+        self.a, self.world, self.work = a, world, work
         J = world.size
         self.M = a.pt_microbatches
-        petra_split, pt_split = measured_splits(a, world)
-        (self.stage,) = build_stages("revnet18", a.width, 10, J, seed=0, only=world.rank,
-                                     partition=a.partition or petra_split)
+        petra_split, pt_split = measured_splits(a, world, work)
+        (self.stage,) = work.stages(J, only=world.rank, partition=a.partition or petra_split)
         self.sizes = self.stage.partition
         self.pt_sizes = (a.pt_partition or pt_split
-                         or resolve_partition(build_blocks("resnet18", a.width, 10), J))
+                         or resolve_partition(work.blocks(work.plain), J))
         self.sampler = SampleAfterForward()
         workers = build_workers([self.stage], constant_lr(LR), a.accumulation,
                                 momentum=MOMENTUM, hooks=[self.sampler])
-        self.engines = {m: build_engine(workers, m, world, (3, 32, 32), a.batch)
+        self.engines = {m: build_engine(workers, m, world, work.input_shape, a.batch,
+                                        labels_per_sample=work.labels_per_sample)
                         for m in ("petra", "backprop")}
         # our contenders: name -> (engine, this stage's kept plan: None, PETRA as in the paper)
         self.variants = {m: (m, None) for m in self.engines}
         self.plans = {}  # kept variant -> (memory_plan.Plan, kept budget per rank or None)
-        self.pts, self.skipped = pipelining_contenders(a, world, self.pt_sizes)
+        self.pts, self.skipped = pipelining_contenders(a, world, self.pt_sizes, work)
         g = torch.Generator().manual_seed(0)
-        self.data = [(torch.randn(a.batch, 3, 32, 32, generator=g),
-                      torch.randint(0, 10, (a.batch,), generator=g))
-                     for _ in range(max(4, self.M))]
+        self.data = [work.batch(a.batch, g) for _ in range(max(4, self.M))]
         self.full_x = torch.cat([d[0] for d in self.data[:self.M]])
         self.full_y = torch.cat([d[1] for d in self.data[:self.M]])
         self.pt_steps = max(1, round(a.microbatches / self.M))
@@ -401,9 +457,8 @@ class PeersBench:
             if "1f1b" in peaks:
                 budgets["petra_budget_1f1b"] = [max(0, f - p) for f, p in
                                                 zip(peaks["1f1b"], peaks["petra"])]
-            probes = build_stages("revnet18", a.width, 10, world.size, seed=0,
-                                  partition=self.sizes)
-            plans = {name: (plan_stages(probes, lambda n: torch.zeros(n, 3, 32, 32), a.batch,
+            probes = self.work.stages(world.size, partition=self.sizes)
+            plans = {name: (plan_stages(probes, self.work.zeros, a.batch,
                                         AUTO if budget is None else budget), budget)
                      for name, budget in sorted(budgets.items())}
         self.plans = world.comm.bcast(plans, root=0)
@@ -475,7 +530,8 @@ def run(a):
     torch.set_num_threads(a.threads or world.thread_share())
     a.pt_microbatches = a.pt_microbatches or max(a.accumulation, world.size)
     dist = init_gloo(world)
-    bench = PeersBench(a, world)
+    work = Workload.from_args(a)
+    bench = PeersBench(a, world, work)
     # the contenders' memory first: PETRA's kept budget comes from 1F1B's
     peak_bytes, kept_bytes = bench.peak_bytes(bench.names())
     kept_names = bench.add_kept_variants(peak_bytes)
@@ -487,7 +543,8 @@ def run(a):
     if world.rank != 0:
         return None
     record = {"bench": "peers", "ranks": world.size, "threads": torch.get_num_threads(),
-              "batch": a.batch, "width": a.width, "microbatches": a.microbatches,
+              "model": work.arch, "plain_model": work.plain, **work.model_kw,
+              "batch": a.batch, "width": work.width, "microbatches": a.microbatches,
               "accumulation": a.accumulation, "pt_microbatches": a.pt_microbatches,
               "partition": bench.sizes, "pt_partition": bench.pt_sizes,
               "images_per_s": images_per_s,
@@ -503,6 +560,8 @@ def run(a):
             if "petra_budget_1f1b" in images_per_s:
                 record[f"petra_budget_1f1b_vs_{other}"] = (images_per_s["petra_budget_1f1b"] /
                                                           images_per_s[other])
+    if work.context:  # a language model: every window is context tokens
+        record["tokens_per_s"] = {n: v * work.context for n, v in images_per_s.items()}
     if bench.skipped:
         record["skipped"] = bench.skipped
     return record
@@ -513,14 +572,17 @@ def report(a, r):
     if r is None:
         return
     mib, M = 2.0 ** 20, r["pt_microbatches"]
-    print(f"width {a.width}, micro-batch {a.batch}, {r['ranks']} ranks x {r['threads']} "
+    net, plain = r["model"], r["plain_model"]
+    unit = "tokens/s" if "tokens_per_s" in r else "images/s"
+    speeds = r.get("tokens_per_s", r["images_per_s"])
+    print(f"width {r['width']}, micro-batch {a.batch}, {r['ranks']} ranks x {r['threads']} "
           f"threads, median of {a.rounds} alternated rounds")
-    print(f"petra/backprop: RevNet18, {a.microbatches} micro-batches per timed segment (fill "
-          f"and drain included), k = {a.accumulation}; pipelining: ResNet18, {M} micro-batches "
+    print(f"petra/backprop: {net}, {a.microbatches} micro-batches per timed segment (fill "
+          f"and drain included), k = {a.accumulation}; pipelining: {plain}, {M} micro-batches "
           f"per step, {max(1, round(a.microbatches / M))} step(s) per timed segment; blocks per "
-          f"stage: RevNet18 {r['partition']}, ResNet18 {r['pt_partition']}")
-    print(f"{'contender':<18} {'images/s':>9}  peak activation MiB per rank")
-    for name, speed in r["images_per_s"].items():
+          f"stage: {net} {r['partition']}, {plain} {r['pt_partition']}")
+    print(f"{'contender':<18} {unit:>9}  peak activation MiB per rank")
+    for name, speed in speeds.items():
         per_rank = " ".join(f"{b / mib:8.2f}" for b in r["peak_activation_bytes"][name])
         print(f"{name:<18} {speed:>9.1f}  {per_rank}")
     for name, why in r.get("skipped", {}).items():
@@ -534,5 +596,5 @@ def report(a, r):
     for other in ("1f1b", "1f1b_checkpointed"):
         for ours in ("petra", "petra_budget_1f1b"):
             if f"{ours}_vs_{other}" in r:
-                print(f"{ours} / {other}: {r[f'{ours}_vs_{other}']:.2f} images/s")
+                print(f"{ours} / {other}: {r[f'{ours}_vs_{other}']:.2f} ({unit})")
     emit(r)
