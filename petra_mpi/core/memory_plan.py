@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .partition import block_costs
+from .partition import balanced_partition, block_costs
+from .schedule import delay
 
 REBUILT_UNITS, KEPT_UNITS, LAST_UNITS = 4, 3, 3
 
@@ -78,6 +79,7 @@ class Plan:
     kept_bytes: list[int]     # per stage: predicted peak bytes of the kept graphs
     units: list[float]        # per stage: predicted time per micro-batch (forward units)
     petra_units: list[float]  # the same with nothing kept
+    most_kept: list[list[int]] = None  # per stage, per block: what the budget allows (untrimmed)
 
     @property
     def relative_time(self) -> float:
@@ -97,7 +99,34 @@ def choose(units, sizes, windows, budgets) -> Plan:
     return Plan(kept,
                 [sum(k * (z or 0) for k, z in zip(ks, zs)) for ks, zs in zip(kept, sizes)],
                 [stage_units(u, k, w, l) for u, k, w, l in zip(units, kept, windows, last)],
-                [stage_units(u, [0] * len(u), w, l) for u, w, l in zip(units, windows, last)])
+                [stage_units(u, [0] * len(u), w, l) for u, w, l in zip(units, windows, last)],
+                best)
+
+
+def balance_with_plan(units, sizes, plan_for, rounds: int = 4):
+    """(split, Plan): a split balanced with its own plan's costs. PETRA's balance (`sizes`, by
+    the blocks' estimated `units`) counts every block at 4 units, but a block that keeps k of
+    every d_s micro-batches costs 4 - k / d_s: a stage that can keep is faster than the split
+    assumed, and may take more blocks. So re-split by the costs of what each stage's budget lets
+    it keep (Plan.most_kept), plan that split (plan_for(sizes) -> Plan), and keep it while the
+    slowest stage gets faster."""
+    plan = plan_for(sizes)
+    J = len(sizes)
+    for _ in range(rounds):
+        weights = []
+        for s, kept in enumerate(plan.most_kept):
+            window = delay(J, s)
+            for k in kept:  # the last stage's factor is balanced_partition's own
+                weights.append(1.0 if s == J - 1 else stage_units([1.0], [k], window)
+                               / REBUILT_UNITS)
+        again = balanced_partition([u * w for u, w in zip(units, weights)], J)
+        if again == sizes:
+            break
+        other = plan_for(again)
+        if max(other.units) >= max(plan.units):
+            break
+        sizes, plan = again, other
+    return sizes, plan
 
 
 def plan_stages(stages, make_input, batch: int, budget, device="cpu",

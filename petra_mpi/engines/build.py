@@ -1,12 +1,15 @@
 """Building the stages, their workers and the engine that runs them, identically in every engine
 and on every rank: the trainer (run/assemble.py) and every benchmark build through here."""
+import functools
+
 import torch
 
 from ..comm.devices import to_device
 from ..models import build_blocks, set_precision
 from ..comm.compress import NO_COMPRESSION
 from ..core.optim import StageOptimizer, constant_lr
-from ..core.partition import resolve_partition, split_blocks
+from ..core.memory_plan import balance_with_plan
+from ..core.partition import block_costs, resolve_partition, split_blocks
 from ..core.stages import Stage
 from ..core.trace import NULL_TRACER
 from ..core.worker import StageWorker
@@ -35,7 +38,14 @@ def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, se
     set_precision(blocks, precision)
     sizes = resolve_partition(blocks, num_stages, partition, image_size)
     if memory_budget and kept is None:
-        kept = _kept_plan(blocks, sizes, memory_budget, batch_size, image_size, device, dtype)
+        plan_for = functools.partial(_kept_plan, blocks, budget=memory_budget,
+                                     batch_size=batch_size, image_size=image_size,
+                                     device=device, dtype=dtype)
+        if partition is None and num_stages < len(blocks):  # the split is ours to choose
+            sizes, plan = balance_with_plan(block_costs(blocks, image_size), sizes, plan_for)
+        else:
+            plan = plan_for(sizes)
+        kept = plan.kept
     stages = []
     for s, stage_blocks in enumerate(split_blocks(blocks, sizes)):
         if only is not None and s != only:
@@ -49,8 +59,8 @@ def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, se
     return stages
 
 
-def _kept_plan(blocks, sizes, budget, batch_size, image_size, device, dtype):
-    """memory_plan's plan for the whole split, probed on CPU in the run's dtype (deterministic:
+def _kept_plan(blocks, sizes, *, budget, batch_size, image_size, device, dtype):
+    """memory_plan's Plan for the whole split, probed on CPU in the run's dtype (deterministic:
     every rank computes the same)."""
     from ..core.memory_plan import plan_stages
     for block in blocks:
@@ -61,7 +71,7 @@ def _kept_plan(blocks, sizes, budget, batch_size, image_size, device, dtype):
     def make_input(n):
         return (torch.zeros(n, context, dtype=torch.long) if context
                 else torch.zeros(n, 3, image_size, image_size, dtype=dtype))
-    return plan_stages(probes, make_input, batch_size, budget, device, image_size).kept
+    return plan_stages(probes, make_input, batch_size, budget, device, image_size)
 
 
 def build_workers(stages, lr_schedule=None, accumulation: int = 1, momentum: float = 0.9,

@@ -112,36 +112,58 @@ def batch_input(cfg, side) -> str:
     return f"images {side}x{side}"
 
 
-def print_kept_plan(cfg, num_stages: int, device, dtype, partition, side):
+def split_with_plan(cfg, num_stages: int, dtype, side) -> list[int]:
+    """The split training uses under model.memory_budget when the split is its to choose: PETRA's
+    estimated balance redone with the plan's costs (memory_plan.balance_with_plan)."""
+    (stage,) = build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, num_stages,
+                            seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
+                            dtype=dtype, image_size=side, model_kw=model_kwargs(cfg), only=0,
+                            memory_budget=cfg.model.memory_budget,
+                            batch_size=cfg.data.batch_size)
+    return stage.partition
+
+
+def print_kept_plan(cfg, num_stages: int, device, dtype, partition, side, petra_split=None):
     """model.memory_budget's plan (memory_plan.py): per stage, how many of every d_s in-flight
     micro-batches each block keeps, the kept bytes at the peak and the predicted time per
-    micro-batch, and the slowest stage's time relative to PETRA's."""
+    micro-batch, and the slowest stage's time relative to PETRA's on its own split
+    (`petra_split`, None: the estimate)."""
     from ..core.memory_plan import budget_bytes, plan_stages
-    stages = build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, num_stages,
-                          seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
-                          partition=partition or cfg.model.partition, dtype=dtype,
-                          image_size=side, model_kw=model_kwargs(cfg))
+
+    def stages_on(split):
+        return build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, num_stages,
+                            seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
+                            partition=split or cfg.model.partition, dtype=dtype,
+                            image_size=side, model_kw=model_kwargs(cfg))
 
     def make_input(n):  # token ids, or images
         return (torch.zeros(n, cfg.model.context, dtype=torch.long)
                 if cfg.model.arch in LM_ARCHS else torch.zeros(n, 3, side, side, dtype=dtype))
 
+    def plan_on(split, budget):
+        return plan_stages(stages_on(split), make_input, cfg.data.batch_size, budget, device,
+                           side)
+
     budget = cfg.model.memory_budget
-    plan = plan_stages(stages, make_input, cfg.data.batch_size, budget, device, side)
+    stages = stages_on(partition)
+    plan = plan_on(partition, budget)
+    petra = plan if partition == petra_split else plan_on(petra_split, 0)
     limit = budget_bytes(budget, device)
     mib = 2 ** 20
     print(f"kept blocks, model.memory_budget {budget} "
-          f"({'no limit' if limit is None else f'{limit / mib:.1f} MiB'} per stage); time per "
-          f"micro-batch estimated, 1 = PETRA's slowest stage:")
+          f"({'no limit' if limit is None else f'{limit / mib:.1f} MiB'} per stage), "
+          f"blocks per stage {stages[0].partition}; time per micro-batch estimated, 1 = PETRA's "
+          f"slowest stage on its own split:")
     print(f"{'stage':>5} {'d_s':>4} {'kept MiB':>9} {'time':>6} {'PETRA':>6}  per block: kept of "
           f"every d_s micro-batches (- cannot keep)")
-    scale = max(plan.petra_units)
+    scale = max(petra.petra_units)
     for s, stage in enumerate(stages):
         kept = " ".join(str(k) if stage.can_keep(i) else "-" for i, k in enumerate(plan.kept[s]))
         print(f"{s:>5} {stage.window:>4} {plan.kept_bytes[s] / mib:>9.2f} "
               f"{plan.units[s] / scale:>6.3f} {plan.petra_units[s] / scale:>6.3f}  {kept}")
     slowest = max(range(len(stages)), key=lambda s: plan.units[s])
-    print(f"slowest stage {slowest}: {plan.relative_time:.3f} of PETRA's time per micro-batch")
+    print(f"slowest stage {slowest}: {plan.units[slowest] / scale:.3f} of PETRA's time per "
+          f"micro-batch")
 
 
 def report(cfg, num_stages: int, world=None, device="cpu", dtype=torch.float32,
@@ -151,6 +173,10 @@ def report(cfg, num_stages: int, world=None, device="cpu", dtype=torch.float32,
         return 0
     side, where = input_side(cfg)
     partition = profile_blocks(cfg, num_stages, device, dtype, side) if profile else None
+    petra_split = partition  # None: the estimate
+    if (cfg.model.memory_budget and cfg.model.balance == "estimate"
+            and not (partition or cfg.model.partition)):
+        partition = split_with_plan(cfg, num_stages, dtype, side)
     rows = stage_table(cfg, num_stages, dtype, partition, side)
     mib = 2 ** 20
     print(f"{cfg.model.arch} width {cfg.model.width}, {num_stages} stages, method "
@@ -168,7 +194,7 @@ def report(cfg, num_stages: int, world=None, device="cpu", dtype=torch.float32,
               f"{r['stash_bytes'] / mib:>9.2f} {t / mib:>9.2f}")
     print(f"total estimated memory (without activations of the running op): {total / mib:.1f} MiB")
     if cfg.model.memory_budget:
-        print_kept_plan(cfg, num_stages, device, dtype, partition, side)
+        print_kept_plan(cfg, num_stages, device, dtype, partition, side, petra_split)
     sys.stdout.flush()
     if world is not None:
         world.comm.barrier()

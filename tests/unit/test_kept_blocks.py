@@ -9,12 +9,13 @@ import torch
 from petra_mpi.config import ConfigError, load_config
 from petra_mpi.engines.build import build_stages, build_workers
 from petra_mpi.engines.local import LocalEngine
-from petra_mpi.core.memory_plan import (budget_bytes, choose, kept_bytes, plan_stages, probe_sizes,
-                                   stage_units)
+from petra_mpi.core.memory_plan import (balance_with_plan, budget_bytes, choose, kept_bytes,
+                                        plan_stages, probe_sizes, stage_units)
 from petra_mpi.models import build_blocks, frozen_bn_stats
 from petra_mpi.models.blocks import Head
 from petra_mpi.core.optim import LRSchedule
-from petra_mpi.core.partition import split_blocks
+from petra_mpi.core.partition import balanced_partition, split_blocks
+from petra_mpi.core.schedule import delay
 from petra_mpi.core.stages import Stage
 from tests.support.launch import mpirun
 from tests.support.nets import make_batches
@@ -209,6 +210,38 @@ def test_planner_minimises_the_slowest_stage_under_the_budget():
     assert plan.units[0] == stage_units([1.0, 1.0], [1, 2], 2)
 
 
+def planner_on(units, bytes_per_block, budgets):
+    """plan_for(sizes) of balance_with_plan: `choose` on the blocks of each stage of the split."""
+    def plan_for(sizes):
+        J, start, u, z = len(sizes), 0, [], []
+        for s, n in enumerate(sizes):
+            u.append(units[start:start + n])
+            z.append([None if s == J - 1 else b for b in bytes_per_block[start:start + n]])
+            start += n
+        return choose(u, z, [delay(J, s) for s in range(J)], budgets)
+    return plan_for
+
+
+def test_the_split_is_balanced_with_the_plans_costs():
+    # 8 equal blocks on 2 stages: PETRA's balance gives stage 0 three blocks (4 units each; the
+    # last stage's five cost 3 each: 12 against 15), and there stage 0 need keep nothing. A
+    # stage 0 that keeps all d_0 = 2 of its micro-batches costs 3 a block, so four blocks each
+    # (12 against 12) are faster, and the plan keeps them.
+    units, sizes = [1.0] * 8, [3, 5]
+    assert balanced_partition(units, 2) == sizes
+    split, plan = balance_with_plan(units, sizes, planner_on(units, [10] * 8, [None, None]))
+    assert split == [4, 4] and plan.kept[0] == [2, 2, 2, 2]
+    assert max(plan.units) == 12.0 < max(planner_on(units, [10] * 8, [None, None])(sizes).units)
+    # a budget of four kept micro-batches on stage 0 saves 4 x 0.5 units: four blocks (14)
+    # still beat 15
+    split, plan = balance_with_plan(units, sizes, planner_on(units, [10] * 8, [40, None]))
+    assert split == [4, 4] and sum(plan.kept[0]) == 4 and plan.kept_bytes[0] == 40
+    assert max(plan.units) == 14.0
+    # nothing fits the budget: PETRA's own split
+    split, plan = balance_with_plan(units, sizes, planner_on(units, [10] * 8, [5, None]))
+    assert split == sizes and plan.kept[0] == [0, 0, 0]
+
+
 @pytest.mark.parametrize("value,expect", [
     (-1, "model.memory_budget: must be 0 (PETRA), a number of bytes, a fraction"),
     (1.5, "model.memory_budget: must be 0 (PETRA), a number of bytes, a fraction"),
@@ -280,6 +313,10 @@ def test_dry_run_prints_the_plan(capsys):
     assert any(float(r.split()[2]) > 0 for r in rows)  # some stage keeps
     ratio = float(lines[start + 6].split(": ")[1].split()[0])
     assert lines[start + 6].startswith("slowest stage") and 0.75 <= ratio < 1.0
+    # the split it shows is the one training builds (balanced with the plan's costs)
+    trained = build_stages("revnet18", 4, 10, 4, seed=cfg.run.seed, image_size=32,
+                           memory_budget="auto", batch_size=8, only=0)[0].partition
+    assert f"blocks per stage {trained}" in lines[start]
 
 
 def test_build_stages_applies_the_budget_on_every_rank_alike():
@@ -287,7 +324,8 @@ def test_build_stages_applies_the_budget_on_every_rank_alike():
     same for the whole split and for each rank's own stage."""
     kw = dict(seed=0, image_size=8, memory_budget="auto", batch_size=4)
     whole = build_stages("revnet18", 4, 10, 4, **kw)
-    plan = plan_stages(build_stages("revnet18", 4, 10, 4, seed=0, image_size=8),
+    split = whole[0].partition  # balanced with the plan's costs (balance_with_plan)
+    plan = plan_stages(build_stages("revnet18", 4, 10, 4, seed=0, image_size=8, partition=split),
                        lambda n: torch.zeros(n, 3, 8, 8), 4, "auto", image_size=8)
     assert [s.kept for s in whole] == plan.kept and any(map(any, plan.kept))
     for r in range(4):
