@@ -81,16 +81,40 @@ def _copies_and_batch(blocks, input_shape, batch_size, num_classes, device, dtyp
     return blocks, x, labels
 
 
-def measure_block_costs(blocks, input_shape, batch_size, num_classes, *, device="cpu",
-                        dtype=torch.float32, repeats=3) -> BlockCosts:
-    """Time every block (see the module docstring) on a random batch of `input_shape`."""
+def _each_block(blocks, input_shape, batch_size, num_classes, device, dtype, repeats,
+                time_block) -> BlockCosts:
+    """Both measurements' loop: block i timed on the output of block i - 1, as training feeds it.
+    time_block(i, block, x, labels, is_head, timed) -> (forward, backward, last) seconds, each
+    from timed(fn, setup=None), and `fused`, one training pass of the block (the optimizer
+    step is timed after it)."""
     device = torch.device(device)
     blocks, x, labels = _copies_and_batch(blocks, input_shape, batch_size, num_classes, device,
                                           dtype)
-    images = x.numel() * x.element_size()
-    forward, backward, last, step, out_bytes = [], [], [], [], []
+    costs = BlockCosts([], [], [], [], [], x.numel() * x.element_size())
+
+    def timed(fn, setup=None):
+        return _median_seconds(fn, device, repeats, setup=setup)
     for i, block in enumerate(blocks):
-        is_head = i == len(blocks) - 1
+        with torch.no_grad():
+            y = block(x)
+        (forward, backward, last), fused = time_block(i, block, x, labels, i == len(blocks) - 1,
+                                                      torch.randn_like(y), timed)
+        optimizer = StageOptimizer(block, LRSchedule(0.0, 1))
+        for part, seconds in zip((costs.forward, costs.backward, costs.last, costs.step),
+                                 (forward, backward, last,
+                                  timed(optimizer.step,
+                                        setup=lambda: (fused(), optimizer.accumulated())))):
+            part.append(seconds)
+        costs.output_bytes.append(y.numel() * y.element_size())
+        block.zero_grad(set_to_none=True)
+        x = y
+    return costs
+
+
+def measure_block_costs(blocks, input_shape, batch_size, num_classes, *, device="cpu",
+                        dtype=torch.float32, repeats=3) -> BlockCosts:
+    """Time every block (see the module docstring) on a random batch of `input_shape`."""
+    def time_block(i, block, x, labels, is_head, grad_y, timed):
         # Timed where training runs it: the first block on stage 0, whose backward computes no
         # gradient for the images; any other on a middle stage, whose backward must send one.
         # The forward feeds the FIFO of a buffered block, the backward pops it.
@@ -98,14 +122,10 @@ def measure_block_costs(blocks, input_shape, batch_size, num_classes, *, device=
         with torch.no_grad():
             y = stage(x)
         stage.clear()
-        grad_y = torch.randn_like(y)
 
         def fwd():
             stage(x)
             stage.clear()
-
-        def bwd():
-            stage.backward(y, grad_y)
 
         def fused():
             leaf = x.detach().requires_grad_(i > 0)  # no gradient for the images either
@@ -114,17 +134,10 @@ def measure_block_costs(blocks, input_shape, batch_size, num_classes, *, device=
                 F.cross_entropy(out, labels).backward()
             else:
                 out.backward(grad_y)
-
-        forward.append(_median_seconds(fwd, device, repeats))
-        backward.append(_median_seconds(bwd, device, repeats, setup=lambda: stage(x)))
-        last.append(_median_seconds(fused, device, repeats))
-        optimizer = StageOptimizer(block, LRSchedule(0.0, 1))
-        step.append(_median_seconds(optimizer.step, device, repeats,
-                                    setup=lambda: (fused(), optimizer.accumulated())))
-        out_bytes.append(y.numel() * y.element_size())
-        block.zero_grad(set_to_none=True)
-        x = y
-    return BlockCosts(forward, backward, last, step, out_bytes, images)
+        return (timed(fwd), timed(lambda: stage.backward(y, grad_y), setup=lambda: stage(x)),
+                timed(fused)), fused
+    return _each_block(blocks, input_shape, batch_size, num_classes, device, dtype, repeats,
+                       time_block)
 
 
 def measured_partition(arch, width, num_classes, num_stages, input_shape, batch_size, *,
@@ -155,16 +168,7 @@ def measure_autograd_costs(blocks, input_shape, batch_size, num_classes, *, devi
                            dtype=torch.float32, repeats=3) -> BlockCosts:
     """Per-block costs of ordinary autograd training (what 1F1B or GPipe run): forward with
     graph, its backward (last = both), the optimizer step."""
-    device = torch.device(device)
-    blocks, x, labels = _copies_and_batch(blocks, input_shape, batch_size, num_classes, device,
-                                          dtype)
-    images = x.numel() * x.element_size()
-    forward, backward, last, step, out_bytes = [], [], [], [], []
-    for i, block in enumerate(blocks):
-        is_head = i == len(blocks) - 1
-        with torch.no_grad():
-            y = block(x)
-        grad_y = torch.randn_like(y)
+    def time_block(i, block, x, labels, is_head, grad_y, timed):
         graph = {}
 
         def fwd():  # token ids (a language model's first block) take no gradient
@@ -174,14 +178,7 @@ def measure_autograd_costs(blocks, input_shape, batch_size, num_classes, *, devi
 
         def bwd():
             graph.pop("out").backward(None if is_head else grad_y)
-
-        forward.append(_median_seconds(fwd, device, repeats))
-        backward.append(_median_seconds(bwd, device, repeats, setup=fwd))
-        last.append(forward[-1] + backward[-1])
-        optimizer = StageOptimizer(block, LRSchedule(0.0, 1))
-        step.append(_median_seconds(optimizer.step, device, repeats,
-                                    setup=lambda: (fwd(), bwd(), optimizer.accumulated())))
-        out_bytes.append(y.numel() * y.element_size())
-        block.zero_grad(set_to_none=True)
-        x = y
-    return BlockCosts(forward, backward, last, step, out_bytes, images)
+        forward, backward = timed(fwd), timed(bwd, setup=fwd)
+        return (forward, backward, forward + backward), lambda: (fwd(), bwd())
+    return _each_block(blocks, input_shape, batch_size, num_classes, device, dtype, repeats,
+                       time_block)
