@@ -223,3 +223,25 @@ def test_decode_workers_default_to_the_ranks_cpu_share():
     assert train_loader.decode_threads == val_loader.decode_threads == 3
     train_loader.close()
     val_loader.close()
+
+
+@pytest.mark.extended
+def test_train_epochs_script_stops_after_n_epochs_and_resumes(tmp_path):
+    """scripts/train_epochs.sh: the first N evaluated epochs of a longer recipe, stopped as a
+    scheduler stops a job (a complete checkpoint), and the plain command resumes it."""
+    out = tmp_path / "run"
+    # 12 short epochs: the script polls every second, so the run cannot end before the stop
+    tiny = ["--set", "train.epochs=12", "--set", "data.synthetic_train=256",
+            "--set", "data.synthetic_val=64", "--set", "run.threads=1"]
+    proc = subprocess.run(["bash", "scripts/train_epochs.sh", "1", str(out),
+                           "configs/quickstart.yaml", *tiny], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.search(r"^epoch 0: val_acc [0-9.]+ val_loss", proc.stdout, re.M), proc.stdout
+    assert "stopped on request" in proc.stderr
+    assert complete_checkpoints(str(out)) and not (out / "summary.json").exists()
+    again = subprocess.run([sys.executable, "-m", "petra_mpi.train", "configs/quickstart.yaml",
+                            "--set", f"run.out_dir={out}", *tiny], capture_output=True,
+                           text=True, timeout=300, cwd=ROOT)
+    assert again.returncode == 0 and "resumed from" in again.stderr, again.stderr[-2000:]
+    assert json.loads((out / "summary.json").read_text())["epochs"] == 12
