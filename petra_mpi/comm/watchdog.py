@@ -64,13 +64,14 @@ class Watchdog:
     """`limit_s`: a fixed limit, or None for auto_limit of the measured gaps between actions.
     `pending()`: this rank's receives and sends in flight, as (blocked, direction, stream, peer,
     count) with blocked true for the one the rank is waiting on now (called from the watchdog
-    thread while the main thread waits; it calls no MPI). `where`: this rank's name in reports
+    thread while the main thread waits; it calls no MPI). `rank_name`: this rank in reports
     ("rank 3 (n2, stage 3)"). `warmup_ticks`: the ticks in which every stage trains its first
     micro-batch; the start-up ends at an agreement posted after them. `exit`: how the rank ends
     (os._exit: the main thread is stuck in MPI, where no exception would reach it)."""
 
-    def __init__(self, limit_s, where, pending, warmup_ticks=0, out=sys.stderr, exit=os._exit):
-        self.fixed, self.where, self.pending = limit_s, where, pending
+    def __init__(self, limit_s, rank_name, pending, warmup_ticks=0, out=sys.stderr,
+                 exit=os._exit):
+        self.fixed, self.rank_name, self.pending = limit_s, rank_name, pending
         self.warmup_ticks = warmup_ticks
         self.out, self.exit = out, exit
         self.slowest = 0.0
@@ -156,7 +157,7 @@ class Watchdog:
         _, tick, action, microbatch = last
         key = "run.watchdog_s" + (f" + {self.grace_for} grace" if self.grace else "")
         if tick is None:  # inside a collective
-            self._write(f"petra_mpi: watchdog: {self.where}: no progress for {limit:g} s "
+            self._write(f"petra_mpi: watchdog: {self.rank_name}: no progress for {limit:g} s "
                         f"({key}) in the {action}, a collective of every rank: a rank or its "
                         f"node is lost or stalled; exit status {EXIT_STALLED}")
             return
@@ -165,7 +166,7 @@ class Watchdog:
                    for is_blocked, direction, stream, peer, _ in pending if is_blocked]
         why = (f"waiting on the {blocked[0]}: that rank or its node is lost or stalled" if blocked
                else "not waiting on MPI: this rank's own work stalled")
-        head = (f"petra_mpi: watchdog: {self.where}: no progress for {limit:g} s "
+        head = (f"petra_mpi: watchdog: {self.rank_name}: no progress for {limit:g} s "
                 f"({key}) after tick {tick}, {action} of micro-batch {microbatch}; "
                 f"{why}; exit status {EXIT_STALLED}")
         lines = [head] + [f"  {'waiting' if b else 'pending'}: {direction} {stream} "
@@ -215,8 +216,8 @@ def start_watchdog(limit_s, world, pending, warmup_ticks=0):
     if limit_s == 0:
         return NoWatchdog()
     me = world.placement[world.rank] if world.placement else None
-    where = (f"rank {world.rank}" + (f" ({me['host']}, stage {me['stage']})" if me else ""))
-    return Watchdog(limit_s, where, pending, warmup_ticks)
+    rank_name = f"rank {world.rank}" + (f" ({me['host']}, stage {me['stage']})" if me else "")
+    return Watchdog(limit_s, rank_name, pending, warmup_ticks)
 
 
 # ---------------------------------------------------------------------------- the start-up
@@ -241,7 +242,7 @@ def begin_startup(deadline_s, rank):
     libc.signal.restype = ctypes.c_void_p
     libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
     libc.signal(signal.SIGTRAP, ctypes.cast(libc._exit, ctypes.c_void_p).value)
-    where = f"rank {rank} ({socket.gethostname().split('.')[0]})"
+    rank_name = f"rank {rank} ({socket.gethostname().split('.')[0]})"
     read_end, write_end = os.pipe()
     rank_pid = os.getpid()
     sys.stderr.flush()
@@ -257,7 +258,7 @@ def begin_startup(deadline_s, rank):
                 os.closerange(read_end + 1, os.sysconf("SC_OPEN_MAX"))
                 for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
                     signal.signal(sig, signal.SIG_IGN)  # signals for the job are the rank's
-                _watch_startup(read_end, deadline_s, where, rank_pid)
+                _watch_startup(read_end, deadline_s, rank_name, rank_pid)
             code = 0
         finally:
             os._exit(code)
@@ -298,7 +299,7 @@ def _tell_watcher(data):
         pass
 
 
-def _watch_startup(pipe, deadline_s, where, rank_pid):
+def _watch_startup(pipe, deadline_s, rank_name, rank_pid):
     """The watcher's loop: read the rank's steps until it says the start-up is over (or dies:
     end of file); when a step outlasts the deadline, report and end the rank."""
     step, pending, left = "starting", b"", deadline_s
@@ -316,7 +317,7 @@ def _watch_startup(pipe, deadline_s, where, rank_pid):
             *lines, pending = (pending + data).split(b"\n")
             if lines:
                 step, left = lines[-1].decode(errors="replace"), deadline_s
-    _write(sys.stderr, f"petra_mpi: watchdog: {where}: no progress for {deadline_s:g} s "
+    _write(sys.stderr, f"petra_mpi: watchdog: {rank_name}: no progress for {deadline_s:g} s "
                        f"(run.startup_s) in the start-up, at: {step}; exit status {EXIT_STALLED}")
     os.kill(rank_pid, signal.SIGTRAP)
     until = time.monotonic() + 5.0
