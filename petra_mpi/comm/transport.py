@@ -191,7 +191,7 @@ class Transport:
 
     def __init__(self, device: torch.device, cuda_aware: bool, poll_sleep=None):
         """poll_sleep: seconds between tests of a request this rank waits for (None: the
-        environment's PETRA_POLL_SLEEP, else 0: MPI's Wait, which spins a core)."""
+        environment's PETRA_MPI_POLL_SLEEP, else 0: MPI's Wait, which spins a core)."""
         self.device = device
         self.direct = device.type != "cuda" or cuda_aware
         self.pool = HostPool() if device.type != "cuda" else None

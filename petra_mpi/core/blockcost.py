@@ -84,9 +84,9 @@ def _copies_and_batch(blocks, input_shape, batch_size, num_classes, device, dtyp
 def _each_block(blocks, input_shape, batch_size, num_classes, device, dtype, repeats,
                 time_block) -> BlockCosts:
     """Both measurements' loop: block i timed on the output of block i - 1, as training feeds it.
-    time_block(i, block, x, labels, is_head, timed) -> (forward, backward, last) seconds, each
-    from timed(fn, setup=None), and `fused`, one training pass of the block (the optimizer
-    step is timed after it)."""
+    time_block(i, block, x, labels, is_head, grad_y, timed) -> ((forward, backward, last)
+    seconds, each from timed(fn, setup=None); `fused`, one training pass of the block, after
+    which the optimizer step is timed)."""
     device = torch.device(device)
     blocks, x, labels = _copies_and_batch(blocks, input_shape, batch_size, num_classes, device,
                                           dtype)

@@ -112,12 +112,14 @@ def batch_input(cfg, side) -> str:
     return f"images {side}x{side}"
 
 
-def split_with_plan(cfg, num_stages: int, dtype, side) -> list[int]:
+def split_with_plan(cfg, num_stages: int, device, dtype, side) -> list[int]:
     """The split training uses under model.memory_budget when the split is its to choose: PETRA's
-    estimated balance redone with the plan's costs (memory_plan.balance_with_plan)."""
+    estimated balance redone with the plan's costs (memory_plan.balance_with_plan), built as
+    run/assemble.py builds it (the device's memory for a fractional budget, the precision)."""
     (stage,) = build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, num_stages,
                             seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
-                            dtype=dtype, image_size=side, model_kw=model_kwargs(cfg), only=0,
+                            device=device, dtype=dtype, image_size=side,
+                            model_kw=model_kwargs(cfg), precision=cfg.run.precision, only=0,
                             memory_budget=cfg.model.memory_budget,
                             batch_size=cfg.data.batch_size)
     return stage.partition
@@ -134,7 +136,8 @@ def print_kept_plan(cfg, num_stages: int, device, dtype, partition, side, petra_
         return build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, num_stages,
                             seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
                             partition=split or cfg.model.partition, dtype=dtype,
-                            image_size=side, model_kw=model_kwargs(cfg))
+                            image_size=side, model_kw=model_kwargs(cfg),
+                            precision=cfg.run.precision)
 
     def make_input(n):  # token ids, or images
         return (torch.zeros(n, cfg.model.context, dtype=torch.long)
@@ -176,7 +179,7 @@ def report(cfg, num_stages: int, world=None, device="cpu", dtype=torch.float32,
     petra_split = partition  # None: the estimate
     if (cfg.model.memory_budget and cfg.model.balance == "estimate"
             and not (partition or cfg.model.partition)):
-        partition = split_with_plan(cfg, num_stages, dtype, side)
+        partition = split_with_plan(cfg, num_stages, device, dtype, side)
     rows = stage_table(cfg, num_stages, dtype, partition, side)
     mib = 2 ** 20
     print(f"{cfg.model.arch} width {cfg.model.width}, {num_stages} stages, method "
