@@ -20,7 +20,8 @@ from torch import nn
 
 from ..archs import LM_ARCHS
 from .blocks import MixedPrecision
-from .vit import Attention, AttentionCore, ReversibleViTBlock, ViTBlock, _init, mlp_branch
+from .vit import (Attention, AttentionCore, ReversibleViTBlock, TokenHead, ViTBlock, _init,
+                  mlp_branch)
 
 
 class CausalAttentionCore(AttentionCore):
@@ -82,20 +83,14 @@ class TokenEmbed(MixedPrecision, nn.Module):
         return torch.cat([x] * self.streams, dim=-1) if self.streams > 1 else x
 
 
-class LMHead(MixedPrecision, nn.Module):
+class LMHead(TokenHead):
     """Streams averaged, LN, linear to the vocabulary; logits flattened to (B·T, V)."""
-    reversible = False
 
     def __init__(self, dim, vocab, streams):
-        super().__init__()
-        self.streams = streams
-        self.norm = nn.LayerNorm(dim)
-        self.fc = nn.Linear(dim, vocab, bias=False)
+        super().__init__(dim, vocab, streams, bias=False)
 
     def forward(self, x):
-        if self.streams > 1:
-            x = sum(x.chunk(self.streams, dim=-1)) / self.streams
-        logits = self.sub(lambda t: self.fc(self.norm(t)), x)
+        logits = self.sub(lambda t: self.fc(self.norm(t)), self.merged(x))
         return logits.reshape(-1, logits.shape[-1])
 
 

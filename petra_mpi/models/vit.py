@@ -147,20 +147,26 @@ class ViTBlock(MixedPrecision, nn.Module):
         return x + self.sub(self.mlp, x)
 
 
-class ViTHead(MixedPrecision, nn.Module):
-    """LN, mean pool over tokens, linear; a reversible net's two streams are averaged first."""
+class TokenHead(MixedPrecision, nn.Module):
+    """The last block of a transformer: LN and a linear layer on tokens' features, a reversible
+    net's streams averaged first (`merged`); the subclass says which tokens."""
     reversible = False
 
-    def __init__(self, dim, num_classes, streams):
+    def __init__(self, dim, outputs, streams, bias=True):
         super().__init__()
         self.streams = streams
         self.norm = nn.LayerNorm(dim)
-        self.fc = nn.Linear(dim, num_classes)
+        self.fc = nn.Linear(dim, outputs, bias=bias)
+
+    def merged(self, x):
+        return sum(x.chunk(self.streams, dim=-1)) / self.streams if self.streams > 1 else x
+
+
+class ViTHead(TokenHead):
+    """LN, mean pool over tokens, linear; a reversible net's two streams are averaged first."""
 
     def forward(self, x):
-        if self.streams > 1:
-            x = sum(x.chunk(self.streams, dim=-1)) / self.streams
-        return self.sub(lambda t: self.fc(self.norm(t).mean(dim=1)), x)
+        return self.sub(lambda t: self.fc(self.norm(t).mean(dim=1)), self.merged(x))
 
 
 def build_vit_blocks(arch: str, width: int, num_classes: int, *, image_size: int = 32,
