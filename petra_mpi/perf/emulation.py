@@ -9,7 +9,8 @@ backward wait. A wait sleeps in short slices and polls the transport between the
 rank's host thread polls while its kernels run, and never spins a core.
 
 Costs (a Profile: seconds per micro-batch per block) come from this machine (`measured`), a JSON
-file (e.g. profiled on a GPU) or the paper's Table 5 (`paper_profile`, derivation below).
+file (e.g. profiled on a GPU), the paper's Table 5 (`paper_profile`, derivation below) or its
+total work spread evenly over the blocks (`balanced_profile`).
 """
 import json
 import time
@@ -129,6 +130,18 @@ def paper_profile(arch) -> Profile:
     return Profile(arch, forward, rebuild, [2 * f for f in forward],
                    source="paper Table 5 (see docs/benchmarks.md)",
                    notes={"table5_ms": PAPER_TABLE5_MS[arch], "slowest_block": top})
+
+
+def balanced_profile(arch) -> Profile:
+    """The paper's total work (Table 5's reversible-backprop time per micro-batch) shared evenly:
+    every middle stage of one block works 4 forwards' worth, the last 3, all forwards equal. With
+    no dominant stage, the pipelines' bubble is what separates the schedules (docs/benchmarks.md)."""
+    paper = paper_profile(arch)
+    n = len(paper.forward)
+    f = PAPER_TABLE5_MS[arch]["backprop"] / 1e3 / (4 * (n - 1) + 3)
+    return Profile(arch, [f] * n, [f] * (n - 1) + [0.0], [2 * f] * n,
+                   source="the paper's Table 5 total, every block the same (balanced)",
+                   notes={"table5_ms": PAPER_TABLE5_MS[arch]})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ import torch
 from petra_mpi.perf import emulation
 from petra_mpi.perf import model as perfmodel
 from petra_mpi.core.blockcost import BlockCosts
-from petra_mpi.perf.emulation import (Clock, Profile, WaitingStage, file_profile, paper_profile,
-                                 probe_shapes)
+from petra_mpi.perf.emulation import (Clock, Profile, WaitingStage, balanced_profile,
+                                      file_profile, paper_profile, probe_shapes)
 from petra_mpi.engines.build import build_stages
 from petra_mpi.comm.transport import Transport
 
@@ -28,6 +28,16 @@ def test_paper_profile_reproduces_table5_with_one_block_per_stage(arch):
     assert costs.backward[1] == pytest.approx(3 * costs.forward[1])
     assert costs.last[-1] == pytest.approx(3 * profile.forward[-1])
     assert profile.rebuild[-1] == 0.0
+
+
+def test_the_balanced_profile_spreads_the_papers_total_evenly():
+    profile = balanced_profile("revnet18")
+    n = len(profile.forward)
+    work = profile.petra_costs([1] * n, 1).stage_seconds([1] * n)
+    assert 1e3 * sum(work) == pytest.approx(emulation.PAPER_TABLE5_MS["revnet18"]["backprop"])
+    # every middle stage the same (4 forwards' worth), the last 3/4 of that
+    assert max(work[:-1]) == pytest.approx(min(work[:-1]))
+    assert work[-1] == pytest.approx(0.75 * work[0])
 
 
 def test_file_profile_round_trip_and_errors(tmp_path):

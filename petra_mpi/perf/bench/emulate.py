@@ -25,9 +25,9 @@ from dataclasses import replace
 import torch
 
 from .. import model as perfmodel
-from ..emulation import (Clock, WaitingOptimizer, WaitingPlainStage, WaitingStage, fifo_bytes,
-                         file_profile, kept_plan, kept_sizes, measured_profile, paper_profile,
-                         probe_shapes)
+from ..emulation import (Clock, WaitingOptimizer, WaitingPlainStage, WaitingStage,
+                         balanced_profile, fifo_bytes, file_profile, kept_plan, kept_sizes,
+                         measured_profile, paper_profile, probe_shapes)
 from ...core.worker import StageWorker
 from ...engines.build import build_engine
 from ...models import build_blocks
@@ -86,7 +86,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="mpirun -n J python -m petra_mpi.bench emulate",
                                 description=__doc__)
     p.add_argument("--arch", default="revnet18", help="revnet18 or revnet34 (the paper's)")
-    p.add_argument("--costs", default="paper", help="paper, measured, or a JSON profile file")
+    p.add_argument("--costs", default="paper", help="paper (Table 5), balanced (its total work, every block the same), "
+                        "measured, or a JSON profile file")
     p.add_argument("--width", type=int, default=8, help="of the messages (and measured costs)")
     p.add_argument("--batch", type=int, default=16, help="of the messages (and measured costs)")
     p.add_argument("--microbatches", default="4,2J,8J", help="m values: micro-batches per step")
@@ -124,6 +125,7 @@ def shared_profile(a, comm):
     profile = None
     if comm.rank == 0:
         profile = (paper_profile(a.arch) if a.costs == "paper" else
+                   balanced_profile(a.arch) if a.costs == "balanced" else
                    measured_profile(a.arch, a.width, a.batch) if a.costs == "measured" else
                    file_profile(a.costs))
     # the others sleep meanwhile: a rank spinning in MPI's Bcast would take a core from rank 0
