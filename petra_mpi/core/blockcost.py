@@ -164,6 +164,22 @@ def measured_partition_for(cfg, num_stages, input_shape, device, dtype):
                               dtype=dtype, precision=cfg.run.precision, **model_kwargs(cfg))
 
 
+def split_for_budget_of(cfg, sizes, costs, input_shape, device, dtype):
+    """(split, memory_plan.Plan) of model.memory_budget from PETRA's measured split (`sizes`,
+    `costs`): the measured balance redone with the plan's costs, the plan in units of the
+    measured costs (memory_plan.split_for_budget), on a net built as the run builds it."""
+    from ..config import model_kwargs
+    from ..models import build_blocks, set_precision
+    from .memory_plan import split_for_budget
+    blocks = build_blocks(cfg.model.arch, cfg.model.width, cfg.model.num_classes,
+                          cfg.model.stem == "imagenet", image_size=input_shape[-1],
+                          **model_kwargs(cfg))
+    set_precision(blocks, cfg.run.precision)
+    return split_for_budget(blocks, sizes, cfg.model.memory_budget, cfg.data.batch_size,
+                            image_size=input_shape[-1], device=device, dtype=dtype,
+                            costs=costs)
+
+
 def measure_autograd_costs(blocks, input_shape, batch_size, num_classes, *, device="cpu",
                            dtype=torch.float32, repeats=3) -> BlockCosts:
     """Per-block costs of ordinary autograd training (what 1F1B or GPipe run): forward with

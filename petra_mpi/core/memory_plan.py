@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .partition import balanced_partition, block_costs
+from .partition import block_costs, resolve_partition, split_blocks
 from .schedule import delay
 
 REBUILT_UNITS, KEPT_UNITS, LAST_UNITS = 4, 3, 3
@@ -103,23 +103,28 @@ def choose(units, sizes, windows, budgets) -> Plan:
                 best)
 
 
-def balance_with_plan(units, sizes, plan_for, rounds: int = 4):
-    """(split, Plan): a split balanced with its own plan's costs. PETRA's balance (`sizes`, by
-    the blocks' estimated `units`) counts every block at 4 units, but a block that keeps k of
-    every d_s micro-batches costs 4 - k / d_s: a stage that can keep is faster than the split
-    assumed, and may take more blocks. So re-split by the costs of what each stage's budget lets
-    it keep (Plan.most_kept), plan that split (plan_for(sizes) -> Plan), and keep it while the
-    slowest stage gets faster."""
+def balance_with_plan(sizes, plan_for, resplit, keepable=None, rounds: int = 4):
+    """(split, Plan): a split balanced with its own plan's costs. PETRA's balance (`sizes`)
+    counts every block at 4 units, but a block that keeps k of every d_s micro-batches costs
+    4 - k / d_s: a stage that can keep is faster than the split assumed, and may take more
+    blocks. So re-split (resplit(weights) -> sizes, each block's cost outside the last stage
+    scaled by its weight; the last stage's cost is resplit's own) by the costs of what each stage's budget lets it keep
+    (Plan.most_kept), plan that split (plan_for(sizes) -> Plan), and keep it while the slowest
+    stage gets faster. keepable[b]: whether block b can keep at all (default: every block)."""
     plan = plan_for(sizes)
     J = len(sizes)
     for _ in range(rounds):
         weights = []
-        for s, kept in enumerate(plan.most_kept):
-            window = delay(J, s)
-            for k in kept:  # the last stage's factor is balanced_partition's own
-                weights.append(1.0 if s == J - 1 else stage_units([1.0], [k], window)
-                               / REBUILT_UNITS)
-        again = balanced_partition([u * w for u, w in zip(units, weights)], J)
+        for s, kept in enumerate(plan.most_kept[:-1]):
+            weights += [stage_units([1.0], [k], delay(J, s)) / REBUILT_UNITS for k in kept]
+        # the last stage keeps nothing (no delay): a block of it that can keep, moved into a
+        # middle stage, is counted at the best any block keeps there (the new split's plan,
+        # checked below, decides)
+        best = min(weights, default=1.0)
+        first_last = len(weights)
+        weights += [best if keepable is None or keepable[b] else 1.0
+                    for b in range(first_last, first_last + len(plan.most_kept[-1]))]
+        again = resplit(weights)
         if again == sizes:
             break
         other = plan_for(again)
@@ -129,11 +134,51 @@ def balance_with_plan(units, sizes, plan_for, rounds: int = 4):
     return sizes, plan
 
 
+def split_for_budget(blocks, sizes, budget, batch_size: int, *, image_size: int = 32,
+                     device="cpu", dtype=torch.float32, costs=None):
+    """(split, Plan) of `blocks` (a fresh net) under model.memory_budget `budget`, from PETRA's
+    own split `sizes`: balance_with_plan over the estimated costs, or the measured `costs` (a
+    blockcost.BlockCosts) when model.balance is measure."""
+    J = len(sizes)
+    units = None if costs is None else measured_units(costs)
+
+    def resplit(weights):
+        return resolve_partition(blocks, J, image_size=image_size, costs=costs, weights=weights)
+
+    def plan_for(split):
+        return plan_blocks(blocks, split, budget, batch_size, image_size=image_size,
+                           device=device, dtype=dtype, units=units)
+    return balance_with_plan(sizes, plan_for, resplit, [block.reversible for block in blocks])
+
+
+def measured_units(costs) -> list[float]:
+    """The plan's unit per block from measured costs (blockcost.BlockCosts): a forward's worth,
+    a quarter of the block's work in a middle stage (REBUILT_UNITS)."""
+    return [(f + b) / REBUILT_UNITS for f, b in zip(costs.forward, costs.backward)]
+
+
+def plan_blocks(blocks, sizes, budget, batch_size: int, *, image_size: int = 32, device="cpu",
+                dtype=torch.float32, units=None) -> Plan:
+    """plan_stages for the whole net `blocks` split as `sizes`, probed on CPU in the run's dtype
+    (deterministic: every rank computes the same); `units` as plan_stages."""
+    from .stages import Stage
+    for block in blocks:
+        block.to(dtype)
+    probes = [Stage(part, s, len(sizes)) for s, part in enumerate(split_blocks(blocks, sizes))]
+    context = getattr(blocks[0], "context", None)  # a language model takes token ids
+
+    def make_input(n):
+        return (torch.zeros(n, context, dtype=torch.long) if context
+                else torch.zeros(n, 3, image_size, image_size, dtype=dtype))
+    return plan_stages(probes, make_input, batch_size, budget, device, image_size, units)
+
+
 def plan_stages(stages, make_input, batch: int, budget, device="cpu",
-                image_size: int = 32) -> Plan:
+                image_size: int = 32, units=None) -> Plan:
     """The plan for `stages` (all of the net, in order) under model.memory_budget `budget` (or a
     list of them, one per stage), for micro-batches of `batch` samples; make_input(n) gives a
-    network input of n samples. The blocks' units are partition.block_costs' estimates. Their
+    network input of n samples. The blocks' units are `units` (per block of the net: a
+    forward's worth of its measured work) or partition.block_costs' estimates. Their
     bytes are measured on 2 and 3 samples and extended to `batch` as an affine function of it
     (activations grow with the batch, weights do not), so the probe stays small. Set it with
     stage.set_kept(plan.kept[s])."""
@@ -142,7 +187,7 @@ def plan_stages(stages, make_input, batch: int, budget, device="cpu",
     blocks = [b for s in stages for b in s.blocks]
     if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in stages[0].parameters()):
         blocks = [copy.deepcopy(b).to("cpu", torch.float32) for b in blocks]  # as block_costs runs
-    costs, units, i = block_costs(blocks, image_size), [], 0
+    costs, units, i = units or block_costs(blocks, image_size), [], 0
     for s in stages:
         units.append(costs[i:i + len(s.blocks)])
         i += len(s.blocks)

@@ -54,7 +54,11 @@ def block_costs(blocks, image_size: int) -> list[float]:
 TIE_TOLERANCE = 0.03
 
 
-def balanced_partition(costs, num_stages: int, last_factor: float = 0.75,
+# The last stage's work per block against the others': no rebuild (3 forwards' worth against 4).
+LAST_FACTOR = 0.75
+
+
+def balanced_partition(costs, num_stages: int, last_factor: float = LAST_FACTOR,
                        last_costs=None, stored=None) -> list[int]:
     """Block counts per stage that minimise the most expensive stage (contiguous, none empty).
 
@@ -129,10 +133,11 @@ def _minmax_split(n, num_stages, value, allowed=lambda j, m, i: True):
 
 
 def resolve_partition(blocks, num_stages: int, fixed=None, image_size: int = 32,
-                      costs=None) -> list[int]:
+                      costs=None, weights=None) -> list[int]:
     """Block counts per stage: `fixed` if given (checked), one block per stage when J equals the
     block count (the paper's split), else balanced by measured `costs` (a blockcost.BlockCosts)
-    or, without them, by estimated cost."""
+    or, without them, by estimated cost. `weights[b]` scales block b's cost outside the last
+    stage (memory_plan.balance_with_plan: a kept block costs less than a rebuilt one)."""
     n = len(blocks)
     if fixed:
         if len(fixed) != num_stages or sum(fixed) != n or min(fixed) < 1:
@@ -141,12 +146,15 @@ def resolve_partition(blocks, num_stages: int, fixed=None, image_size: int = 32,
         return list(fixed)
     if num_stages == n:
         return [1] * n
+    weights = weights or [1.0] * n
     if costs is not None:
-        middle = [f + b for f, b in zip(costs.forward, costs.backward)]
+        middle = [(f + b) * w for f, b, w in zip(costs.forward, costs.backward, weights)]
         inputs = [costs.input_bytes] + costs.output_bytes[:-1]
         stored = [0 if block.reversible else size for block, size in zip(blocks, inputs)]
         return balanced_partition(middle, num_stages, last_costs=costs.last, stored=stored)
-    return balanced_partition(block_costs(blocks, image_size), num_stages)
+    estimate = block_costs(blocks, image_size)
+    return balanced_partition([c * w for c, w in zip(estimate, weights)], num_stages,
+                              last_costs=[LAST_FACTOR * c for c in estimate])
 
 
 def split_blocks(blocks, sizes):

@@ -1,6 +1,5 @@
 """Building the stages, their workers and the engine that runs them, identically in every engine
 and on every rank: the trainer (run/assemble.py) and every benchmark build through here."""
-import functools
 
 import torch
 
@@ -8,8 +7,8 @@ from ..comm.devices import to_device
 from ..models import build_blocks, set_precision
 from ..comm.compress import NO_COMPRESSION
 from ..core.optim import StageOptimizer, constant_lr
-from ..core.memory_plan import balance_with_plan
-from ..core.partition import block_costs, resolve_partition, split_blocks
+from ..core.memory_plan import plan_blocks, split_for_budget
+from ..core.partition import resolve_partition, split_blocks
 from ..core.stages import Stage
 from ..core.trace import NULL_TRACER
 from ..core.worker import StageWorker
@@ -38,13 +37,11 @@ def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, se
     set_precision(blocks, precision)
     sizes = resolve_partition(blocks, num_stages, partition, image_size)
     if memory_budget and kept is None:
-        plan_for = functools.partial(_kept_plan, blocks, budget=memory_budget,
-                                     batch_size=batch_size, image_size=image_size,
-                                     device=device, dtype=dtype)
+        where = dict(image_size=image_size, device=device, dtype=dtype)
         if partition is None and num_stages < len(blocks):  # the split is ours to choose
-            sizes, plan = balance_with_plan(block_costs(blocks, image_size), sizes, plan_for)
+            sizes, plan = split_for_budget(blocks, sizes, memory_budget, batch_size, **where)
         else:
-            plan = plan_for(sizes)
+            plan = plan_blocks(blocks, sizes, memory_budget, batch_size, **where)
         kept = plan.kept
     stages = []
     for s, stage_blocks in enumerate(split_blocks(blocks, sizes)):
@@ -57,21 +54,6 @@ def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, se
                                     else compression.codec("buffers", s, replica)))
         stages.append(to_device(stage, device, dtype))
     return stages
-
-
-def _kept_plan(blocks, sizes, *, budget, batch_size, image_size, device, dtype):
-    """memory_plan's Plan for the whole split, probed on CPU in the run's dtype (deterministic:
-    every rank computes the same)."""
-    from ..core.memory_plan import plan_stages
-    for block in blocks:
-        block.to(dtype)
-    probes = [Stage(part, s, len(sizes)) for s, part in enumerate(split_blocks(blocks, sizes))]
-    context = getattr(blocks[0], "context", None)  # a language model takes token ids
-
-    def make_input(n):
-        return (torch.zeros(n, context, dtype=torch.long) if context
-                else torch.zeros(n, 3, image_size, image_size, dtype=dtype))
-    return plan_stages(probes, make_input, batch_size, budget, device, image_size)
 
 
 def build_workers(stages, lr_schedule=None, accumulation: int = 1, momentum: float = 0.9,

@@ -38,9 +38,10 @@ def run_lr_schedule(cfg, steps_per_epoch: int, replicas: int = 1) -> LRSchedule:
 
 
 def build_run_engine(cfg, world, placement, partition, input_shape, microbatches_per_epoch,
-                     diagnostics=None) -> RunEngine:
+                     diagnostics=None, kept=None) -> RunEngine:
     """The stages (in one process: R identical replicas, in rank order; under MPI this rank's),
-    their workers and the engine. diagnostics: a callback for train.diag_every's records."""
+    their workers and the engine. diagnostics: a callback for train.diag_every's records; kept:
+    the kept plan of every stage (None: build_stages plans model.memory_budget itself)."""
     J, R = placement.J, placement.R
     compression = Compression.from_config(cfg.comm, cfg.run.seed)
     stages = []
@@ -55,7 +56,7 @@ def build_run_engine(cfg, world, placement, partition, input_shape, microbatches
                                model_kw=model_kwargs(cfg), precision=cfg.run.precision,
                                compression=compression,
                                replica=placement.replica if world else r,
-                               memory_budget=cfg.model.memory_budget,  # kept blocks
+                               kept=kept, memory_budget=cfg.model.memory_budget,
                                batch_size=cfg.data.batch_size)
     steps_per_epoch = -(-microbatches_per_epoch // cfg.train.accumulation)
     schedule = run_lr_schedule(cfg, steps_per_epoch, R)

@@ -8,8 +8,9 @@ from ..core import trace
 
 
 def describe_run(cfg, placement, partition, microbatches_per_epoch, steps_per_epoch, peak_lr,
-                 image_size):
-    """(identity, layout, manifest head) of a run."""
+                 image_size, kept=None):
+    """(identity, layout, manifest head) of a run; kept: the kept plan trainer.choose_partition
+    measured (None: the estimate's, which a resumed run recomputes)."""
     # What a checkpoint must share with this run: the model, the data and the recipe (the
     # sampler position and the learning-rate schedule depend on the batch size, k, the seed).
     identity = {"arch": cfg.model.arch, "width": cfg.model.width,
@@ -20,7 +21,8 @@ def describe_run(cfg, placement, partition, microbatches_per_epoch, steps_per_ep
                 "data": cfg.data.path, "optimizer": cfg.optim.name,
                 "lr_schedule": cfg.optim.schedule, **model_kwargs(cfg)}
     # What it may differ in: reported at start-up when it does.
-    layout = {"stages": placement.J, "partition": partition, "replicas": placement.R,
+    layout = {"stages": placement.J, "partition": partition, "kept": kept,
+              "replicas": placement.R,
               "microbatches_per_epoch": microbatches_per_epoch,
               "steps_per_epoch": steps_per_epoch, "peak_lr": peak_lr,
               "device": placement.device.type, "dtype": cfg.run.dtype,

@@ -82,11 +82,14 @@ def stage_table(cfg, num_stages: int, dtype=torch.float32, partition=None,
     return rows
 
 
-def profile_blocks(cfg, num_stages: int, device, dtype, side: int) -> list[int]:
+def profile_blocks(cfg, num_stages: int, device, dtype, side: int):
     """Time every block on `side`x`side` images, print each block's and each stage's cost,
-    return the split: the one minimising the slowest stage by the measured costs, or
+    return (PETRA's split, the split training uses, the plan's unit per block): the one
+    minimising the slowest stage by the measured costs, redone with the plan's costs in the
+    measured units under model.memory_budget (as trainer.choose_partition does), or
     model.partition when it is fixed."""
-    from ..core.blockcost import measured_partition_for
+    from ..core.blockcost import measured_partition_for, split_for_budget_of
+    from ..core.memory_plan import measured_units
     shape = (cfg.model.context,) if cfg.model.arch in LM_ARCHS else (3, side, side)
     sizes, costs = measured_partition_for(cfg, num_stages, shape, device, dtype)
     sizes = list(cfg.model.partition or sizes)
@@ -101,7 +104,10 @@ def profile_blocks(cfg, num_stages: int, device, dtype, side: int) -> list[int]:
     print(f"split {sizes} ({'model.partition' if cfg.model.partition else 'measured balance'}): "
           f"ms per micro-batch per stage {' '.join(f'{1e3 * c:.1f}' for c in per_stage)}; "
           f"slowest / mean {max(per_stage) / (sum(per_stage) / len(per_stage)):.2f}")
-    return sizes
+    if cfg.model.memory_budget and not cfg.model.partition:
+        split, _ = split_for_budget_of(cfg, sizes, costs, shape, device, dtype)
+        return sizes, split, measured_units(costs)
+    return sizes, sizes, None
 
 
 def batch_input(cfg, side) -> str:
@@ -125,11 +131,12 @@ def split_with_plan(cfg, num_stages: int, device, dtype, side) -> list[int]:
     return stage.partition
 
 
-def print_kept_plan(cfg, num_stages: int, device, dtype, partition, side, petra_split=None):
+def print_kept_plan(cfg, num_stages: int, device, dtype, partition, side, petra_split=None,
+                    units=None):
     """model.memory_budget's plan (memory_plan.py): per stage, how many of every d_s in-flight
     micro-batches each block keeps, the kept bytes at the peak and the predicted time per
     micro-batch, and the slowest stage's time relative to PETRA's on its own split
-    (`petra_split`, None: the estimate)."""
+    (`petra_split`, None: the estimate); `units`: the plan's per block (None: estimated)."""
     from ..core.memory_plan import budget_bytes, plan_stages
 
     def stages_on(split):
@@ -145,7 +152,7 @@ def print_kept_plan(cfg, num_stages: int, device, dtype, partition, side, petra_
 
     def plan_on(split, budget):
         return plan_stages(stages_on(split), make_input, cfg.data.batch_size, budget, device,
-                           side)
+                           side, units)
 
     budget = cfg.model.memory_budget
     stages = stages_on(partition)
@@ -175,8 +182,9 @@ def report(cfg, num_stages: int, world=None, device="cpu", dtype=torch.float32,
         world.comm.barrier()
         return 0
     side, where = input_side(cfg)
-    partition = profile_blocks(cfg, num_stages, device, dtype, side) if profile else None
-    petra_split = partition  # None: the estimate
+    # PETRA's split and the one training uses (None: the estimate), the plan's units
+    petra_split, partition, units = (profile_blocks(cfg, num_stages, device, dtype, side)
+                                     if profile else (None, None, None))
     if (cfg.model.memory_budget and cfg.model.balance == "estimate"
             and not (partition or cfg.model.partition)):
         partition = split_with_plan(cfg, num_stages, device, dtype, side)
@@ -197,7 +205,7 @@ def report(cfg, num_stages: int, world=None, device="cpu", dtype=torch.float32,
               f"{r['stash_bytes'] / mib:>9.2f} {t / mib:>9.2f}")
     print(f"total estimated memory (without activations of the running op): {total / mib:.1f} MiB")
     if cfg.model.memory_budget:
-        print_kept_plan(cfg, num_stages, device, dtype, partition, side, petra_split)
+        print_kept_plan(cfg, num_stages, device, dtype, partition, side, petra_split, units)
     sys.stdout.flush()
     if world is not None:
         world.comm.barrier()

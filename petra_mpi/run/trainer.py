@@ -152,31 +152,41 @@ def evaluate_in_pieces(engine, batches, m, vote):
 
 
 def choose_partition(cfg, J, world, device, dtype, input_shape, resume):
-    """Blocks per stage, the same on every rank: the config's; the checkpoint's when resuming
-    (a measured split may come out differently on another start); else None (one block per
-    stage, or the estimate) unless model.balance is measure, when rank 0 times every block on
-    this run's device, dtype and batch and tells the others the balanced split."""
+    """(blocks per stage, kept plan), the same on every rank. The split: the config's; the
+    checkpoint's when resuming (a measured split may come out differently on another start);
+    else None (one block per stage, or the estimate) unless model.balance is measure, when rank
+    0 times every block on this run's device, dtype and batch and tells the others the balanced
+    split. The kept plan (Stage.set_kept per stage) comes with a measured split under
+    model.memory_budget, planned in the measured costs (the checkpoint's when resuming); else
+    None, and build_stages plans by the estimate."""
     blocks_total = num_blocks(cfg.model.arch, cfg.model.depth)
     if cfg.model.partition or J == blocks_total:
-        return cfg.model.partition
+        return cfg.model.partition, None
     if resume:
         with open(os.path.join(resume, MANIFEST)) as f:
             manifest = json.load(f)
         # A checkpoint written with other stages is split afresh below.
         if manifest.get("stages") == J:
-            return manifest.get("partition")
+            return manifest.get("partition"), manifest.get("kept")
     if cfg.model.balance != "measure":
-        return None
-    sizes = None
+        return None, None
+    chosen = None
     if world is None or world.rank == 0:
-        from ..core.blockcost import measured_partition_for
+        from ..core.blockcost import measured_partition_for, split_for_budget_of
         start = time.perf_counter()
         sizes, costs = measured_partition_for(cfg, J, input_shape, device, dtype)
         per_stage = " ".join(f"{1e3 * c:.0f}" for c in costs.stage_seconds(sizes))
-        print(f"petra_mpi: stages balanced by measured cost ({time.perf_counter() - start:.1f} s "
-              f"to time {blocks_total} blocks): blocks per stage {sizes}, ms per micro-batch "
-              f"{per_stage}", file=sys.stderr, flush=True)
-    return world.comm.bcast(sizes, root=0) if world else sizes
+        line = (f"petra_mpi: stages balanced by measured cost ({time.perf_counter() - start:.1f} "
+                f"s to time {blocks_total} blocks): blocks per stage {sizes}, ms per micro-batch "
+                f"{per_stage}")
+        chosen = sizes, None
+        if cfg.model.memory_budget:  # kept blocks cost less: their stages may take more blocks
+            split, plan = split_for_budget_of(cfg, sizes, costs, input_shape, device, dtype)
+            if split != sizes:
+                line += f"; with the kept blocks of model.memory_budget {split}"
+            chosen = split, plan.kept
+        print(line, file=sys.stderr, flush=True)
+    return world.comm.bcast(chosen, root=0) if world else chosen
 
 
 def resume_from(path, identity, layout, workers, device):
@@ -448,18 +458,19 @@ class Trainer:
         self.microbatches_per_epoch, self.eval_batches = segment_lengths(cfg, *lengths[:2])
         self.input_shape = lengths[2]
         resume = locate_resume(cfg, world, placement.rank)
-        partition = choose_partition(cfg, placement.J, world, placement.device, placement.dtype,
-                                     self.input_shape, resume)
+        partition, kept = choose_partition(cfg, placement.J, world, placement.device,
+                                           placement.dtype, self.input_shape, resume)
         self.epoch = 0  # the epoch being trained: diagnostics records carry it
         startup_step("building the stages")
         run = build_run_engine(cfg, world, placement, partition, self.input_shape,
-                               self.microbatches_per_epoch, diagnostics=self._write_diagnostics)
+                               self.microbatches_per_epoch, diagnostics=self._write_diagnostics,
+                               kept=kept)
         self.engine, self.watchdog, self.tracers = run.engine, run.watchdog, run.tracers
         self.pipeline_workers = run.pipeline_workers  # what checkpoints and reports hold
         self.writer = MetricsWriter(cfg.run.out_dir, cfg.run.tensorboard) if self.writes else None
         self.identity, self.layout, manifest_head = describe_run(
             cfg, placement, run.stages[0].partition, self.microbatches_per_epoch,
-            run.steps_per_epoch, run.lr_schedule.peak, self.input_shape[-1])
+            run.steps_per_epoch, run.lr_schedule.peak, self.input_shape[-1], kept)
         self.checkpoints = RunCheckpoints(cfg, world, placement, self.pipeline_workers,
                                           manifest_head, self.writer, run.tracer, self.watchdog)
         self.load_state_dict({"epoch": 0, "position": 0, "best_val_acc": None, "history": [],

@@ -9,12 +9,14 @@ import torch
 from petra_mpi.config import ConfigError, load_config
 from petra_mpi.engines.build import build_stages, build_workers
 from petra_mpi.engines.local import LocalEngine
+from petra_mpi.core.blockcost import BlockCosts
 from petra_mpi.core.memory_plan import (balance_with_plan, budget_bytes, choose, kept_bytes,
-                                        plan_stages, probe_sizes, stage_units)
+                                        plan_blocks, plan_stages, probe_sizes, split_for_budget,
+                                        stage_units)
 from petra_mpi.models import build_blocks, frozen_bn_stats
 from petra_mpi.models.blocks import Head
 from petra_mpi.core.optim import LRSchedule
-from petra_mpi.core.partition import balanced_partition, split_blocks
+from petra_mpi.core.partition import balanced_partition, resolve_partition, split_blocks
 from petra_mpi.core.schedule import delay
 from petra_mpi.core.stages import Stage
 from tests.support.launch import mpirun
@@ -222,6 +224,12 @@ def planner_on(units, bytes_per_block, budgets):
     return plan_for
 
 
+def resplit_on(units):
+    """resplit(weights) of balance_with_plan: balanced_partition of the weighted units."""
+    return lambda weights: balanced_partition([u * w for u, w in zip(units, weights)], 2,
+                                              last_costs=[0.75 * u for u in units])
+
+
 def test_the_split_is_balanced_with_the_plans_costs():
     # 8 equal blocks on 2 stages: PETRA's balance gives stage 0 three blocks (4 units each; the
     # last stage's five cost 3 each: 12 against 15), and there stage 0 need keep nothing. A
@@ -229,17 +237,41 @@ def test_the_split_is_balanced_with_the_plans_costs():
     # (12 against 12) are faster, and the plan keeps them.
     units, sizes = [1.0] * 8, [3, 5]
     assert balanced_partition(units, 2) == sizes
-    split, plan = balance_with_plan(units, sizes, planner_on(units, [10] * 8, [None, None]))
+    split, plan = balance_with_plan(sizes, planner_on(units, [10] * 8, [None, None]),
+                                    resplit_on(units))
     assert split == [4, 4] and plan.kept[0] == [2, 2, 2, 2]
     assert max(plan.units) == 12.0 < max(planner_on(units, [10] * 8, [None, None])(sizes).units)
     # a budget of four kept micro-batches on stage 0 saves 4 x 0.5 units: four blocks (14)
     # still beat 15
-    split, plan = balance_with_plan(units, sizes, planner_on(units, [10] * 8, [40, None]))
+    split, plan = balance_with_plan(sizes, planner_on(units, [10] * 8, [40, None]),
+                                    resplit_on(units))
     assert split == [4, 4] and sum(plan.kept[0]) == 4 and plan.kept_bytes[0] == 40
     assert max(plan.units) == 14.0
     # nothing fits the budget: PETRA's own split
-    split, plan = balance_with_plan(units, sizes, planner_on(units, [10] * 8, [5, None]))
+    split, plan = balance_with_plan(sizes, planner_on(units, [10] * 8, [5, None]),
+                                    resplit_on(units))
     assert split == sizes and plan.kept[0] == [0, 0, 0]
+
+
+def test_a_measured_split_is_balanced_with_the_plans_costs_too():
+    """model.balance: measure with a budget (trainer.choose_partition): the measured balance is
+    redone with the plan's costs. Measured costs the test fixes: every block 1 forward + 3
+    backward outside the last stage, 3 in it. PETRA's split then leaves stage 0 the faster one;
+    without a limit stage 0 keeps its reversible blocks, costs less per block, takes more of
+    them, and the slowest stage gets faster."""
+    blocks = build_blocks("revnet18", 4, 10)
+    n = len(blocks)
+    costs = BlockCosts([1.0] * n, [3.0] * n, [3.0] * n, [0.0] * n, [0] * n, 0)
+    petra = resolve_partition(blocks, 2, costs=costs)
+    split, plan = split_for_budget(build_blocks("revnet18", 4, 10), petra, "auto", 4,
+                                   image_size=8, costs=costs)
+    assert split[0] > petra[0] and any(plan.kept[0])
+    before = plan_blocks(build_blocks("revnet18", 4, 10), petra, "auto", 4, image_size=8)
+    assert max(plan.units) < max(before.units)
+    # a budget nothing fits: PETRA's measured split
+    split, plan = split_for_budget(build_blocks("revnet18", 4, 10), petra, 1, 4, image_size=8,
+                                   costs=costs)
+    assert split == petra and not any(map(any, plan.kept))
 
 
 @pytest.mark.parametrize("value,expect", [
@@ -331,3 +363,40 @@ def test_build_stages_applies_the_budget_on_every_rank_alike():
     for r in range(4):
         (own,) = build_stages("revnet18", 4, 10, 4, only=r, **kw)
         assert own.kept == plan.kept[r]
+
+
+@pytest.mark.extended  # mpirun -n 3, two short runs
+def test_a_measured_run_with_a_budget_trains_its_plan_and_resumes_it(tmp_path):
+    """model.balance: measure under a budget (trainer.choose_partition): rank 0 times the
+    blocks, redoes the balance with the plan in measured units and sends split and plan to
+    every rank; the manifest records the plan, and a resumed run trains that plan again (a
+    second timing could come out otherwise)."""
+    import json
+
+    from petra_mpi.run.checkpoint import complete_checkpoints
+    from tests.support.paths import QUICK
+    args = ["-m", "petra_mpi.train", "configs/quickstart.yaml", *QUICK,
+            "--set", f"run.out_dir={tmp_path}", "--set", "model.balance=measure",
+            "--set", "model.memory_budget=auto", "--set", "run.threads=1"]
+    first = mpirun(3, args, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "stages balanced by measured cost" in first.stderr
+    def last_manifest():
+        last = complete_checkpoints(str(tmp_path))[-1]
+        with open(f"{last}/manifest.json") as f:
+            return last, json.load(f)
+    first_ckpt, manifest = last_manifest()
+    split, kept = manifest["partition"], manifest["kept"]
+    assert sum(split) == 10 and [len(k) for k in kept] == split
+    # at most d_s of every d_s micro-batches, nothing in the last stage (whether a block keeps
+    # depends on the timings: a stage that is not the slowest keeps nothing)
+    assert all(0 <= k <= delay(3, s) for s, ks in enumerate(kept) for k in ks)
+    assert not any(kept[-1])
+    # resumed with the checkpoint's split and plan, not a new measurement
+    again = mpirun(3, args + ["--set", "train.epochs=2", "--set", "run.resume=auto"],
+                   timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "stages balanced by measured cost" not in again.stderr
+    last_ckpt, resumed = last_manifest()
+    assert last_ckpt != first_ckpt  # written by the resumed run
+    assert (resumed["partition"], resumed["kept"]) == (split, kept)

@@ -9,7 +9,8 @@ in one run (round-robin over the contenders, medians of the rounds).
 - 1f1b_checkpointed: Schedule1F1B with torch.utils.checkpoint around every block.
 - petra_budget_1f1b, petra_unlimited: PETRA with kept blocks (model.memory_budget,
   memory_plan.py) at a budget per rank of 1F1B's peak activation bytes there (less PETRA's own),
-  and without a limit.
+  and without a limit; each on the split training would choose for its budget (the measured
+  balance redone with the plan's costs) unless --partition fixes it.
 
 Every contender updates its weights once per K x micro-batch images (K = --accumulation, 4 by
 default: the paper's CIFAR-10 recipe, micro-batch 64 and k = 4): PETRA and backprop accumulate K
@@ -358,24 +359,26 @@ def _split_arg(text):
 
 
 def measured_splits(a, world, work):
-    """(reversible net's split, plain twin's split): each net split by its own measured block
-    costs, as a user would balance it (training's default for ours; for the twin the autograd
-    costs that pipelining runs); None for either when there is one block per stage.
-    --partition and --pt-partition, when both are given, replace the measurement (the memory a
-    contender holds depends on its split)."""
+    """(reversible net's split, plain twin's split, the reversible net's measured BlockCosts):
+    each net split by its own measured block costs, as a user would balance it (training's
+    default for ours; for the twin the autograd costs that pipelining runs); None for either
+    split when there is one block per stage. --partition and --pt-partition, when both are
+    given, replace the measurement (the memory a contender holds depends on its split). The
+    costs: on rank 0, where the kept plans are made, and only when our split was measured."""
     J = world.size
     if a.partition and a.pt_partition:
-        return a.partition, a.pt_partition
-    measured = None
+        return a.partition, a.pt_partition, None
+    measured, costs = None, None
     plain = work.blocks(work.plain)
     if world.rank == 0 and J < len(plain):
         from ...core.blockcost import measure_autograd_costs, measured_partition
-        petra_split, _ = measured_partition(work.arch, work.width, work.num_classes, J,
-                                            work.input_shape, a.batch, **work.model_kw)
+        petra_split, costs = measured_partition(work.arch, work.width, work.num_classes, J,
+                                                work.input_shape, a.batch, **work.model_kw)
         measured = (petra_split, resolve_partition(
             plain, J, costs=measure_autograd_costs(plain, work.input_shape, a.batch,
                                                    work.num_classes)))
-    return world.comm.bcast(measured, root=0) or (None, None)
+    petra_split, pt_split = world.comm.bcast(measured, root=0) or (None, None)
+    return petra_split, pt_split, None if a.partition else costs
 
 
 def pipelining_contenders(a, world, pt_sizes, work):
@@ -410,20 +413,18 @@ class PeersBench:
         self.a, self.world, self.work = a, world, work
         J = world.size
         self.M = a.pt_microbatches
-        petra_split, pt_split = measured_splits(a, world, work)
+        petra_split, pt_split, self.costs = measured_splits(a, world, work)
         (self.stage,) = work.stages(J, only=world.rank, partition=a.partition or petra_split)
         self.sizes = self.stage.partition
         self.pt_sizes = (a.pt_partition or pt_split
                          or resolve_partition(work.blocks(work.plain), J))
         self.sampler = SampleAfterForward()
-        workers = build_workers([self.stage], constant_lr(LR), a.accumulation,
-                                momentum=MOMENTUM, hooks=[self.sampler])
-        self.engines = {m: build_engine(workers, m, world, work.input_shape, a.batch,
-                                        labels_per_sample=work.labels_per_sample)
-                        for m in ("petra", "backprop")}
-        # our contenders: name -> (engine, this stage's kept plan: None, PETRA as in the paper)
-        self.variants = {m: (m, None) for m in self.engines}
-        self.plans = {}  # kept variant -> (memory_plan.Plan, kept budget per rank or None)
+        # our contenders: name -> (engine, its stage on this rank, the stage's kept plan: None,
+        # PETRA as in the paper)
+        self.variants = {m: (engine, self.stage, None)
+                         for m, engine in self.engines_on(self.stage, "petra", "backprop")}
+        # kept variant -> (memory_plan.Plan, kept budget per rank or None, its split)
+        self.plans = {}
         self.pts, self.skipped = pipelining_contenders(a, world, self.pt_sizes, work)
         g = torch.Generator().manual_seed(0)
         self.data = [work.batch(a.batch, g) for _ in range(max(4, self.M))]
@@ -431,39 +432,61 @@ class PeersBench:
         self.full_y = torch.cat([d[1] for d in self.data[:self.M]])
         self.pt_steps = max(1, round(a.microbatches / self.M))
 
+    def engines_on(self, stage, *methods):
+        """(method, our engine of that method over `stage`) for each of `methods`."""
+        workers = build_workers([stage], constant_lr(LR), self.a.accumulation,
+                                momentum=MOMENTUM, hooks=[self.sampler])
+        return [(m, build_engine(workers, m, self.world, self.work.input_shape, self.a.batch,
+                                 labels_per_sample=self.work.labels_per_sample))
+                for m in methods]
+
     def names(self):
         return [*self.variants, *self.pts]
 
     def petra_run(self, name, n):
         """Images trained by one segment of n micro-batches of our engine, with the variant's
         kept plan (the stage holds nothing between segments, so the plan may change)."""
-        method, kept = self.variants[name]
-        self.stage.set_kept(kept)
+        engine, stage, kept = self.variants[name]
+        stage.set_kept(kept)
         batches = ((self.data[i % len(self.data)] for i in range(n)) if self.world.rank == 0
                    else None)
-        self.engines[method].train_segment(batches, n)
+        engine.train_segment(batches, n)
         return n * self.a.batch
 
     def add_kept_variants(self, peaks):
-        """PETRA with kept blocks (memory_plan.plan_stages, as training plans them): at a budget
-        per rank of 1F1B's peak activation bytes less PETRA's own there (`peaks`: per contender
-        and rank, on rank 0), so that PETRA holds at most what 1F1B holds, and without a limit.
-        The plans are made on rank 0 on a fresh copy of the net and sent to every rank."""
-        from ...core.memory_plan import AUTO, plan_stages
-        a, world = self.a, self.world
+        """PETRA with kept blocks, planned as training plans them: at a budget per rank of
+        1F1B's peak activation bytes less PETRA's own there (`peaks`: per contender and rank,
+        on rank 0), so that PETRA holds at most what 1F1B holds, and without a limit. Where our
+        split was measured, each variant's split is the measured balance redone with its plan's
+        costs (memory_plan.split_for_budget, as model.balance: measure does), and a variant
+        whose split differs runs on stages of its own. The plans are made on rank 0 on a fresh
+        copy of the net and sent to every rank."""
+        from ...core.memory_plan import AUTO, plan_blocks, split_for_budget
+        a, world, work = self.a, self.world, self.work
         plans = None
         if world.rank == 0:
             budgets = {"petra_unlimited": None}
             if "1f1b" in peaks:
                 budgets["petra_budget_1f1b"] = [max(0, f - p) for f, p in
                                                 zip(peaks["1f1b"], peaks["petra"])]
-            probes = self.work.stages(world.size, partition=self.sizes)
-            plans = {name: (plan_stages(probes, self.work.zeros, a.batch,
-                                        AUTO if budget is None else budget), budget)
-                     for name, budget in sorted(budgets.items())}
+            plans = {}
+            for name, budget in sorted(budgets.items()):
+                budget = AUTO if budget is None else budget
+                blocks, where = work.blocks(work.arch), {"image_size": work.input_shape[-1]}
+                if self.costs is None:
+                    split = self.sizes
+                    plan = plan_blocks(blocks, split, budget, a.batch, **where)
+                else:
+                    split, plan = split_for_budget(blocks, self.sizes, budget, a.batch,
+                                                   costs=self.costs, **where)
+                plans[name] = (plan, budgets[name], split)
         self.plans = world.comm.bcast(plans, root=0)
-        for name, (plan, _) in self.plans.items():
-            self.variants[name] = ("petra", plan.kept[world.rank])
+        for name, (plan, _, split) in self.plans.items():
+            engine, stage, _ = self.variants["petra"]
+            if split != self.sizes:
+                (stage,) = work.stages(world.size, only=world.rank, partition=split)
+                ((_, engine),) = self.engines_on(stage, "petra")
+            self.variants[name] = (engine, stage, plan.kept[world.rank])
         return list(self.plans)
 
     def pt_run(self, name, steps):
@@ -487,8 +510,8 @@ class PeersBench:
         """Median images/s of each contender over a.rounds round-robin rounds, after a warm-up
         (a failing zero-bubble step would leave the other ranks waiting in gloo, so a schedule
         that raises here ends the run with its error)."""
-        for m in self.engines:
-            self.petra_run(m, self.world.size + 2)
+        for name in self.variants:
+            self.petra_run(name, self.world.size + 2)
         for n in self.pts:
             self.pt_run(n, 1)
         speeds = {name: [] for name in self.names()}
@@ -502,10 +525,11 @@ class PeersBench:
         untimed pass with the hooks on; per rank, gathered on rank 0. Ours count their FIFOs,
         what autograd saves and their kept graphs (Stage.kept_bytes: activations, stashed
         weights, inputs), together at every sample."""
-        comm, stage, peaks, kept = self.world.comm, self.stage, {}, {}
+        comm, peaks, kept = self.world.comm, {}, {}
         for m in [n for n in names if n in self.variants]:
-            meter = ActivationMeter(stage, lambda: (t for f in stage.fifos for t in f),
-                                    extra=lambda: stage.kept_bytes)
+            stage = self.variants[m][1]
+            meter = ActivationMeter(stage, lambda s=stage: (t for f in s.fifos for t in f),
+                                    extra=lambda s=stage: s.kept_bytes)
             self.sampler.meter = meter
             stage.reset_peaks()
             try:
@@ -552,8 +576,9 @@ def run(a):
               "peak_kept_bytes": kept_bytes,
               "kept": {name: {"budget_bytes": budget, "plan": plan.kept,
                               "planned_kept_bytes": plan.kept_bytes,
-                              "planned_relative_time": plan.relative_time}
-                       for name, (plan, budget) in bench.plans.items()}}
+                              "planned_relative_time": plan.relative_time,
+                              "partition": split}
+                       for name, (plan, budget, split) in bench.plans.items()}}
     for other in ("1f1b", "1f1b_checkpointed"):
         if other in images_per_s:
             record[f"petra_vs_{other}"] = images_per_s["petra"] / images_per_s[other]
@@ -590,7 +615,8 @@ def report(a, r):
     for name, k in r["kept"].items():
         budget = ("no limit" if k["budget_bytes"] is None else "budget " + " ".join(
             f"{b / mib:.2f}" for b in k["budget_bytes"]) + " MiB per rank")
-        print(f"{name}: kept graphs ({budget}) per stage {k['plan']}, peak kept MiB per rank "
+        print(f"{name}: blocks per stage {k['partition']}, kept graphs ({budget}) per stage "
+              f"{k['plan']}, peak kept MiB per rank "
               f"{' '.join(f'{b / mib:.2f}' for b in r['peak_kept_bytes'][name])}; planned "
               f"time {k['planned_relative_time']:.3f} of PETRA's")
     for other in ("1f1b", "1f1b_checkpointed"):
