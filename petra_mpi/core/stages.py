@@ -15,7 +15,8 @@ Switches for the delayed-gradient baselines (paper Table 4):
   computes the vector-Jacobian product with them (a rebuild still uses the current weights).
 
 Kept blocks (a memory budget, memory_plan.py): `kept[i]` of the in-flight micro-batches of
-reversible block i keep the autograd graph of their forward instead of rebuilding. Micro-batch b
+block i keep the autograd graph of their forward instead of rebuilding (a reversible block) or
+of buffering the input and recomputing (a buffered one: its graph holds the input). Micro-batch b
 is kept by block i when b mod d_s < kept[i] (keeps_microbatch): backward first, a stage holds the
 d_s consecutive micro-batches b - d_s + 1 ... b after forwarding b, so exactly kept[i] of them at
 its peak. A kept forward runs the block under autograd with stashed copies of its weights (the
@@ -89,15 +90,15 @@ class Stage(PollsBetweenBlocks, nn.Module):
 
     def set_kept(self, kept=None):
         """The plan: per block, how many of every d_s consecutive micro-batches keep their graph
-        (None: none, PETRA). Only a reversible block that rebuilds can keep, at most d_s."""
+        (None: none, PETRA), at most d_s, in a stage with a delay and without stash_weights."""
         kept = [0] * len(self.blocks) if kept is None else [int(k) for k in kept]
         if len(kept) != len(self.blocks):
             raise ValueError(f"stage {self.index}: a kept plan needs {len(self.blocks)} entries "
                              f"(one per block), got {kept}")
         for i, k in enumerate(kept):
             if k and not self.can_keep(i):
-                raise ValueError(f"stage {self.index}, block {i}: only a reversible block that "
-                                 f"rebuilds its input can keep its graph")
+                raise ValueError(f"stage {self.index}, block {i}: the last stage and weight "
+                                 f"stashing keep no graphs")
             if not 0 <= k <= self.window:
                 raise ValueError(f"stage {self.index}, block {i}: keeps {k} micro-batches, but "
                                  f"0 to {self.window} are in flight")
@@ -106,7 +107,7 @@ class Stage(PollsBetweenBlocks, nn.Module):
         self.kept = kept
 
     def can_keep(self, i: int) -> bool:
-        return self.window > 0 and not self.buffered[i] and not self.stash_weights
+        return self.window > 0 and not self.stash_weights
 
     @torch.no_grad()
     def kept_bytes_per_microbatch(self, x):
@@ -153,11 +154,12 @@ class Stage(PollsBetweenBlocks, nn.Module):
         with frozen_bn_stats():
             for i, (block, fifo, stash, buffered) in enumerate(zip(
                     self.blocks, self.fifos, self.stashes, self.buffered)):
-                if buffered:
+                keeps = self.keeps_microbatch(i, b)
+                if buffered and not keeps:  # a kept graph holds its input itself
                     fifo.append(self.buffer_codec.pack(x))
                 if self.stash_weights:
                     stash.append([p.detach().clone() for p in block.parameters()])
-                if self.keeps_microbatch(i, b):
+                if keeps:
                     graph = _kept_forward(block, x, b, self._needs_grad_x(i))
                     self.graphs[i].append(graph)
                     self.kept_bytes += graph.bytes

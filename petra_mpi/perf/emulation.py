@@ -218,7 +218,8 @@ class WaitingStage(PollsBetweenBlocks, nn.Module):
     the block's share of the last stage's forward, loss and backward); `rebuild`: the part of
     each block's backward that rebuilds its input. Held activations: the inputs of its buffered
     blocks for every micro-batch in flight, as the real FIFOs, and the graphs of its kept
-    micro-batches (set_kept), as Stage holds them."""
+    micro-batches (set_kept; a kept buffered block's graph instead of its input), as Stage
+    holds them."""
 
     def __init__(self, index, num_stages, shapes: BlockShapes, first_block, costs, batch,
                  num_classes=10, clock=None, rebuild=None):
@@ -234,8 +235,9 @@ class WaitingStage(PollsBetweenBlocks, nn.Module):
         self.num_classes = num_classes
         self.needs_rebuilt_input = shapes.reversible[blocks[-1]]
         self.input_dtype = None  # images: the activations' dtype
-        self.held_per_microbatch = sum(4 * batch * _numel(shapes.inputs[b]) for b in blocks
-                                       if not shapes.reversible[b])
+        # per block: the input a buffered block holds per micro-batch in flight (unless kept)
+        self.fifo_bytes = [0 if shapes.reversible[b] else 4 * batch * _numel(shapes.inputs[b])
+                           for b in blocks]
         self.held = self.peak_held_bytes = 0
         self.set_kept()
         self.anchor = nn.Parameter(torch.zeros(1))  # engines find the device from a parameter
@@ -261,6 +263,12 @@ class WaitingStage(PollsBetweenBlocks, nn.Module):
     def _keeps(self, i, b) -> bool:
         return bool(self.kept[i]) and b is not None and b % self.window < self.kept[i]
 
+    def _holds(self, b) -> int:
+        """Bytes micro-batch b holds from its forward to its backward: a kept block's graph
+        (its input included), a buffered block's input."""
+        return sum(self.kept_bytes[i] if self._keeps(i, b) else z
+                   for i, z in enumerate(self.fifo_bytes))
+
     def _wait(self, seconds):
         self.clock.poll = self.between_blocks
         for s in seconds:
@@ -271,15 +279,14 @@ class WaitingStage(PollsBetweenBlocks, nn.Module):
     def forward(self, x, b=None):  # b: the micro-batch, as Stage.forward takes it
         self.forward_starts.append(time.perf_counter())
         self._wait(c[0] for c in self.costs)  # a kept forward costs a forward (memory_plan)
-        self.held += self.held_per_microbatch + sum(
-            z for i, z in enumerate(self.kept_bytes) if self._keeps(i, b))
+        self.held += self._holds(b)
         self.peak_held_bytes = max(self.peak_held_bytes, self.held)
         return torch.empty((x.shape[0], *self.out_shape[1:]))  # contents do not matter
 
     def backward(self, y, grad_y, b=None):
         kept = [self._keeps(i, b) for i in range(len(self.costs))]
         self._wait(c[1] - (r if k else 0.0) for c, r, k in zip(self.costs, self.rebuild, kept))
-        self.held -= self.held_per_microbatch + sum(z for z, k in zip(self.kept_bytes, kept) if k)
+        self.held -= self._holds(b)
         shape = (grad_y.shape[0], *self.in_shape[1:])
         return torch.empty(shape), (None if self.is_first else torch.empty(shape))
 

@@ -247,7 +247,7 @@ def test_a_waiting_stage_follows_its_kept_plan():
     # stage 1 of 3 (d_1 = 2) with blocks 1 and 2, both reversible
     stage = WaitingStage(1, 3, shapes, 1, [(1.0, 3.0, 0.0), (2.0, 6.0, 0.0)], 4, clock=clock,
                          rebuild=[1.0, 2.0])
-    assert stage.window == 2 and stage.held_per_microbatch == 0
+    assert stage.window == 2 and stage.fifo_bytes == [0, 0]
     stage.set_kept([1, 2], [100, 1000])
     x = torch.zeros(4, *shapes.inputs[1])
     for b in range(2):  # both in flight: block 1 keeps micro-batch 0, block 2 both
@@ -267,8 +267,9 @@ def test_a_waiting_stage_follows_its_kept_plan():
 
 
 def test_waiting_stages_with_a_kept_plan_hold_what_the_real_stages_hold():
-    """With every keepable block keeping all its in-flight micro-batches, a waiting stage given
-    the probed kept bytes holds at its peak what the real stage holds: FIFOs and kept graphs."""
+    """With every reversible block keeping all its in-flight micro-batches and every buffered
+    one all but one (its FIFO holds the other's input), a waiting stage given the probed kept
+    bytes holds at its peak what the real stage holds: FIFOs and kept graphs."""
     J, batch, width, split = 3, 4, 4, [3, 4, 3]
     real = build_stages("revnet18", width, 10, J, partition=split)
     shapes = probe_shapes("revnet18", width)
@@ -276,8 +277,8 @@ def test_waiting_stages_with_a_kept_plan_hold_what_the_real_stages_hold():
     x = torch.randn(batch, 3, 32, 32)
     first = 0
     for s, stage in enumerate(real[:-1]):
-        kept = [stage.window if z is not None else 0 for z in sizes[s]]
-        assert any(kept), "the split must give the test something to keep"
+        kept = [stage.window - stage.buffered[i] for i in range(len(stage.blocks))]
+        assert any(stage.buffered) and all(z is not None for z in sizes[s])
         stage.set_kept(kept)
         fake = WaitingStage(s, J, shapes, first, [(0.0, 0.0, 0.0)] * split[s], batch,
                             clock=Clock(scale=0.0))
@@ -288,7 +289,9 @@ def test_waiting_stages_with_a_kept_plan_hold_what_the_real_stages_hold():
         for b in range(stage.window):
             fake(x, b)
         assert fake.peak_held_bytes == stage.peak_fifo_bytes + stage.peak_kept_bytes > 0
-        assert stage.peak_fifo_bytes == emulation.fifo_bytes(shapes, split, batch)[s]
+        # one of the window's micro-batches in each FIFO
+        fifo = emulation.fifo_bytes(shapes, split, batch)[s]
+        assert stage.peak_fifo_bytes * stage.window == fifo > 0
         x = outputs[-1]
 
 

@@ -33,25 +33,36 @@ N = 9
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 
 
-def tiny_stages(kept=None, stage_cls=Stage, **kw):
+# RevNet18 whole, 3 stages: the stem and the downsampling blocks are buffered (they keep their
+# input and recompute), the others reversible; both kinds keep.
+REVNET_SIZES = [3, 3, 4]   # windows d_0 = 4, d_1 = 2
+REVNET_ALL_KEPT = [[4, 4, 4], [2, 2, 2], [0] * 4]
+REVNET_MIXED = [[3, 1, 0], [1, 2, 0], [0] * 4]  # the stem keeps 3 of 4, a downsampling one 1
+
+
+def tiny_stages(kept=None, stage_cls=Stage, revnet=False, **kw):
     torch.manual_seed(0)
-    blocks = build_blocks("irevnet18", 4, 10, image_size=8)[1:5] + [Head(32, 10)]
-    return [stage_cls(part, s, len(SIZES), kept=kept[s] if kept else None, **kw).double()
-            for s, part in enumerate(split_blocks(blocks, SIZES))]
+    if revnet:
+        blocks, sizes = build_blocks("revnet18", 4, 10, image_size=8), REVNET_SIZES
+    else:
+        blocks, sizes = build_blocks("irevnet18", 4, 10, image_size=8)[1:5] + [Head(32, 10)], SIZES
+    return [stage_cls(part, s, len(sizes), kept=kept[s] if kept else None, **kw).double()
+            for s, part in enumerate(split_blocks(blocks, sizes))]
 
 
-def batches(n=N, batch=4, seed=1):
+def batches(n=N, batch=4, seed=1, channels=8):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, 8, 8, 8, generator=g, dtype=torch.float64),
+    return [(torch.randn(batch, channels, 8, 8, generator=g, dtype=torch.float64),
              torch.randint(0, 10, (batch,), generator=g)) for _ in range(n)]
 
 
-def train(stages, method="petra", k=2, lr=0.2):
-    """Two segments (the kept rule restarts with each), momentum and lr > 0: the delay matters."""
+def train(stages, method="petra", k=2, lr=0.2, channels=8):
+    """Two segments (the kept rule restarts with each), momentum and lr > 0: the delay matters.
+    channels: of the input (3: images, for RevNet18 whole)."""
     workers = build_workers(stages, LRSchedule(lr, 10**6), k, momentum=0.9)
     engine = LocalEngine(workers, method)
-    engine.train_segment(iter(batches()), N)
-    engine.train_segment(iter(batches(seed=2)), N)
+    engine.train_segment(iter(batches(channels=channels)), N)
+    engine.train_segment(iter(batches(seed=2, channels=channels)), N)
     assert all(s.in_flight() == 0 and s.kept_bytes == 0 for s in stages)
     return stages
 
@@ -77,7 +88,8 @@ class MixtureReference(Stage):
     """The per-micro-batch mixture written out plainly: block i of micro-batch b follows
     `delayed` with buffer_inputs and stash_weights (its forward keeps its input and a copy of its
     weights, its backward recomputes under autograd with that copy, updating batch norm's
-    statistics) when b mod d_s < plan[i], else PETRA's rebuild."""
+    statistics) when b mod d_s < plan[i], else PETRA's rule: a reversible block rebuilds, a
+    buffered one recomputes from its input with the current weights."""
 
     def __init__(self, blocks, index, num_stages, kept=None):
         super().__init__(blocks, index, num_stages)
@@ -89,6 +101,8 @@ class MixtureReference(Stage):
             for i, block in enumerate(self.blocks):
                 if b % self.window < self.plan[i] if self.window else False:
                     self.held[i][b] = (x, [p.detach().clone() for p in block.parameters()])
+                elif not block.reversible:  # PETRA's rule: the input, the current weights
+                    self.held[i][b] = (x, None)
                 x = block(x)
         return x
 
@@ -99,6 +113,7 @@ class MixtureReference(Stage):
                 y, grad_y = block.backward_from_output(y, grad_y, need_grad_x)
                 continue
             x, weights = self.held[i].pop(b)
+            weights = weights or [p.detach().clone() for p in block.parameters()]
             params = list(block.parameters())
             live = [p.data for p in params]
             for p, w in zip(params, weights):
@@ -135,6 +150,29 @@ def test_keeping_everything_is_delayed_with_buffers_and_stash():
     want = state(train(tiny_stages(buffer_inputs=True, stash_weights=True), "delayed"))
     assert_same(got, want)
     assert differs(got, state(train(tiny_stages()))) > 1e-4  # PETRA differs: the test has teeth
+
+
+def test_buffered_blocks_keep_too():
+    """RevNet18 whole: the stem and the downsampling blocks (buffered) keep their graph instead
+    of their input, by the same rule: all kept is `delayed` with both switches, a mixed plan the
+    per-micro-batch mixture; a kept buffered micro-batch leaves nothing in the FIFO."""
+    got = state(train(tiny_stages(REVNET_ALL_KEPT, revnet=True), channels=3))
+    want = state(train(tiny_stages(revnet=True, buffer_inputs=True, stash_weights=True),
+                       "delayed", channels=3))
+    assert_same(got, want)
+    petra = state(train(tiny_stages(revnet=True), channels=3))
+    assert differs(got, petra) > 1e-4
+    mixed = tiny_stages(REVNET_MIXED, revnet=True)
+    assert mixed[0].buffered[0] and mixed[1].buffered[0]  # the stem, a downsampling block
+    got = state(train(mixed, channels=3))
+    want = state(train(tiny_stages(REVNET_MIXED, MixtureReference, revnet=True), channels=3))
+    assert_same(got, want)
+    assert differs(got, petra) > 1e-6
+    # forwarding d_0 micro-batches: the stem buffers only the one it does not keep
+    stage = tiny_stages(REVNET_MIXED, revnet=True)[0]
+    for b in range(stage.window):
+        stage(batches(1, channels=3)[0][0], b)
+    assert len(stage.fifos[0]) == 1 and len(stage.graphs[0]) == 3
 
 
 def test_mixed_plan_is_the_per_microbatch_mixture():
@@ -185,9 +223,12 @@ def test_plan_rule_bounds():
         stage.set_kept([5, 0])
     with pytest.raises(ValueError, match="2 entries"):
         stage.set_kept([1])
-    (stem, *_) = build_stages("revnet18", 4, 10, 3, seed=0)
-    with pytest.raises(ValueError, match="only a reversible block that rebuilds"):
-        stem.set_kept([1] + [0] * (len(stem.blocks) - 1))
+    *_, last = build_stages("revnet18", 4, 10, 3, seed=0)
+    with pytest.raises(ValueError, match="the last stage and weight stashing keep no graphs"):
+        last.set_kept([1] + [0] * (len(last.blocks) - 1))
+    (stashing, *_) = tiny_stages(stash_weights=True)
+    with pytest.raises(ValueError, match="the last stage and weight stashing keep no graphs"):
+        stashing.set_kept([1, 0])
 
 
 def test_planner_minimises_the_slowest_stage_under_the_budget():
