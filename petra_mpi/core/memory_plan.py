@@ -1,5 +1,5 @@
-"""The kept-blocks plan: under a per-stage memory budget, which reversible blocks keep the graph of
-how many of their in-flight micro-batches (Stage.set_kept, docs/design.md §1).
+"""The kept-blocks plan: under a per-stage memory budget, which blocks (reversible or buffered) keep
+the graph of how many of their in-flight micro-batches (Stage.set_kept, docs/design.md §1).
 
 Cost model, per micro-batch, in units of a block's forward (partition.block_costs estimates the
 unit of every block): a block that rebuilds (or a buffered block, which recomputes) costs 4, a
@@ -103,27 +103,24 @@ def choose(units, sizes, windows, budgets) -> Plan:
                 best)
 
 
-def balance_with_plan(sizes, plan_for, resplit, keepable=None, rounds: int = 4):
+def balance_with_plan(sizes, plan_for, resplit, rounds: int = 4):
     """(split, Plan): a split balanced with its own plan's costs. PETRA's balance (`sizes`)
     counts every block at 4 units, but a block that keeps k of every d_s micro-batches costs
     4 - k / d_s: a stage that can keep is faster than the split assumed, and may take more
-    blocks. So re-split (resplit(weights) -> sizes, each block's cost outside the last stage
-    scaled by its weight; the last stage's cost is resplit's own) by the costs of what each stage's budget lets it keep
-    (Plan.most_kept), plan that split (plan_for(sizes) -> Plan), and keep it while the slowest
-    stage gets faster. keepable[b]: whether block b can keep at all (default: every block)."""
+    blocks. So re-split by the costs of what each stage's budget lets it keep (Plan.most_kept;
+    resplit(weights) -> sizes, each block's cost outside the last stage scaled by its weight,
+    the last stage's cost resplit's own), plan that split (plan_for(sizes) -> Plan), and keep
+    it while the slowest stage gets faster."""
     plan = plan_for(sizes)
     J = len(sizes)
     for _ in range(rounds):
         weights = []
         for s, kept in enumerate(plan.most_kept[:-1]):
             weights += [stage_units([1.0], [k], delay(J, s)) / REBUILT_UNITS for k in kept]
-        # the last stage keeps nothing (no delay): a block of it that can keep, moved into a
-        # middle stage, is counted at the best any block keeps there (the new split's plan,
-        # checked below, decides)
-        best = min(weights, default=1.0)
-        first_last = len(weights)
-        weights += [best if keepable is None or keepable[b] else 1.0
-                    for b in range(first_last, first_last + len(plan.most_kept[-1]))]
+        # the last stage keeps nothing (no delay): a block of it moved into a middle stage is
+        # counted at the best any block keeps there (the new split's plan, checked below,
+        # decides)
+        weights += [min(weights, default=1.0)] * len(plan.most_kept[-1])
         again = resplit(weights)
         if again == sizes:
             break
@@ -148,7 +145,7 @@ def split_for_budget(blocks, sizes, budget, batch_size: int, *, image_size: int 
     def plan_for(split):
         return plan_blocks(blocks, split, budget, batch_size, image_size=image_size,
                            device=device, dtype=dtype, units=units)
-    return balance_with_plan(sizes, plan_for, resplit, [block.reversible for block in blocks])
+    return balance_with_plan(sizes, plan_for, resplit)
 
 
 def measured_units(costs) -> list[float]:

@@ -138,6 +138,10 @@ def test_bench_peers_on_the_language_model():
         assert windows > 0 and record["tokens_per_s"][name] == pytest.approx(8 * windows)
         assert min(record["peak_activation_bytes"][name]) > 0, name
     assert "tokens/s" in proc.stdout
+    # the kept variants' splits were the planner's to choose (measured, no --partition)
+    for name, kept in record["kept"].items():
+        assert sum(kept["partition"]) == 4 and len(kept["plan"]) == 2, name
+        assert [len(k) for k in kept["plan"]] == kept["partition"], name
 
 
 def test_bench_peers_runs_every_contender():

@@ -423,7 +423,8 @@ class PeersBench:
         # PETRA as in the paper)
         self.variants = {m: (engine, self.stage, None)
                          for m, engine in self.engines_on(self.stage, "petra", "backprop")}
-        # kept variant -> (memory_plan.Plan, kept budget per rank or None, its split)
+        # kept variant -> (memory_plan.Plan, kept budget per rank or None, its split, the
+        # planner's time over PETRA's on PETRA's split)
         self.plans = {}
         self.pts, self.skipped = pipelining_contenders(a, world, self.pt_sizes, work)
         g = torch.Generator().manual_seed(0)
