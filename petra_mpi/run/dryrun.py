@@ -104,7 +104,7 @@ def profile_blocks(cfg, num_stages: int, device, dtype, side: int):
     print(f"split {sizes} ({'model.partition' if cfg.model.partition else 'measured balance'}): "
           f"ms per micro-batch per stage {' '.join(f'{1e3 * c:.1f}' for c in per_stage)}; "
           f"slowest / mean {max(per_stage) / (sum(per_stage) / len(per_stage)):.2f}")
-    if cfg.model.memory_budget and not cfg.model.partition:
+    if cfg.model.memory_budget and not cfg.model.partition and num_stages < len(costs.forward):
         split, _ = split_for_budget_of(cfg, sizes, costs, shape, device, dtype)
         return sizes, split, measured_units(costs)
     return sizes, sizes, None
