@@ -186,6 +186,8 @@ KINDS = {
     'mpirun -n 18 python -m petra_mpi.train configs/invertible/imagenet_petra.yaml':
         ("download", None),
     'python -m petra_mpi.train configs/fashion_mnist.yaml': ("download", None),
+    'python -m petra_mpi.train configs/fashion_mnist_backprop.yaml --set run.threads=2':
+        ("download", None),
     'sbatch slurm/fashion_mnist.sh': ("slurm", None),
     'for k in 1 2 4 8 16 32; do mpirun -n 10 python -m petra_mpi.train configs/fig4/revnet18_imagenet_k$k.yaml; done':
         ("download", None),
