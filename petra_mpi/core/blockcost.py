@@ -156,28 +156,27 @@ def measured_partition(arch, width, num_classes, num_stages, input_shape, batch_
 
 
 def measured_partition_for(cfg, num_stages, input_shape, device, dtype):
-    """measured_partition for the net and batch of a run's config."""
-    from ..config import model_kwargs
-    return measured_partition(cfg.model.arch, cfg.model.width, cfg.model.num_classes, num_stages,
-                              input_shape, cfg.data.batch_size,
-                              imagenet_stem=cfg.model.stem == "imagenet", device=device,
-                              dtype=dtype, precision=cfg.run.precision, **model_kwargs(cfg))
-
-
-def split_for_budget_of(cfg, sizes, costs, input_shape, device, dtype):
-    """(split, memory_plan.Plan) of model.memory_budget from PETRA's measured split (`sizes`,
-    `costs`): the measured balance redone with the plan's costs, the plan in units of the
-    measured costs (memory_plan.split_for_budget), on a net built as the run builds it."""
+    """measured_partition for the net and batch of a run's config: (PETRA's split, the
+    BlockCosts, the split the run trains, its kept plan). Under model.memory_budget, when the
+    split is the run's to choose, the measured balance is redone with the plan's costs in units
+    of the measured costs (memory_plan.split_for_budget, on a net built as the run builds it);
+    else the run trains PETRA's split and the plan is None (build_stages plans it)."""
     from ..config import model_kwargs
     from ..models import build_blocks, set_precision
     from .memory_plan import split_for_budget
-    blocks = build_blocks(cfg.model.arch, cfg.model.width, cfg.model.num_classes,
-                          cfg.model.stem == "imagenet", image_size=input_shape[-1],
-                          **model_kwargs(cfg))
+    net = dict(arch=cfg.model.arch, width=cfg.model.width, num_classes=cfg.model.num_classes,
+               imagenet_stem=cfg.model.stem == "imagenet", **model_kwargs(cfg))
+    sizes, costs = measured_partition(num_stages=num_stages, input_shape=input_shape,
+                                      batch_size=cfg.data.batch_size, device=device,
+                                      dtype=dtype, precision=cfg.run.precision, **net)
+    if not cfg.model.memory_budget or cfg.model.partition or num_stages >= len(costs.forward):
+        return sizes, costs, sizes, None
+    blocks = build_blocks(image_size=input_shape[-1], **net)
     set_precision(blocks, cfg.run.precision)
-    return split_for_budget(blocks, sizes, cfg.model.memory_budget, cfg.data.batch_size,
-                            image_size=input_shape[-1], device=device, dtype=dtype,
-                            costs=costs)
+    split, plan = split_for_budget(blocks, sizes, cfg.model.memory_budget, cfg.data.batch_size,
+                                   image_size=input_shape[-1], device=device, dtype=dtype,
+                                   costs=costs)
+    return sizes, costs, split, plan.kept
 
 
 def measure_autograd_costs(blocks, input_shape, batch_size, num_classes, *, device="cpu",

@@ -136,8 +136,7 @@ def balanced_profile(arch) -> Profile:
     """The paper's total work (Table 5's reversible-backprop time per micro-batch) shared evenly:
     every middle stage of one block works 4 forwards' worth, the last 3, all forwards equal. With
     no dominant stage, the pipelines' bubble is what separates the schedules (docs/benchmarks.md)."""
-    paper = paper_profile(arch)
-    n = len(paper.forward)
+    n = len(paper_profile(arch).forward)  # and the paper's error for an arch it lacks
     f = PAPER_TABLE5_MS[arch]["backprop"] / 1e3 / (4 * (n - 1) + 3)
     return Profile(arch, [f] * n, [f] * (n - 1) + [0.0], [2 * f] * n,
                    source="the paper's Table 5 total, every block the same (balanced)",

@@ -88,10 +88,10 @@ def profile_blocks(cfg, num_stages: int, device, dtype, side: int):
     minimising the slowest stage by the measured costs, redone with the plan's costs in the
     measured units under model.memory_budget (as trainer.choose_partition does), or
     model.partition when it is fixed."""
-    from ..core.blockcost import measured_partition_for, split_for_budget_of
+    from ..core.blockcost import measured_partition_for
     from ..core.memory_plan import measured_units
     shape = (cfg.model.context,) if cfg.model.arch in LM_ARCHS else (3, side, side)
-    sizes, costs = measured_partition_for(cfg, num_stages, shape, device, dtype)
+    sizes, costs, split, kept = measured_partition_for(cfg, num_stages, shape, device, dtype)
     sizes = list(cfg.model.partition or sizes)
     what = (batch_input(cfg, side) if cfg.model.arch in LM_ARCHS
             else f"of {side}x{side} images")
@@ -104,10 +104,9 @@ def profile_blocks(cfg, num_stages: int, device, dtype, side: int):
     print(f"split {sizes} ({'model.partition' if cfg.model.partition else 'measured balance'}): "
           f"ms per micro-batch per stage {' '.join(f'{1e3 * c:.1f}' for c in per_stage)}; "
           f"slowest / mean {max(per_stage) / (sum(per_stage) / len(per_stage)):.2f}")
-    if cfg.model.memory_budget and not cfg.model.partition and num_stages < len(costs.forward):
-        split, _ = split_for_budget_of(cfg, sizes, costs, shape, device, dtype)
-        return sizes, split, measured_units(costs)
-    return sizes, sizes, None
+    if kept is None:  # the plan, if any, is build_stages' own (estimated units)
+        return sizes, sizes, None
+    return sizes, split, measured_units(costs)
 
 
 def batch_input(cfg, side) -> str:

@@ -172,20 +172,17 @@ def choose_partition(cfg, J, world, device, dtype, input_shape, resume):
         return None, None
     chosen = None
     if world is None or world.rank == 0:
-        from ..core.blockcost import measured_partition_for, split_for_budget_of
+        from ..core.blockcost import measured_partition_for
         start = time.perf_counter()
-        sizes, costs = measured_partition_for(cfg, J, input_shape, device, dtype)
+        sizes, costs, split, kept = measured_partition_for(cfg, J, input_shape, device, dtype)
         per_stage = " ".join(f"{1e3 * c:.0f}" for c in costs.stage_seconds(sizes))
         line = (f"petra_mpi: stages balanced by measured cost ({time.perf_counter() - start:.1f} "
                 f"s to time {blocks_total} blocks): blocks per stage {sizes}, ms per micro-batch "
                 f"{per_stage}")
-        chosen = sizes, None
-        if cfg.model.memory_budget:  # kept blocks cost less: their stages may take more blocks
-            split, plan = split_for_budget_of(cfg, sizes, costs, input_shape, device, dtype)
-            if split != sizes:
-                line += f"; with the kept blocks of model.memory_budget {split}"
-            chosen = split, plan.kept
+        if split != sizes:  # kept blocks cost less: their stages may take more blocks
+            line += f"; with the kept blocks of model.memory_budget {split}"
         print(line, file=sys.stderr, flush=True)
+        chosen = split, kept
     return world.comm.bcast(chosen, root=0) if world else chosen
 
 

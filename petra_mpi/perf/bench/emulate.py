@@ -86,7 +86,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="mpirun -n J python -m petra_mpi.bench emulate",
                                 description=__doc__)
     p.add_argument("--arch", default="revnet18", help="revnet18 or revnet34 (the paper's)")
-    p.add_argument("--costs", default="paper", help="paper (Table 5), balanced (its total work, every block the same), "
+    p.add_argument("--costs", default="paper",
+                   help="paper (Table 5), balanced (its total work, every block the same), "
                         "measured, or a JSON profile file")
     p.add_argument("--width", type=int, default=8, help="of the messages (and measured costs)")
     p.add_argument("--batch", type=int, default=16, help="of the messages (and measured costs)")
