@@ -1,13 +1,16 @@
 """Measured per-block costs: what one micro-batch costs each block on the run's own device, dtype
 and input shape, timed the way the stages will run it.
 
-For every block three times are taken (median of a few repetitions after a warm-up):
+For every block four times are taken (median of a few repetitions after a warm-up):
 - forward: the no-graph forward of a stage (batch norm with batch statistics, nothing kept);
 - backward: a middle stage's backward step, i.e. the rebuild (reversible block) or the FIFO pop
   and recomputation (buffered block) plus one vector-Jacobian product; for the first block (the
   stem), stage 0's, which needs no gradient for the images;
 - last: what the block costs inside the last stage, which runs forward, loss and backward at once
-  (forward under autograd plus its backward; the head's cost includes the loss).
+  (forward under autograd plus its backward; the head's cost includes the loss);
+- kept: forward plus backward of a micro-batch the block keeps in a middle stage (model.memory_budget:
+  the forward under autograd through stashed weights, then the backward from its graph), which
+  the kept-blocks plan sets against forward + backward (memory_plan.measured_units).
 A middle stage costs sum(forward + backward) of its blocks per micro-batch, the last stage
 sum(last). The blocks are deep-copied first, so timing neither moves a batch-norm statistic nor
 leaves a gradient behind in the model that trains.
@@ -15,7 +18,7 @@ leaves a gradient behind in the model that trains.
 import copy
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +36,7 @@ class BlockCosts:
     step: list[float]      # seconds per optimizer step of the block's parameters
     output_bytes: list[int]  # size of each block's output message for one micro-batch
     input_bytes: int = 0     # size of the first block's input (the images) for one micro-batch
+    kept: list[float] = field(default_factory=list)  # seconds per kept micro-batch; [] unmeasured
 
     def stage_seconds(self, sizes) -> list[float]:
         """Seconds per micro-batch of each stage of a split (blocks per stage)."""
@@ -49,7 +53,7 @@ class BlockCosts:
     def to_dict(self):
         return {"forward": self.forward, "backward": self.backward, "last": self.last,
                 "step": self.step, "output_bytes": self.output_bytes,
-                "input_bytes": self.input_bytes}
+                "input_bytes": self.input_bytes, "kept": self.kept}
 
 
 def _median_seconds(fn, device, repeats, setup=None):
@@ -84,9 +88,9 @@ def _copies_and_batch(blocks, input_shape, batch_size, num_classes, device, dtyp
 def _each_block(blocks, input_shape, batch_size, num_classes, device, dtype, repeats,
                 time_block) -> BlockCosts:
     """Both measurements' loop: block i timed on the output of block i - 1, as training feeds it.
-    time_block(i, block, x, labels, is_head, grad_y, timed) -> ((forward, backward, last)
-    seconds, each from timed(fn, setup=None); `fused`, one training pass of the block, after
-    which the optimizer step is timed)."""
+    time_block(i, block, x, labels, is_head, grad_y, timed) -> ((forward, backward, last, kept)
+    seconds, each from timed(fn, setup=None), kept None where not measured; `fused`, one
+    training pass of the block, after which the optimizer step is timed)."""
     device = torch.device(device)
     blocks, x, labels = _copies_and_batch(blocks, input_shape, batch_size, num_classes, device,
                                           dtype)
@@ -97,8 +101,11 @@ def _each_block(blocks, input_shape, batch_size, num_classes, device, dtype, rep
     for i, block in enumerate(blocks):
         with torch.no_grad():
             y = block(x)
-        (forward, backward, last), fused = time_block(i, block, x, labels, i == len(blocks) - 1,
-                                                      torch.randn_like(y), timed)
+        (forward, backward, last, kept), fused = time_block(i, block, x, labels,
+                                                            i == len(blocks) - 1,
+                                                            torch.randn_like(y), timed)
+        if kept is not None:
+            costs.kept.append(kept)
         optimizer = StageOptimizer(block, LRSchedule(0.0, 1))
         for part, seconds in zip((costs.forward, costs.backward, costs.last, costs.step),
                                  (forward, backward, last,
@@ -127,6 +134,14 @@ def measure_block_costs(blocks, input_shape, batch_size, num_classes, *, device=
             stage(x)
             stage.clear()
 
+        def kept():  # one micro-batch kept by the block, forward then backward
+            stage.set_kept([stage.window])
+            try:
+                stage.backward(stage(x, 0), grad_y, 0)
+            finally:
+                stage.set_kept(None)
+                stage.clear()
+
         def fused():
             leaf = x.detach().requires_grad_(i > 0)  # no gradient for the images either
             out = block(leaf)
@@ -135,7 +150,7 @@ def measure_block_costs(blocks, input_shape, batch_size, num_classes, *, device=
             else:
                 out.backward(grad_y)
         return (timed(fwd), timed(lambda: stage.backward(y, grad_y), setup=lambda: stage(x)),
-                timed(fused)), fused
+                timed(fused), timed(kept)), fused
     return _each_block(blocks, input_shape, batch_size, num_classes, device, dtype, repeats,
                        time_block)
 
@@ -194,6 +209,6 @@ def measure_autograd_costs(blocks, input_shape, batch_size, num_classes, *, devi
         def bwd():
             graph.pop("out").backward(None if is_head else grad_y)
         forward, backward = timed(fwd), timed(bwd, setup=fwd)
-        return (forward, backward, forward + backward), lambda: (fwd(), bwd())
+        return (forward, backward, forward + backward, None), lambda: (fwd(), bwd())
     return _each_block(blocks, input_shape, batch_size, num_classes, device, dtype, repeats,
                        time_block)

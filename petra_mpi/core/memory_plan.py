@@ -6,7 +6,10 @@ unit of every block): a block that rebuilds (or a buffered block, which recomput
 forward, a forward under autograd and a backward of twice a forward; a kept micro-batch costs 3,
 the recomputation saved. A middle stage s costs sum_i u_i (4 - kept_i / d_s), keeping kept_i of
 every d_s micro-batches; the last stage runs forward, loss and backward at once, 3 u_i per block,
-whatever the plan. Each kept micro-batch of block i holds bytes_i (Stage.kept_bytes_per_microbatch:
+whatever the plan. With measured costs (model.balance: measure) a block's unit is a pair, its
+measured time rebuilt r_i and kept c_i (blockcost.py), and a middle stage costs
+sum_i r_i - (r_i - c_i) kept_i / d_s: on a device where keeping saves less than a quarter, the
+plan knows it, and a block that saves nothing keeps nothing. Each kept micro-batch of block i holds bytes_i (Stage.kept_bytes_per_microbatch:
 saved activations, stashed weights and the input).
 
 The planner is greedy, not an exact knapsack: on each stage it fills the blocks in order of time
@@ -47,12 +50,20 @@ def device_memory(device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def block_times(unit) -> tuple:
+    """(rebuilt, kept) time per micro-batch of a block whose unit is `unit`: an estimated
+    forward's worth u gives (4 u, 3 u); a measured pair is itself."""
+    if isinstance(unit, (tuple, list)):
+        return tuple(unit)
+    return REBUILT_UNITS * unit, KEPT_UNITS * unit
+
+
 def stage_units(units, kept, window, last=False) -> float:
-    """Predicted time per micro-batch of a stage, in forward units (see the module's notes)."""
+    """Predicted time per micro-batch of a stage, in the units' own scale (the module's notes)."""
+    times = [block_times(u) for u in units]
     if last:
-        return LAST_UNITS * sum(units)
-    return sum(u * (REBUILT_UNITS - (REBUILT_UNITS - KEPT_UNITS) * k / window)
-               for u, k in zip(units, kept))
+        return LAST_UNITS / REBUILT_UNITS * sum(r for r, _ in times)
+    return sum(r - (r - c) * k / window for (r, c), k in zip(times, kept))
 
 
 def _greedy(units, sizes, window, budget, target=None) -> list[int]:
@@ -60,8 +71,9 @@ def _greedy(units, sizes, window, budget, target=None) -> list[int]:
     once the stage's time is at most `target`."""
     kept = [0] * len(units)
     spent = 0
-    order = sorted((i for i, size in enumerate(sizes) if size is not None),
-                   key=lambda i: (-units[i] / max(sizes[i], 1), i))
+    saved = [r - c for r, c in map(block_times, units)]  # per kept slot, times d_s
+    order = sorted((i for i, size in enumerate(sizes) if size is not None and saved[i] > 0),
+                   key=lambda i: (-saved[i] / max(sizes[i], 1), i))
     for i in order:
         while kept[i] < window:
             if target is not None and stage_units(units, kept, window) <= target * (1 + 1e-12):
@@ -80,6 +92,7 @@ class Plan:
     units: list[float]        # per stage: predicted time per micro-batch (forward units)
     petra_units: list[float]  # the same with nothing kept
     most_kept: list[list[int]] = None  # per stage, per block: what the budget allows (untrimmed)
+    block_units: list[list] = None  # per stage, per block: the unit the plan was made with
 
     @property
     def relative_time(self) -> float:
@@ -100,7 +113,7 @@ def choose(units, sizes, windows, budgets) -> Plan:
                 [sum(k * (z or 0) for k, z in zip(ks, zs)) for ks, zs in zip(kept, sizes)],
                 [stage_units(u, k, w, l) for u, k, w, l in zip(units, kept, windows, last)],
                 [stage_units(u, [0] * len(u), w, l) for u, w, l in zip(units, windows, last)],
-                best)
+                best, units)
 
 
 def balance_with_plan(sizes, plan_for, resplit, rounds: int = 4):
@@ -116,7 +129,8 @@ def balance_with_plan(sizes, plan_for, resplit, rounds: int = 4):
     for _ in range(rounds):
         weights = []
         for s, kept in enumerate(plan.most_kept[:-1]):
-            weights += [stage_units([1.0], [k], delay(J, s)) / REBUILT_UNITS for k in kept]
+            weights += [stage_units([u], [k], delay(J, s)) / block_times(u)[0]
+                        for u, k in zip(plan.block_units[s], kept)]
         # the last stage keeps nothing (no delay): a block of it moved into a middle stage is
         # counted at the best any block keeps there (the new split's plan, checked below,
         # decides)
@@ -148,9 +162,12 @@ def split_for_budget(blocks, sizes, budget, batch_size: int, *, image_size: int 
     return balance_with_plan(sizes, plan_for, resplit)
 
 
-def measured_units(costs) -> list[float]:
-    """The plan's unit per block from measured costs (blockcost.BlockCosts): a forward's worth,
-    a quarter of the block's work in a middle stage (REBUILT_UNITS)."""
+def measured_units(costs) -> list:
+    """The plan's unit per block from measured costs (blockcost.BlockCosts): the pair (rebuilt,
+    kept) of its measured seconds per micro-batch in a middle stage, or, where the kept time
+    was not measured, a forward's worth, a quarter of the rebuilt time (REBUILT_UNITS)."""
+    if costs.kept:
+        return [(f + b, k) for f, b, k in zip(costs.forward, costs.backward, costs.kept)]
     return [(f + b) / REBUILT_UNITS for f, b in zip(costs.forward, costs.backward)]
 
 

@@ -242,6 +242,7 @@ KINDS = {
     'python -m petra_mpi.train configs/lm/shakespeare_cpu.yaml': ("download", None),
     'python -m petra_mpi.train configs/lm/shakespeare_cpu.yaml --set model.stages=4':
         ("download", None),
+    'python -m petra_mpi.train configs/lm/shakespeare_cpu_j4.yaml': ("download", None),
     'mpirun -n 2 python -m petra_mpi.bench peers --model revlm --batch 12 --accumulation 1':
         ("bench", None),
     'mpirun -n 4 python -m petra_mpi.train configs/lm/shakespeare_cpu.yaml': ("download", None),

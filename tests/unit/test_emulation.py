@@ -208,10 +208,11 @@ def test_steady_rate_counts_from_the_first_forward_paced_by_the_full_pipeline():
 
 def test_bench_pipeline_scales_the_timed_block_costs_to_the_stage_costs_of_its_runs():
     from petra_mpi.perf.bench.pipeline import scaled_to
-    costs = BlockCosts([1.0] * 4, [3.0] * 4, [4.0] * 4, [0.5] * 4, [7] * 4, 3)
+    costs = BlockCosts([1.0] * 4, [3.0] * 4, [4.0] * 4, [0.5] * 4, [7] * 4, 3, [2.0] * 4)
     scaled = scaled_to(costs, [2, 2], [4.0, 16.0])  # stages timed at 8 and 8, ran at 4 and 16
     assert scaled.stage_seconds([2, 2]) == [4.0, 16.0]
     assert scaled.forward == [0.5, 0.5, 2.0, 2.0] and scaled.step == [0.25, 0.25, 1.0, 1.0]
+    assert scaled.kept == [1.0, 1.0, 4.0, 4.0]
     assert scaled.output_bytes == [7] * 4 and scaled.input_bytes == 3
     assert perfmodel.speedup_bound(scaled, [2, 2], 1000)["steady"] == pytest.approx(20 / 16)
 

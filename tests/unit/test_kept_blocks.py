@@ -3,6 +3,8 @@ keeping every micro-batch trains as `delayed` with buffer_inputs and stash_weigh
 as the per-micro-batch mixture of the two rules, the planner's bytes are the measured peak, and
 the config key's errors are one clear line, and the MPI engine follows the local one bitwise
 (mpirun -n 3, extended)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,8 +13,8 @@ from petra_mpi.engines.build import build_stages, build_workers
 from petra_mpi.engines.local import LocalEngine
 from petra_mpi.core.blockcost import BlockCosts
 from petra_mpi.core.memory_plan import (balance_with_plan, budget_bytes, choose, kept_bytes,
-                                        plan_blocks, plan_stages, probe_sizes, split_for_budget,
-                                        stage_units)
+                                        measured_units, plan_blocks, plan_stages, probe_sizes,
+                                        split_for_budget, stage_units)
 from petra_mpi.models import build_blocks, frozen_bn_stats
 from petra_mpi.models.blocks import Head
 from petra_mpi.core.optim import LRSchedule
@@ -253,6 +255,36 @@ def test_planner_minimises_the_slowest_stage_under_the_budget():
     assert plan.units[0] == stage_units([1.0, 1.0], [1, 2], 2)
 
 
+def test_the_planner_takes_measured_kept_times():
+    """With measured costs a block's unit is (rebuilt, kept) seconds: a stage costs
+    sum r - (r - c) k / d_s, slots go by time saved per byte, and a block whose kept micro-batch
+    is no faster than its rebuild keeps nothing, even without a limit (on a device where keeping
+    saves little the estimate's 3 against 4 would be a promise the run does not keep)."""
+    windows = [2, 0]
+    # block 0 saves 10 % when kept, block 1 nothing, block 2 (same bytes) 40 %
+    units = [[(10.0, 9.0), (10.0, 10.0), (10.0, 6.0)], [(1.0, 1.0)]]
+    plan = choose(units, [[8, 8, 8], [None]], windows, [None, None])
+    assert plan.kept[0] == [2, 0, 2]
+    assert plan.units[0] == 30.0 - 1.0 - 4.0 and plan.petra_units[0] == 30.0
+    assert plan.units[1] == 0.75  # the last stage: 3/4 of its blocks' rebuilt time
+    # one slot's budget: the block saving most per byte gets it
+    plan = choose(units, [[8, 8, 8], [None]], windows, [8, None])
+    assert plan.kept[0] == [0, 0, 1] and plan.units[0] == 30.0 - 2.0
+    # a kept micro-batch slower than the rebuild: nothing kept anywhere
+    slower = [[(10.0, 11.0)], [(1.0, 1.0)]]
+    assert choose(slower, [[8], [None]], windows, [None, None]).kept == [[0], [0]]
+    # an estimated unit u is the pair (4 u, 3 u)
+    assert stage_units([2.0], [1], 2) == stage_units([(8.0, 6.0)], [1], 2) == 7.0
+
+
+def test_measured_units_are_the_blocks_kept_and_rebuilt_times():
+    costs = BlockCosts([1.0, 2.0], [3.0, 5.0], [3.0, 6.0], [0.0, 0.0], [0, 0], 0,
+                       kept=[3.5, 7.0])
+    assert measured_units(costs) == [(4.0, 3.5), (7.0, 7.0)]
+    unmeasured = BlockCosts([1.0, 2.0], [3.0, 5.0], [3.0, 6.0], [0.0, 0.0], [0, 0], 0)
+    assert measured_units(unmeasured) == [1.0, 1.75]
+
+
 def planner_on(units, bytes_per_block, budgets):
     """plan_for(sizes) of balance_with_plan: `choose` on the blocks of each stage of the split."""
     def plan_for(sizes):
@@ -313,6 +345,18 @@ def test_a_measured_split_is_balanced_with_the_plans_costs_too():
     split, plan = split_for_budget(build_blocks("revnet18", 4, 10), petra, 1, 4, image_size=8,
                                    costs=costs)
     assert split == petra and not any(map(any, plan.kept))
+    # kept micro-batches measured at 3 of the 4 a rebuild costs: the same split and plan;
+    # measured no faster than the rebuild: PETRA's split, nothing kept
+    for kept, same in ((3.0, True), (4.0, False)):
+        timed = dataclasses.replace(costs, kept=[kept] * n)
+        again = split_for_budget(build_blocks("revnet18", 4, 10), petra, "auto", 4,
+                                 image_size=8, costs=timed)
+        free = split_for_budget(build_blocks("revnet18", 4, 10), petra, "auto", 4,
+                                image_size=8, costs=costs)
+        if same:
+            assert again[0] == free[0] and again[1].kept == free[1].kept
+        else:
+            assert again[0] == petra and not any(map(any, again[1].kept))
 
 
 @pytest.mark.parametrize("value,expect", [

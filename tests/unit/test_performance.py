@@ -72,8 +72,8 @@ def test_measured_block_costs_leave_the_model_untouched():
     after = [t for b in blocks for t in list(b.parameters()) + list(b.buffers())]
     assert all(torch.equal(x, y) for x, y in zip(before, after))
     assert all(p.grad is None for b in blocks for p in b.parameters())
-    assert len(costs.forward) == len(costs.backward) == len(costs.last) == 10
-    assert all(c > 0 for c in costs.forward + costs.backward + costs.last)
+    assert len(costs.forward) == len(costs.backward) == len(costs.last) == len(costs.kept) == 10
+    assert all(c > 0 for c in costs.forward + costs.backward + costs.last + costs.kept)
     assert costs.output_bytes[-1] == 4 * 10 * 4  # the logits, float32
 
 

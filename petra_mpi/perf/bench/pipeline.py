@@ -50,9 +50,10 @@ def scaled_to(costs, sizes, stage_seconds):
     scale = []
     for n, have, want in zip(sizes, costs.stage_seconds(sizes), stage_seconds):
         scale += [want / have if have > 0 else 1.0] * n
-    return BlockCosts(*([c * f for c, f in zip(field, scale)]
-                        for field in (costs.forward, costs.backward, costs.last, costs.step)),
-                      costs.output_bytes, costs.input_bytes)
+    forward, backward, last, step, kept = ([c * f for c, f in zip(field, scale)]
+                                           for field in (costs.forward, costs.backward,
+                                                         costs.last, costs.step, costs.kept))
+    return BlockCosts(forward, backward, last, step, costs.output_bytes, costs.input_bytes, kept)
 
 
 def main(argv):
