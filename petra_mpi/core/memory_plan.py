@@ -9,8 +9,9 @@ every d_s micro-batches; the last stage runs forward, loss and backward at once,
 whatever the plan. With measured costs (model.balance: measure) a block's unit is a pair, its
 measured time rebuilt r_i and kept c_i (blockcost.py), and a middle stage costs
 sum_i r_i - (r_i - c_i) kept_i / d_s: on a device where keeping saves less than a quarter, the
-plan knows it, and a block that saves nothing keeps nothing. Each kept micro-batch of block i holds bytes_i (Stage.kept_bytes_per_microbatch:
-saved activations, stashed weights and the input).
+plan knows it, and a block that saves nothing keeps nothing. Each kept micro-batch of block i
+holds bytes_i (Stage.kept_bytes_per_microbatch: saved activations, stashed weights and the
+input).
 
 The planner is greedy, not an exact knapsack: on each stage it fills the blocks in order of time
 saved per byte, as many slots as the budget allows; that gives the slowest stage's best time
@@ -89,7 +90,7 @@ def _greedy(units, sizes, window, budget, target=None) -> list[int]:
 class Plan:
     kept: list[list[int]]     # per stage, per block: kept micro-batches of every d_s
     kept_bytes: list[int]     # per stage: predicted peak bytes of the kept graphs
-    units: list[float]        # per stage: predicted time per micro-batch (forward units)
+    units: list[float]        # per stage: predicted time per micro-batch (the units' scale)
     petra_units: list[float]  # the same with nothing kept
     most_kept: list[list[int]] = None  # per stage, per block: what the budget allows (untrimmed)
     block_units: list[list] = None  # per stage, per block: the unit the plan was made with

@@ -74,6 +74,8 @@ KINDS = {
         ("bench", None),
     'python -m petra_mpi.plot': ("usage", None),  # the program named in prose
     # docs/benchmarks.md
+    'python -m petra_mpi.train configs/quickstart.yaml --set model.memory_budget=auto --set run.out_dir=runs/quickstart_kept':
+        ("long", r"outputs in runs/quickstart_kept$"),
     'python -m petra_mpi.train configs/quickstart.yaml --set run.out_dir=runs/qs':
         ("long", r"outputs in runs/qs$"),
     'python -m petra_mpi.export runs/qs --out runs/qs/model.pt':
@@ -245,6 +247,8 @@ KINDS = {
     'python -m petra_mpi.train configs/lm/shakespeare_cpu_j4.yaml': ("download", None),
     'mpirun -n 2 python -m petra_mpi.bench peers --model revlm --batch 12 --accumulation 1':
         ("bench", None),
+    'mpirun -n 2 python -m petra_mpi.bench peers --model revlm --context 1024 --batch 2 '
+    '--accumulation 1 --rounds 1': ("bench", None),
     'mpirun -n 4 python -m petra_mpi.train configs/lm/shakespeare_cpu.yaml': ("download", None),
     'python -m petra_mpi.train configs/lm/shakespeare_cpu_backprop.yaml': ("download", None),
     'python -m petra_mpi.export runs/lm/shakespeare_cpu --out model.pt': ("download", None),
