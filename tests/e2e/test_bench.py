@@ -93,6 +93,17 @@ def test_bench_overhead_times_a_tick_and_a_plain_step(precision):
     assert out["ratio"] == pytest.approx(out["petra_tick_s"] / out["plain_step_s"])
 
 
+def test_bench_overhead_times_the_language_model_on_token_windows():
+    proc = subprocess.run([sys.executable, "-m", "petra_mpi.bench", "overhead", "--arch", "revlm",
+                           "--width", "16", "--depth", "2", "--heads", "2", "--context", "8",
+                           "--batch", "2", "--repeats", "1", "--threads", "1"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = last_json(proc)
+    assert out["arch"] == "revlm" and out["stages"] == 4 and out["context"] == 8  # 2 blocks + 2
+    assert out["tokens_per_s"] == pytest.approx(2 * 8 / out["petra_tick_s"])
+    assert out["ratio"] == pytest.approx(out["petra_tick_s"] / out["plain_step_s"])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
 @pytest.mark.parametrize("bench", [["overhead"], ["pipeline"], ["data", "synthetic"]])
 def test_bench_on_cuda_without_a_gpu_says_so(bench):

@@ -249,6 +249,8 @@ KINDS = {
         ("bench", None),
     'mpirun -n 2 python -m petra_mpi.bench peers --model revlm --context 1024 --batch 2 '
     '--accumulation 1 --rounds 1': ("bench", None),
+    'python -m petra_mpi.bench overhead --arch revlm --width 128 --depth 4 --heads 4 --batch 12 '
+    '--threads 2': ("bench", None),
     'mpirun -n 4 python -m petra_mpi.train configs/lm/shakespeare_cpu.yaml': ("download", None),
     'python -m petra_mpi.train configs/lm/shakespeare_cpu_backprop.yaml': ("download", None),
     'python -m petra_mpi.export runs/lm/shakespeare_cpu --out model.pt': ("download", None),

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from ...comm.devices import synchronize
 from ...engines.build import build_stages, build_workers
 from ...models import PRECISIONS, num_blocks
+from ...models.lm import LM_ARCHS
 from ...models.vit import VIT_ARCHS
 from ...core.optim import StageOptimizer, constant_lr
 from .common import alternate, emit
@@ -28,9 +29,14 @@ def parse_args(argv):
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--stages", type=int, default=0, help="0: one block per stage")
-    p.add_argument("--depth", type=int, default=0, help="revvit/vit: blocks (0: the default)")
-    p.add_argument("--heads", type=int, default=0, help="revvit/vit: heads (0: width / 64)")
+    p.add_argument("--depth", type=int, default=0,
+                   help="revvit/vit/revlm/lm: blocks (0: the default; 4 for a language model)")
+    p.add_argument("--heads", type=int, default=0,
+                   help="revvit/vit/revlm/lm: heads (0: width / 64)")
     p.add_argument("--patch", type=int, default=4, help="revvit/vit: patch side")
+    p.add_argument("--context", type=int, default=64,
+                   help="revlm/lm: tokens per window (a micro-batch is --batch windows of random "
+                        "byte ids, a label per token)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -47,20 +53,29 @@ def run(a) -> dict:
         raise SystemExit("--device cuda: no CUDA device is visible")
     sync = lambda: synchronize(device)  # noqa: E731
     schedule = constant_lr()
-    kw = {"model_kw": dict(depth=a.depth, heads=a.heads, patch=a.patch)} if a.arch in VIT_ARCHS \
-        else {}
+    lm = a.arch in LM_ARCHS
+    classes, depth = (256, a.depth or 4) if lm else (10, a.depth)
+    kw = {}
+    if a.arch in VIT_ARCHS:
+        kw["model_kw"] = dict(depth=depth, heads=a.heads, patch=a.patch)
+    elif lm:
+        kw["model_kw"] = dict(depth=depth, heads=a.heads, context=a.context)
     kw.update(device=device, precision=a.precision)
-    J = a.stages or num_blocks(a.arch, a.depth)
-    workers = build_workers(build_stages(a.arch, a.width, 10, J, seed=0, **kw), schedule)
+    J = a.stages or num_blocks(a.arch, depth)
+    workers = build_workers(build_stages(a.arch, a.width, classes, J, seed=0, **kw), schedule)
     for w in workers:
         w.begin_segment(10**9)
-    (whole,) = build_stages(a.arch, a.width, 10, 1, seed=0, **kw)
+    (whole,) = build_stages(a.arch, a.width, classes, 1, seed=0, **kw)
     model = torch.nn.Sequential(*whole.blocks)
     plain_opt = StageOptimizer(model, schedule)
 
     g = torch.Generator().manual_seed(0)
-    x0 = torch.randn(a.batch, 3, 32, 32, generator=g).to(device)
-    labels = torch.randint(0, 10, (a.batch,), generator=g).to(device)
+    if lm:  # token ids in, one label per token
+        x0 = torch.randint(0, classes, (a.batch, a.context), generator=g).to(device)
+        labels = torch.randint(0, classes, (a.batch * a.context,), generator=g).to(device)
+    else:
+        x0 = torch.randn(a.batch, 3, 32, 32, generator=g).to(device)
+        labels = torch.randint(0, classes, (a.batch,), generator=g).to(device)
     inputs, x = [], x0
     for w in workers[:-1]:  # fills each FIFO with one entry: the steady state of a tick
         inputs.append(x)
@@ -91,7 +106,9 @@ def run(a) -> dict:
     return {"bench": "overhead", "arch": a.arch, "width": a.width, "batch": a.batch, "stages": J,
             "threads": torch.get_num_threads(), "device": where, "precision": a.precision,
             "petra_tick_s": med["petra"],
-            "plain_step_s": med["plain"], "ratio": med["petra"] / med["plain"]}
+            "plain_step_s": med["plain"], "ratio": med["petra"] / med["plain"],
+            **({"context": a.context, "tokens_per_s": a.batch * a.context / med["petra"]}
+               if lm else {})}
 
 
 def report(a, r: dict):
