@@ -23,9 +23,9 @@ its peak. A kept forward runs the block under autograd with stashed copies of it
 optimizer updates the live ones in place), and its backward back-propagates through that graph,
 adds the copies' gradients into the live .grad and sends down the exact input: `delayed` with
 buffer_inputs and stash_weights for that micro-batch, without the recomputation. Batch norm: the
-kept forward records each batch norm's input, and the backward updates the running statistics
-from it (one batch-norm pass, no gradient), so they are still updated once per micro-batch, in
-the backward, in micro-batch order, from the statistics of the forward.
+kept forward records each batch norm's batch mean and variance (models.recorded_bn_stats), and
+the backward updates the running statistics with them, so they are still updated once per
+micro-batch, in the backward, in micro-batch order, from the statistics of the forward.
 """
 import contextlib
 from collections import deque
@@ -34,12 +34,11 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 from torch.func import functional_call
-from torch.nn.modules.batchnorm import _BatchNorm
 import torch.nn.functional as F
 from torch import nn
 
 from ..comm.compress import Codec, nbytes
-from ..models import frozen_bn_stats
+from ..models import frozen_bn_stats, recorded_bn_stats
 from .schedule import delay
 from .trace import BACKWARD, FORWARD, LOSS, NULL_TRACER
 
@@ -202,10 +201,8 @@ class Stage(PollsBetweenBlocks, nn.Module):
                 p.grad = stashed.grad
             else:
                 p.grad += stashed.grad
-        with torch.no_grad():
-            for bn, x_bn, autocast in graph.batch_norms:  # the running statistics, once
-                with torch.autocast(*autocast):
-                    bn(x_bn)
+        for bn, mean, var in graph.batch_norms:  # the running statistics, once
+            bn.update_running_stats(mean, var)
         return graph.input.detach(), graph.input.grad
 
     def _block_backward(self, i, y, grad_y):
@@ -262,7 +259,7 @@ class KeptGraph:
     output: torch.Tensor | None  # the output, until the stage has passed it on
     edge: object               # the output's gradient edge: the backward starts there
     weights: list              # stashed copies of the block's parameters, leaves
-    batch_norms: list          # (module, its input, autocast state) per batch-norm call
+    batch_norms: list          # (module, batch mean, unbiased batch variance) per batch-norm call
     bytes: int                 # what the graph holds: see _kept_forward
 
 
@@ -280,24 +277,12 @@ def _kept_forward(block, x, b, need_grad_x) -> KeptGraph:
         saved.append(t)
         return t
 
-    def record(bn, inputs):
-        if bn.training and bn.track_running_stats:
-            device = inputs[0].device.type
-            batch_norms.append((bn, inputs[0].detach(),
-                                (device, torch.get_autocast_dtype(device),
-                                 torch.is_autocast_enabled(device))))
-
-    hooks = [m.register_forward_pre_hook(record) for m in block.modules()
-             if isinstance(m, _BatchNorm)]
-    try:
-        with torch.enable_grad(), saved_tensors_hooks(pack, lambda t: t):
-            out = functional_call(block, dict(zip(names, weights)), (x_leaf,))
-    finally:
-        for h in hooks:
-            h.remove()
+    with torch.enable_grad(), saved_tensors_hooks(pack, lambda t: t), \
+            recorded_bn_stats(batch_norms):
+        out = functional_call(block, dict(zip(names, weights)), (x_leaf,))
     own = {t.untyped_storage().data_ptr() for t in (*live, *block.buffers())}
     held = {}
-    for t in (*saved, *weights, x_leaf, *(x_bn for _, x_bn, _ in batch_norms)):
+    for t in (*saved, *weights, x_leaf, *(t for _, *stats in batch_norms for t in stats)):
         storage = t.untyped_storage()
         if storage.data_ptr() not in own:
             held[storage.data_ptr()] = storage.nbytes()

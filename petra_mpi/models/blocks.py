@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 _bn_updates_running_stats = True
+_bn_batch_stats = None  # a list while recorded_bn_stats is active
 
 
 @contextlib.contextmanager
@@ -24,11 +25,39 @@ def frozen_bn_stats():
         _bn_updates_running_stats = saved
 
 
+@contextlib.contextmanager
+def recorded_bn_stats(into: list):
+    """Within this context (and frozen_bn_stats), each training-mode batch norm also appends
+    (module, batch mean, unbiased batch variance) to `into`, taken from the normalisation itself,
+    so that the running statistics can be updated later (BatchNorm2d.update_running_stats)
+    without another pass over the input: what a kept forward needs (core/stages.py)."""
+    global _bn_batch_stats
+    saved, _bn_batch_stats = _bn_batch_stats, into
+    try:
+        yield
+    finally:
+        _bn_batch_stats = saved
+
+
 class BatchNorm2d(nn.BatchNorm2d):
     def forward(self, x):
         if self.training and not _bn_updates_running_stats:
+            if _bn_batch_stats is not None and self.track_running_stats:
+                # with momentum 1 the buffers come out as the batch's mean and unbiased variance
+                mean, var = torch.zeros_like(self.running_mean), torch.ones_like(self.running_var)
+                _bn_batch_stats.append((self, mean, var))
+                return F.batch_norm(x, mean, var, self.weight, self.bias, True, 1.0, self.eps)
             return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
         return super().forward(x)
+
+    @torch.no_grad()
+    def update_running_stats(self, mean, var):
+        """The running statistics' update of a training-mode forward whose batch had this mean
+        and unbiased variance (nn.BatchNorm2d's rule, momentum None included)."""
+        self.num_batches_tracked.add_(1)
+        m = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        self.running_mean.copy_(m * mean + (1 - m) * self.running_mean)
+        self.running_var.copy_(m * var + (1 - m) * self.running_var)
 
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
