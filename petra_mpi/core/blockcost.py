@@ -1,16 +1,17 @@
 """Measured per-block costs: what one micro-batch costs each block on the run's own device, dtype
 and input shape, timed the way the stages will run it.
 
-For every block four times are taken (median of a few repetitions after a warm-up):
+For every block three or four times are taken (median of a few repetitions after a warm-up):
 - forward: the no-graph forward of a stage (batch norm with batch statistics, nothing kept);
 - backward: a middle stage's backward step, i.e. the rebuild (reversible block) or the FIFO pop
   and recomputation (buffered block) plus one vector-Jacobian product; for the first block (the
   stem), stage 0's, which needs no gradient for the images;
 - last: what the block costs inside the last stage, which runs forward, loss and backward at once
   (forward under autograd plus its backward; the head's cost includes the loss);
-- kept: forward plus backward of a micro-batch the block keeps in a middle stage (model.memory_budget:
-  the forward under autograd through stashed weights, then the backward from its graph), which
-  the kept-blocks plan sets against forward + backward (memory_plan.measured_units).
+- kept, only when asked (time_kept: a run with model.memory_budget): forward plus backward of a
+  micro-batch the block keeps in a middle stage (the forward under autograd through stashed
+  weights, then the backward from its graph), which the kept-blocks plan sets against forward +
+  backward (memory_plan.measured_units).
 A middle stage costs sum(forward + backward) of its blocks per micro-batch, the last stage
 sum(last). The blocks are deep-copied first, so timing neither moves a batch-norm statistic nor
 leaves a gradient behind in the model that trains.
@@ -119,7 +120,7 @@ def _each_block(blocks, input_shape, batch_size, num_classes, device, dtype, rep
 
 
 def measure_block_costs(blocks, input_shape, batch_size, num_classes, *, device="cpu",
-                        dtype=torch.float32, repeats=3) -> BlockCosts:
+                        dtype=torch.float32, repeats=3, time_kept=False) -> BlockCosts:
     """Time every block (see the module docstring) on a random batch of `input_shape`."""
     def time_block(i, block, x, labels, is_head, grad_y, timed):
         # Timed where training runs it: the first block on stage 0, whose backward computes no
@@ -150,23 +151,24 @@ def measure_block_costs(blocks, input_shape, batch_size, num_classes, *, device=
             else:
                 out.backward(grad_y)
         return (timed(fwd), timed(lambda: stage.backward(y, grad_y), setup=lambda: stage(x)),
-                timed(fused), timed(kept)), fused
+                timed(fused), timed(kept) if time_kept else None), fused
     return _each_block(blocks, input_shape, batch_size, num_classes, device, dtype, repeats,
                        time_block)
 
 
 def measured_partition(arch, width, num_classes, num_stages, input_shape, batch_size, *,
                        imagenet_stem=False, device="cpu", dtype=torch.float32, precision="fp32",
-                       **model_kw):
+                       time_kept=False, **model_kw):
     """(blocks per stage minimising the slowest stage by measured cost, the BlockCosts);
-    model_kw: the transformers' depth, heads and patch; precision as run.precision."""
+    model_kw: the transformers' depth, heads and patch; precision as run.precision; time_kept
+    as measure_block_costs."""
     from ..models import build_blocks, set_precision
     from .partition import resolve_partition
     blocks = build_blocks(arch, width, num_classes, imagenet_stem, image_size=input_shape[-1],
                           **model_kw)
     set_precision(blocks, precision)
     costs = measure_block_costs(blocks, input_shape, batch_size, num_classes, device=device,
-                                dtype=dtype)
+                                dtype=dtype, time_kept=time_kept)
     return resolve_partition(blocks, num_stages, costs=costs), costs
 
 
@@ -183,7 +185,8 @@ def measured_partition_for(cfg, num_stages, input_shape, device, dtype):
                imagenet_stem=cfg.model.stem == "imagenet", **model_kwargs(cfg))
     sizes, costs = measured_partition(num_stages=num_stages, input_shape=input_shape,
                                       batch_size=cfg.data.batch_size, device=device,
-                                      dtype=dtype, precision=cfg.run.precision, **net)
+                                      dtype=dtype, precision=cfg.run.precision,
+                                      time_kept=bool(cfg.model.memory_budget), **net)
     if not cfg.model.memory_budget or cfg.model.partition or num_stages >= len(costs.forward):
         return sizes, costs, sizes, None
     blocks = build_blocks(image_size=input_shape[-1], **net)

@@ -96,12 +96,13 @@ def profile_blocks(cfg, num_stages: int, device, dtype, side: int):
     what = (batch_input(cfg, side) if cfg.model.arch in LM_ARCHS
             else f"of {side}x{side} images")
     print(f"measured on {device}, batch {cfg.data.batch_size} {what}, ms per micro-batch:")
-    print(f"{'block':>5} {'forward':>8} {'backward':>8} {'in last':>8} {'step':>8} {'kept':>8}"
-          f"  (kept: forward + backward of a micro-batch it keeps)")
+    kept_header = (f" {'kept':>8}  (kept: forward + backward of a micro-batch it keeps)"
+                   if costs.kept else "")  # timed under model.memory_budget only
+    print(f"{'block':>5} {'forward':>8} {'backward':>8} {'in last':>8} {'step':>8}{kept_header}")
     for b, f in enumerate(costs.forward):
         print(f"{b:>5} {1e3 * f:>8.2f} {1e3 * costs.backward[b]:>8.2f} "
-              f"{1e3 * costs.last[b]:>8.2f} {1e3 * costs.step[b]:>8.2f} "
-              f"{1e3 * costs.kept[b]:>8.2f}")
+              f"{1e3 * costs.last[b]:>8.2f} {1e3 * costs.step[b]:>8.2f}"
+              + (f" {1e3 * costs.kept[b]:>8.2f}" if costs.kept else ""))
     per_stage = costs.stage_seconds(sizes)
     print(f"split {sizes} ({'model.partition' if cfg.model.partition else 'measured balance'}): "
           f"ms per micro-batch per stage {' '.join(f'{1e3 * c:.1f}' for c in per_stage)}; "

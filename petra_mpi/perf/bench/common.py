@@ -4,6 +4,7 @@ import statistics
 import time
 
 import numpy as np
+import torch
 
 from .. import model as perfmodel
 from ...comm.transport import wait_for_request
@@ -31,6 +32,16 @@ def alternate(fns: dict, repeats: int, sync=None) -> dict:
         for name, fn in fns.items():
             times[name].append(timed(fn, sync))
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def random_batch(n, num_classes, g, context=0, image_shape=(3, 32, 32)):
+    """(inputs, labels) of n random samples: windows of `context` token ids with a label per
+    token (a language model), else images of `image_shape` with a label each."""
+    if context:
+        x = torch.randint(0, num_classes, (n, context), generator=g)
+        return x, torch.randint(0, num_classes, (n * context,), generator=g)
+    return (torch.randn(n, *image_shape, generator=g),
+            torch.randint(0, num_classes, (n,), generator=g))
 
 
 def emit(record: dict):

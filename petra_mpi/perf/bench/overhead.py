@@ -15,7 +15,7 @@ from ...models import PRECISIONS, num_blocks
 from ...models.lm import LM_ARCHS
 from ...models.vit import VIT_ARCHS
 from ...core.optim import StageOptimizer, constant_lr
-from .common import alternate, emit
+from .common import alternate, emit, random_batch
 
 
 def main(argv):
@@ -52,36 +52,15 @@ def run(a) -> dict:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible")
     sync = lambda: synchronize(device)  # noqa: E731
-    schedule = constant_lr()
     lm = a.arch in LM_ARCHS
-    classes, depth = (256, a.depth or 4) if lm else (10, a.depth)
-    kw = {}
-    if a.arch in VIT_ARCHS:
-        kw["model_kw"] = dict(depth=depth, heads=a.heads, patch=a.patch)
-    elif lm:
-        kw["model_kw"] = dict(depth=depth, heads=a.heads, context=a.context)
-    kw.update(device=device, precision=a.precision)
-    J = a.stages or num_blocks(a.arch, depth)
-    workers = build_workers(build_stages(a.arch, a.width, classes, J, seed=0, **kw), schedule)
-    for w in workers:
-        w.begin_segment(10**9)
-    (whole,) = build_stages(a.arch, a.width, classes, 1, seed=0, **kw)
-    model = torch.nn.Sequential(*whole.blocks)
-    plain_opt = StageOptimizer(model, schedule)
-
-    g = torch.Generator().manual_seed(0)
-    if lm:  # token ids in, one label per token
-        x0 = torch.randint(0, classes, (a.batch, a.context), generator=g).to(device)
-        labels = torch.randint(0, classes, (a.batch * a.context,), generator=g).to(device)
-    else:
-        x0 = torch.randn(a.batch, 3, 32, 32, generator=g).to(device)
-        labels = torch.randint(0, classes, (a.batch,), generator=g).to(device)
+    workers, model, (x0, labels) = build(a, device, lm)
+    plain_opt = StageOptimizer(model, constant_lr())
     inputs, x = [], x0
     for w in workers[:-1]:  # fills each FIFO with one entry: the steady state of a tick
         inputs.append(x)
         x = w.forward(0, x)
     inputs.append(x)
-    grads = [torch.randn_like(inputs[s + 1]) for s in range(J - 1)]
+    grads = [torch.randn_like(inputs[s + 1]) for s in range(len(workers) - 1)]
     counter = [0]
 
     def petra_tick():
@@ -103,12 +82,33 @@ def run(a) -> dict:
     med = alternate({"petra": petra_tick, "plain": plain_step}, a.repeats, sync)
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"cpu, {torch.get_num_threads()} threads")
-    return {"bench": "overhead", "arch": a.arch, "width": a.width, "batch": a.batch, "stages": J,
-            "threads": torch.get_num_threads(), "device": where, "precision": a.precision,
-            "petra_tick_s": med["petra"],
+    return {"bench": "overhead", "arch": a.arch, "width": a.width, "batch": a.batch,
+            "stages": len(workers), "threads": torch.get_num_threads(), "device": where,
+            "precision": a.precision, "petra_tick_s": med["petra"],
             "plain_step_s": med["plain"], "ratio": med["petra"] / med["plain"],
             **({"context": a.context, "tokens_per_s": a.batch * a.context / med["petra"]}
                if lm else {})}
+
+
+def build(a, device, lm):
+    """(the PETRA workers of J stages, the same net as one plain module, a random batch
+    (inputs, labels) on `device`)."""
+    classes, depth = (256, a.depth or 4) if lm else (10, a.depth)
+    kw = {}
+    if a.arch in VIT_ARCHS:
+        kw["model_kw"] = dict(depth=depth, heads=a.heads, patch=a.patch)
+    elif lm:
+        kw["model_kw"] = dict(depth=depth, heads=a.heads, context=a.context)
+    kw.update(device=device, precision=a.precision)
+    J = a.stages or num_blocks(a.arch, depth)
+    workers = build_workers(build_stages(a.arch, a.width, classes, J, seed=0, **kw),
+                            constant_lr())
+    for w in workers:
+        w.begin_segment(10**9)
+    (whole,) = build_stages(a.arch, a.width, classes, 1, seed=0, **kw)
+    batch = random_batch(a.batch, classes, torch.Generator().manual_seed(0),
+                         a.context if lm else 0)
+    return workers, torch.nn.Sequential(*whole.blocks), [t.to(device) for t in batch]
 
 
 def report(a, r: dict):

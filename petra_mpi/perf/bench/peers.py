@@ -40,7 +40,7 @@ from ...models import build_blocks
 from ...core.optim import constant_lr
 from ...core.partition import resolve_partition, split_blocks
 from ...core.schedule import Kind
-from .common import emit
+from .common import emit, random_batch
 
 
 class SampleAfterForward(WorkerHooks):
@@ -95,11 +95,7 @@ class Workload:
 
     def batch(self, n, g):
         """(inputs, labels) of n random samples."""
-        if self.context:
-            x = torch.randint(0, self.num_classes, (n, self.context), generator=g)
-            return x, torch.randint(0, self.num_classes, (n * self.context,), generator=g)
-        return (torch.randn(n, *self.input_shape, generator=g),
-                torch.randint(0, self.num_classes, (n,), generator=g))
+        return random_batch(n, self.num_classes, g, self.context)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,7 +369,8 @@ def measured_splits(a, world, work):
     if world.rank == 0 and J < len(plain):
         from ...core.blockcost import measure_autograd_costs, measured_partition
         petra_split, costs = measured_partition(work.arch, work.width, work.num_classes, J,
-                                                work.input_shape, a.batch, **work.model_kw)
+                                                work.input_shape, a.batch, time_kept=True,
+                                                **work.model_kw)
         measured = (petra_split, resolve_partition(
             plain, J, costs=measure_autograd_costs(plain, work.input_shape, a.batch,
                                                    work.num_classes)))
