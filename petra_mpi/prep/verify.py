@@ -2,7 +2,8 @@
 
   python -m petra_mpi.prep.verify FILE.h5 [--sample 1000]
 
-Checks datasets, dtypes, shapes and attributes, that labels lie in [0, num_classes), that
+Checks datasets, dtypes, shapes and attributes, that labels lie in [0, num_classes), that the
+class names of /classes (the folder and parquet packers write them) are distinct, that
 mean/std agree with a recomputation on a random sample of training images, and for the JPEG
 variant that offsets are consistent and sample images decode at the stated size. A token file
 (petra_mpi.prep.text, attr kind "tokens") is checked against the token schema instead: the
@@ -57,6 +58,13 @@ def check_root(f, bad):
         c = f["classes"]
         if c.ndim != 1 or (n is not None and len(c) != int(n)) or h5py.check_string_dtype(c.dtype) is None:
             bad.append(f"/classes is {c.dtype}{c.shape}, expected {n} strings")
+        else:  # predict answers with these names: each must say one class
+            names = [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+                     for v in c[:]]
+            twice = sorted({v for v in names if names.count(v) > 1})
+            if twice or "" in names:
+                bad.append(f"/classes names a class twice or not at all: "
+                           f"{twice[0] if twice else repr('')}")
 
 
 def check_split(f, split, num_classes, bad):
