@@ -5,7 +5,8 @@ Usage: mpirun -n J python tests/programs/equivalence.py OUT_DIR N RUN [RUN ...]
 RUN is METHOD:K[:FLAG...], FLAG one of buffer, stash (the delayed method's switches), short_eval
 (evaluation ends with a batch of 2), revvit (the tiny reversible ViT below instead of RevNet18),
 irevnet (the fully invertible irevnet18 instead of RevNet18), bf16 (the blocks compute in bf16),
-compress (COMPRESSED below on every message and buffer). Run RUN writes OUT_DIR/RUN/rank{r}.pt.
+compress (COMPRESSED below on every message and buffer), compensate (COMPENSATED below: every
+delay compensation on), adamw (AdamW instead of SGD). Run RUN writes OUT_DIR/RUN/rank{r}.pt.
 """
 import os
 import sys
@@ -13,6 +14,7 @@ import sys
 import torch
 
 from petra_mpi.comm.compress import NO_COMPRESSION, Compression
+from petra_mpi.core.compensation import NO_COMPENSATION, DelayCompensation
 from petra_mpi.engines.build import build_stages, build_workers
 from petra_mpi.engines.mpi import MPIEngine
 from petra_mpi.comm.world import World
@@ -46,6 +48,17 @@ COMPRESSED = Compression(forward="int8_channel", rebuilt="bf16", gradient="int8"
                          stochastic=True, seed=5)
 
 
+# Flag "compensate": every delay compensation at once (weight prediction, spike, momentum and
+# learning rate by delay), so each must follow the same steps in both engines.
+COMPENSATED = DelayCompensation(momentum=1.0, prediction=1.0, spike=True, lr_steps=3)
+
+
+def optimizer_settings(method, flags) -> dict:
+    """build_workers' optimizer keywords for a run's flags (the local reference uses them too)."""
+    return dict(method=method, optimizer="adamw" if "adamw" in flags else "sgd",
+                compensation=COMPENSATED if "compensate" in flags else NO_COMPENSATION)
+
+
 def train_and_save(world, out, method, k, n, flags):
     compression = COMPRESSED if "compress" in flags else NO_COMPRESSION
     switches = dict(buffer_inputs="buffer" in flags, stash_weights="stash" in flags,
@@ -58,7 +71,7 @@ def train_and_save(world, out, method, k, n, flags):
         arch = "irevnet18" if "irevnet" in flags else "revnet18"
         stages = build_stages(arch, 4, 10, world.size, seed=0, only=world.rank, **switches)
     (worker,) = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), k,
-                              weight_decay=5e-4)
+                              weight_decay=5e-4, **optimizer_settings(method, flags))
     engine = MPIEngine(worker, method, world, torch.float32, (3, 16, 16), 4, compression)
     data = batches(n) if world.rank == 0 else None
     engine.train_segment(data, n)
