@@ -45,6 +45,10 @@ class RunConfig:
     """torch CPU threads per rank; 0 gives each rank its share of the node's cores."""
     progress: bool = True
     """Progress bar on the rank that computes the loss (one line per epoch when off)."""
+    progress_interval_s: Annotated[float, AtLeast(0)] = 30.0
+    """When stderr is not a terminal (a batch job's log): seconds between two progress lines;
+    each epoch's end has its line too (0: a line per micro-batch). A terminal keeps the live
+    bar, redrawn in place."""
     log_every: Annotated[int, AtLeast(1)] = 10
     """Write a train line to metrics.jsonl every this many optimizer steps."""
     tensorboard: bool = False
@@ -202,6 +206,25 @@ class OptimConfig:
     schedule: Literal["step", "cosine"] = "step"
     """step (decays at the milestones) or cosine (after warm-up, from the peak down to 0 at the
     end of the run; milestones are then unused)."""
+    delay_momentum: Annotated[float, AtLeast(0)] = 0.0
+    """Momentum by delay (docs/running.md, "Training deep pipelines"): each stage's momentum
+    (SGD) or beta1 (AdamW) is backprop's less the implicit momentum of its gradients' delay D
+    (steps): the mean age of an update's gradients, mu / (1 - mu), is reduced by this factor
+    times D. 0: off; 1: the total age is backprop's; larger: towards momentum 0."""
+    delay_momentum_lr: bool = False
+    """SGD with delay_momentum: multiply each stage's learning rate by (1 - its momentum) / (1 -
+    optim.momentum), so that every gradient keeps the total weight lr / (1 - momentum) it has in
+    backprop (AdamW's beta1 keeps it by construction)."""
+    delay_prediction: Annotated[float, AtLeast(0)] = 0.0
+    """Weight prediction: each stage forwards with its weights extrapolated this factor times D
+    steps ahead along the optimizer's velocity (the backward still uses the current weights).
+    0: off. Costs one copy of the stage's weights."""
+    delay_spike: bool = False
+    """Spike compensation: a gradient D steps late gets at once the momentum contributions it
+    missed, and its later ones are scaled by momentum^D."""
+    delay_lr_epochs: Annotated[float, AtLeast(0)] = 0.0
+    """Learning rate by delay (PipeMare): over this many epochs each stage's step grows from 1 / D
+    to 1 times the schedule's (stages with D <= 1 unchanged). 0: off."""
 
 
 CommFormat = Literal["none", "bf16", "fp16", "int8", "int8_channel"]  # compress.py

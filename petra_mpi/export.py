@@ -9,11 +9,14 @@ petra_mpi.models.build_network builds, saved with that function's arguments:
     model.load_state_dict(saved["state_dict"])
 
 --format torch.export writes a torch.export program instead (the model in eval mode, any batch
-size), which loads with torch alone: torch.export.load("model.pt2").module().
+size; a language model's takes token ids, up to model.context of them), which loads with torch
+alone: torch.export.load("model.pt2").module().
 
 Both compute in float32 without rounding. The saved model also records how the run evaluated
 (`saved["evaluation"]`: run.precision, comm.forward and the stage split), which
-`as_evaluated` (and so petra_mpi.evaluate) applies to reproduce the run's own evaluation.
+`as_evaluated` (and so petra_mpi.evaluate) applies to reproduce the run's own evaluation, and
+how that evaluation prepared an image and named the classes (`saved["preprocess"]`), which
+petra_mpi.predict applies to a picture.
 """
 import argparse
 import itertools
@@ -23,8 +26,10 @@ import sys
 
 import torch
 
+from .archs import LM_ARCHS
 from .run.checkpoint import LAYOUT_FREE, MANIFEST, complete_checkpoints, is_complete, read_blocks
 from .comm.compress import Codec
+from .files import atomic_path
 from .models import build_network, set_precision
 
 MODEL_FORMAT = "petra_mpi.model/1"
@@ -68,10 +73,34 @@ def exported_model(checkpoint: str) -> dict:
                   "forward": config.get("comm", {}).get("forward", "none"),
                   "partition": manifest["partition"]}
     return {"format": MODEL_FORMAT, "network": network, "state_dict": state,
-            "evaluation": evaluation,
+            "evaluation": evaluation, "preprocess": preprocessing_of(data),
             "dtype": config["run"]["dtype"], "data": data, "seed": config["run"]["seed"],
             "epoch": trainer["epoch"], "position": trainer["position"],
             "checkpoint": os.path.abspath(checkpoint)}
+
+
+def preprocessing_of(data: dict) -> dict | None:
+    """How the run's evaluation prepared an image of its data, for petra_mpi.predict to prepare
+    a picture the same way: the kind of images ("jpeg" or "array"), their stored side (the JPEG
+    variant's shorter side), the evaluation's centre crop (JPEG), the channel mean and std, and
+    the class names (None where the file has none). None for token files, and where the data
+    cannot be read here (predict then asks for it)."""
+    from .data import open_split
+    from .data.source import open_readonly
+    try:
+        src = open_split(data["path"], "val", seed=data["synthetic_seed"],
+                         synthetic_sizes=(data["synthetic_train"], data["synthetic_val"]))
+        classes = None
+        if data["path"] != "synthetic" and src.kind in ("jpeg", "array"):
+            with open_readonly(data["path"]) as f:
+                classes = [c.decode() for c in f["classes"][:]] if "classes" in f else None
+    except (OSError, ValueError):
+        return None
+    if src.kind not in ("jpeg", "array"):
+        return None
+    return {"kind": src.kind, "image_size": src.image_size, "mean": list(src.mean),
+            "std": list(src.std), "crop": data["crop"] if src.kind == "jpeg" else None,
+            "classes": classes}
 
 
 def load_model(saved: dict) -> torch.nn.Module:
@@ -107,24 +136,31 @@ def as_evaluated(saved: dict) -> torch.nn.Module:
 
 
 def write_torch_export(saved: dict, out: str):
-    """A torch.export program of the model in eval mode, with a dynamic batch dimension."""
+    """A torch.export program of the model in eval mode, with a dynamic batch dimension; a
+    language model's takes token ids (batch, tokens), any number of tokens up to its context
+    (generation starts from a short prompt)."""
     model = load_model(saved)
-    side = saved["network"].get("image_size", 32)
-    example = torch.zeros(2, 3, side, side)
+    network = saved["network"]
     batch = torch.export.Dim("batch", min=1)
-    program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
+    if network["arch"] in LM_ARCHS:
+        context = network["context"]
+        example = torch.zeros(2, context, dtype=torch.long)
+        dims = {0: batch, 1: torch.export.Dim("tokens", min=1, max=context)}
+    else:
+        side = network.get("image_size", 32)
+        example, dims = torch.zeros(2, 3, side, side), {0: batch}
+    program = torch.export.export(model, (example,), dynamic_shapes=(dims,))
     torch.export.save(program, out)
 
 
 def export(run_dir: str, out: str, checkpoint: str | None = None, fmt: str = "state_dict") -> dict:
     saved = exported_model(find_checkpoint(run_dir, checkpoint))
-    root, ext = os.path.splitext(out)
-    tmp = f"{root}.tmp-{os.getpid()}{ext}"  # torch.export's writer wants the extension kept
-    if fmt == "torch.export":
-        write_torch_export(saved, tmp)
-    else:
-        torch.save(saved, tmp)
-    os.replace(tmp, out)
+    # torch.export's writer wants the extension kept
+    with atomic_path(out, keep_extension=True) as tmp:
+        if fmt == "torch.export":
+            write_torch_export(saved, tmp)
+        else:
+            torch.save(saved, tmp)
     return saved
 
 

@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     startup_step("loading torch")
     from .run.checkpoint import CheckpointError
     from .comm.compress import NonFiniteError
-    from .run.trainer import TrainingError
+    from .run.errors import TrainingError
     reported = (TrainingError, CheckpointError, NonFiniteError)  # one line, exit status 1
     if world is None:
         try:

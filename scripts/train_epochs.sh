@@ -19,7 +19,7 @@ while kill -0 "$pid" 2>/dev/null; do
     if [ "${done_epochs:-0}" -ge "$epochs" ]; then kill -TERM "$pid"; break; fi
     sleep 1
 done
-wait "$pid" || true  # 0 when it finished, the requeue status when it stopped on the signal
+wait "$pid" || true  # 0 when it finished, 4 (checkpointed on SIGTERM) when it stopped
 python - "$out/metrics.jsonl" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):

@@ -18,6 +18,8 @@
 #               newer complete checkpoint (default 2)
 #   EXCLUDE_STALLED=0  do not keep a job requeued after a stall off the node the watchdog
 #               reports blame (default 1: scontrol update ExcNodeList)
+#   EXCLUDE_MAX  the most hosts this script keeps a job off at once (default 2): the one blamed
+#               longest ago is allowed again first
 #   ELASTIC=1   fit the layout to the ranks this job got (SLURM_NTASKS): `python -m
 #               petra_mpi.elastic` gives the ranks to launch and the stage count that fits them,
 #               and the trainer resumes its layout-free checkpoint on that layout
@@ -26,17 +28,14 @@
 # (#SBATCH --signal=B:USR1@300); `scancel --signal=USR1 --batch JOB` does the same by hand. The trap
 # forwards it to the launcher, which forwards it to every rank; the ranks drain the pipeline, write
 # a checkpoint and exit 3, and the job requeues itself; the requeued job resumes (run.resume=auto).
-# SIGTERM to this shell (scancel, preemption, admin tooling) is forwarded as SIGUSR1 too: srun
-# answers a SIGTERM by killing every rank at once, mid-checkpoint. After a SIGTERM the job does
-# not requeue itself (a cancelled job stays cancelled; SLURM requeues a preempted job on its own)
-# and ends with EXIT_CHECKPOINTED_TERM.
+# SIGTERM to this shell (scancel -b, admin tooling) is forwarded as SIGUSR1 too: srun answers a
+# SIGTERM by killing every rank at once, mid-checkpoint. A SIGTERM to the ranks alone (scancel -s
+# TERM, a preemption's grace time) makes them checkpoint and exit EXIT_CHECKPOINTED_TERM. After a
+# SIGTERM either way the job does not requeue itself (a cancelled job stays cancelled; SLURM
+# requeues a preempted job on its own) and ends with EXIT_CHECKPOINTED_TERM.
 #
-# Exit statuses of a job: 0 finished, or checkpointed and requeued; 2 a problem of this script
-# (config not found, bad LAUNCHER...); 3 checkpointed but not requeued (MAX_REQUEUES reached, or
-# scontrol requeue refused): resubmit to resume; 4 checkpointed after SIGTERM, not requeued;
-# 5 a rank's watchdog ended the run (a lost node or a hang) and it was not requeued here (SLURM
-# ends the job, MAX_REQUEUES, or STALL_RESTARTS stalls in a row without progress);
-# anything else the trainer's failure (1 a training error, 2 a config error, >128 a signal).
+# Exit statuses of a job: docs/clusters.md, "Exit statuses" (tests/e2e/test_slurm.py holds the
+# table to this script).
 
 # ============================== site settings: edit for your cluster ==============================
 # Software: load modules and activate the Python environment holding petra_mpi and an mpi4py built
@@ -55,9 +54,10 @@
 export HDF5_USE_FILE_LOCKING=${HDF5_USE_FILE_LOCKING:-FALSE}
 # ==================================================================================================
 
-EXIT_REQUEUE=3            # the trainer's "checkpointed, please requeue" status; also ours when
-                          # a checkpointed job is not requeued (resubmit to resume)
-EXIT_CHECKPOINTED_TERM=4  # checkpointed after SIGTERM (cancel, preemption): do not requeue
+EXIT_REQUEUE=3            # the trainer's "checkpointed on SIGUSR1, please requeue" status; also
+                          # ours when a checkpointed job is not requeued (resubmit to resume)
+EXIT_CHECKPOINTED_TERM=4  # the trainer's "checkpointed on SIGTERM" (a cancel, a preemption), and
+                          # ours after a SIGTERM to this shell: do not requeue
 EXIT_STALLED=5            # the trainer's watchdog ended a rank that made no progress (a lost
                           # node or a hang): requeue, the run resumes from its last checkpoint
 
@@ -74,6 +74,7 @@ petra_die() { petra_say "error: $*"; exit 2; }
 cd "${PETRA_ROOT:-${SLURM_SUBMIT_DIR:-.}}" || petra_die "cannot cd to the repository root"
 [[ -f slurm/common.sh ]] ||
     petra_die "run sbatch from the repository root (or set PETRA_ROOT); cwd is $PWD"
+source slurm/lib/launch_end.sh
 
 # A job submitted with --export=NONE (or a list without ALL; some sites default to it through
 # SBATCH_EXPORT) starts without the submitting shell's variables, and srun inherits that policy
@@ -127,21 +128,36 @@ petra_job_state() {
 
 # One job per run directory: a resubmission while the requeued job waits, or two jobs given one
 # OUT_DIR, would run two trainers on one set of checkpoints. The run directory names the job
-# that uses it (logs/job); a job refuses it while that other job is queued or running.
+# that uses it (logs/job); a job refuses it while that other job is queued or running. The file
+# is only ever created where there is none (noclobber: O_EXCL), and an ended job's is renamed
+# away (of two jobs renaming it, one does): of two jobs starting at once, one gets it.
 petra_lock() {
-    local lock="$OUT_DIR/logs/job" holder="" state
-    if [[ -f $lock ]]; then read -r holder <"$lock"; fi
-    if [[ -n $holder && $holder != "$SLURM_JOB_ID" ]]; then
-        state=$(petra_job_state "$holder")
-        case $state in
-            "" | COMPLETED | FAILED | CANCELLED | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY | \
-                BOOT_FAIL | DEADLINE | PREEMPTED) ;;  # ended: the directory is free
-            *) petra_die "$OUT_DIR is the run directory of job $holder ($state): wait for it," \
-                         "cancel it (scancel $holder), or give this job another OUT_DIR" ;;
-        esac
-    fi
-    echo "$SLURM_JOB_ID" >"$lock.$$" && mv -f "$lock.$$" "$lock" ||
-        petra_die "cannot write $lock"
+    local lock="$OUT_DIR/logs/job" holder taken state tries
+    for tries in 1 2 3 4 5; do
+        if (set -o noclobber; echo "$SLURM_JOB_ID" >"$lock") 2>/dev/null; then return 0; fi
+        holder=""
+        read -r holder <"$lock" 2>/dev/null
+        if [[ $holder == "$SLURM_JOB_ID" ]]; then return 0; fi
+        if [[ -z $holder ]] && ((tries < 5)); then sleep 1; continue; fi  # being written
+        if [[ -n $holder ]]; then
+            state=$(petra_job_state "$holder")
+            case $state in
+                "" | COMPLETED | FAILED | CANCELLED | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY | \
+                    BOOT_FAIL | DEADLINE | PREEMPTED) ;;  # ended: the directory is free
+                *) petra_die "$OUT_DIR is the run directory of job $holder ($state): wait for" \
+                             "it, cancel it (scancel $holder), or give this job another OUT_DIR" ;;
+            esac
+        fi
+        if mv "$lock" "$lock.$SLURM_JOB_ID" 2>/dev/null; then
+            taken=""
+            read -r taken <"$lock.$SLURM_JOB_ID"
+            if [[ $taken != "$holder" ]]; then  # another job's, taken meanwhile: put it back
+                (set -o noclobber; cat "$lock.$SLURM_JOB_ID" >"$lock") 2>/dev/null
+            fi
+            rm -f "$lock.$SLURM_JOB_ID"
+        fi
+    done
+    petra_die "cannot take $lock: other jobs keep taking it"
 }
 
 # Whether this job is requeued already: `scontrol requeue` can report a failure after doing its
@@ -173,97 +189,31 @@ petra_forward() {
     if [[ -n ${PETRA_PID:-} ]]; then kill -s USR1 "$PETRA_PID" 2>/dev/null; fi
 }
 
+# Requeue the job after a stop on SIGUSR1 (time limit, scancel -s USR1), unless a SIGTERM reached
+# this shell or MAX_REQUEUES is reached. $1: what the stop saved, for the messages ("checkpointed",
+# or "nothing saved" when the ranks ended before they could checkpoint).
 petra_requeue() {
-    local restarts=${SLURM_RESTART_COUNT:-0}
+    local saved=$1 restarts=${SLURM_RESTART_COUNT:-0}
     if [[ $PETRA_SIGNAL == *TERM* ]]; then
-        petra_say "checkpointed after SIGTERM (scancel or preemption): not requeueing;" \
+        petra_say "$saved after SIGTERM (scancel or preemption), not requeueing:" \
                   "resubmit the same script to resume"
         exit "$EXIT_CHECKPOINTED_TERM"
     fi
     if ((restarts >= ${MAX_REQUEUES:-100})); then
-        petra_say "checkpointed, not requeueing: restarted $restarts times (MAX_REQUEUES)"
+        petra_say "$saved, not requeueing: restarted $restarts times (MAX_REQUEUES)"
         exit "$EXIT_REQUEUE"
     fi
     # SLURM ends this shell once the job is requeued (SIGTERM to it and its children, SIGKILL
     # after KillWait): ignored, so that scontrol can answer and the check below can run.
     trap '' TERM
     if scontrol requeue "$SLURM_JOB_ID" || petra_was_requeued; then
-        petra_say "checkpointed; requeued job $SLURM_JOB_ID (it resumes from $OUT_DIR/checkpoints)"
+        petra_say "$saved; requeued job $SLURM_JOB_ID (it resumes from its last complete" \
+                  "checkpoint in $OUT_DIR/checkpoints)"
         exit 0
     fi
-    petra_say "checkpointed, but scontrol requeue failed (job cancelled?):" \
+    petra_say "$saved, but scontrol requeue failed (job cancelled?):" \
               "resubmit the same script to resume"
     exit "$EXIT_REQUEUE"
-}
-
-# A rank's watchdog ended the run. The reports name the rank each one waited on; the chain of
-# waits ends at the rank that is lost or stalled, and the requeued job avoids its node. When
-# SLURM itself is ending the job (a node failure: SIGTERM reached us) it requeues a --requeue job
-# on its own; otherwise (a hang, a node that came back in time) requeue it ourselves, within the
-# stall budget.
-petra_stalled() {
-    petra_say "a rank stopped making progress (exit $EXIT_STALLED, see 'watchdog' in $PETRA_LOG);" \
-              "the run resumes from its last complete checkpoint"
-    local avoid="" why=""
-    { read -r avoid; read -r why; } < <("$PYTHON" -m petra_mpi.watchdog --diagnose "$OUT_DIR" \
-                                          --log-from "$PETRA_LOGGED")
-    if [[ -n $why ]]; then petra_say "watchdog reports: $why"; fi
-    if [[ $PETRA_SIGNAL == *TERM* ]]; then
-        petra_say "SLURM is ending this job (node failure or cancel): not requeueing it here"
-        exit "$EXIT_STALLED"
-    fi
-    if ((${SLURM_RESTART_COUNT:-0} >= ${MAX_REQUEUES:-100})); then
-        petra_say "not requeueing: restarted ${SLURM_RESTART_COUNT:-0} times (MAX_REQUEUES)"
-        exit "$EXIT_STALLED"
-    fi
-    petra_stall_budget || exit "$EXIT_STALLED"
-    # SLURM ends this shell once the job is requeued (SIGTERM, then SIGKILL after KillWait): ignore
-    # the TERM, here and in scontrol, so that the exclusion, which only a pending job takes, is
-    # made.
-    trap '' TERM
-    if scontrol requeue "$SLURM_JOB_ID"; then
-        petra_say "requeued job $SLURM_JOB_ID"
-        petra_exclude "$avoid"
-        exit 0
-    fi
-    exit "$EXIT_STALLED"
-}
-
-# Whether one more requeue after a stall is within the budget: STALL_RESTARTS (default 2) restarts
-# in a row that each stalled again with no newer complete checkpoint end the job (a fault that
-# comes back every time would otherwise requeue it up to MAX_REQUEUES times). Counted per job in
-# $OUT_DIR/logs/stalls: "job id, stalls in a row, the newest complete checkpoint".
-petra_stall_budget() {
-    local file="$OUT_DIR/logs/stalls" newest job="" count=0 seen=""
-    newest=$(ls -d "$OUT_DIR"/checkpoints/ckpt-*/manifest.json 2>/dev/null | sort | tail -n 1)
-    newest=${newest%/manifest.json}
-    newest=${newest##*/}
-    newest=${newest:-none}
-    if [[ -f $file ]]; then read -r job count seen <"$file"; fi
-    if [[ $job == "$SLURM_JOB_ID" && $seen == "$newest" ]]; then
-        count=$((count + 1))
-    else
-        count=1
-    fi
-    echo "$SLURM_JOB_ID $count $newest" >"$file"
-    ((count > ${STALL_RESTARTS:-2})) || return 0
-    petra_say "not requeueing: $count stall(s) in a row with no newer complete checkpoint than" \
-              "$newest (STALL_RESTARTS=${STALL_RESTARTS:-2}): a fault that comes back; see the" \
-              "watchdog reports in $PETRA_LOG, then resubmit to resume"
-    return 1
-}
-
-# Keep the requeued job off the hosts the watchdog reports blame (EXCLUDE_STALLED=0: never):
-# a node whose GPU or file system hangs would stall the run again.
-petra_exclude() {
-    [[ -n $1 && ${EXCLUDE_STALLED:-1} == 1 ]] || return 0
-    local old
-    old=$(scontrol -o show job "$SLURM_JOB_ID" | sed -n 's/.* ExcNodeList=\([^ ]*\).*/\1/p')
-    if [[ $old == "(null)" ]]; then old=""; fi
-    if scontrol update "jobid=$SLURM_JOB_ID" "ExcNodeList=${old:+$old,}$1"; then
-        petra_say "the requeued job avoids $1 (to allow it again: scontrol update" \
-                  "jobid=$SLURM_JOB_ID ExcNodeList=${old})"
-    fi
 }
 
 # RANKS and FIT_ARGS: the ranks to launch on this allocation and the trainer overrides that fit
@@ -322,20 +272,22 @@ petra_launch() {
             # a step that SLURM 22.05-23.02 gives one CPU, shared by every rank: fork it here.
             export HYDRA_LAUNCHER=${HYDRA_LAUNCHER:-fork}
             export I_MPI_HYDRA_BOOTSTRAP=${I_MPI_HYDRA_BOOTSTRAP:-fork}
-            launch=(mpirun -n "$RANKS") ;;
+            # in a session of its own, so that its process group can be ended; `env` marks the
+            # ranks' processes (not mpirun's own), whose end the reaper watches for
+            launch=(setsid mpirun -n "$RANKS" env "$PETRA_RANK_MARK") ;;
         *) petra_die "LAUNCHER must be srun or mpirun, not '$LAUNCHER'" ;;
     esac
     petra_say "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0})" \
               "on ${SLURM_JOB_NODELIST:-$(hostname)}, ${SLURM_NTASKS:-1} ranks; log: $PETRA_LOG"
     petra_say "${launch[*]} ${trainer[*]}"
-    if [[ -n $PETRA_SIGNAL ]]; then petra_requeue; fi   # stopped before starting: nothing to save
+    if [[ -n $PETRA_SIGNAL ]]; then petra_requeue "nothing saved (stopped before the launch)"; fi
 
     # In the background, so the traps run while we wait; a trap interrupts `wait` (status > 128),
     # so wait again until the launcher has really exited. The launcher may exit while a trap runs,
     # after the interrupted `wait`: the last `wait` then reaps its real status (bash keeps it).
     PETRA_LOGGED=$(stat -c %s "$PETRA_LOG" 2>/dev/null || echo 0)  # where this launch's part starts
     "${launch[@]}" "${trainer[@]}" >>"$PETRA_LOG" 2>&1 &
-    PETRA_PID=$!
+    PETRA_PID=$!  # (setsid runs mpirun in this process: the shell's child is mpirun itself)
     local reaper=""
     if [[ $LAUNCHER == mpirun ]]; then petra_reap_stuck_mpirun "$PETRA_PID" & reaper=$!; fi
     while kill -0 "$PETRA_PID" 2>/dev/null; do wait "$PETRA_PID"; done
@@ -344,25 +296,6 @@ petra_launch() {
     PETRA_PID=""
     if [[ -n $reaper ]]; then kill "$reaper" 2>/dev/null; wait "$reaper" 2>/dev/null; fi
     petra_step_end
-}
-
-# mpirun (Hydra) waits for every process that holds a rank's output, and one stuck in the kernel (a
-# GPU or I/O hang, a data worker in D state) never ends, not even on SIGKILL: the job would run
-# until its time limit. Once a watchdog has reported (the run is over), give mpirun STUCK_GRACE_S
-# to end, then kill it so the script can requeue; SLURM ends what is left with the job. (srun ends
-# such a step itself: --kill-on-bad-exit, slurmstepd's UnkillableStepTimeout.)
-petra_reap_stuck_mpirun() {
-    local pid=$1
-    trap - USR1 TERM
-    until tail -c +$((PETRA_LOGGED + 1)) "$PETRA_LOG" | grep -q 'petra_mpi: watchdog: '; do
-        sleep 2
-        kill -0 "$pid" 2>/dev/null || return 0
-    done
-    sleep "${STUCK_GRACE_S:-60}"
-    kill -0 "$pid" 2>/dev/null || return 0
-    petra_say "mpirun has not ended ${STUCK_GRACE_S:-60} s after a watchdog report (a process" \
-              "that cannot exit holds it): killing it"
-    kill -KILL "$pid"
 }
 
 # MPICH names a node's shared-memory segment after the job and step ids, and a rank killed before
@@ -374,28 +307,6 @@ petra_skip_step_ids() {
     for ((n = 0; n < ${SLURM_RESTART_COUNT:-0}; n++)); do
         srun --ntasks=1 --nodes=1 true >/dev/null 2>&1
     done
-}
-
-# How the launch ended, in `status`, read from this launch's part of the log: the launcher's own
-# status is that of a rank it killed after the first one ended (srun: 143 or 137; mpirun: 9).
-# srun names the first rank to end: its exit code is the run's (3 a checkpointed stop, 5 a
-# watchdog), and a rank ended by a signal (a segfault, an OOM kill) is a crash, not a stall:
-# PETRA_CRASH holds srun's line ("n2: task 3: Segmentation fault"). mpirun names nobody: a
-# watchdog's report in the log says the run stalled.
-petra_step_end() {
-    local first
-    PETRA_CRASH=""
-    first=$(tail -c +$((PETRA_LOGGED + 1)) "$PETRA_LOG" |
-                grep -m1 -E '^srun: error: [^ ]+: tasks? [0-9,-]+: ')
-    if [[ $first =~ :\ Exited\ with\ exit\ code\ ([0-9]+)$ ]]; then
-        status=${BASH_REMATCH[1]}
-    elif [[ -n $first ]]; then
-        PETRA_CRASH=${first#srun: error: }
-        if ((status <= 128)); then status=1; fi  # never one of the statuses that requeue
-    elif [[ $status != 0 && $status != "$EXIT_REQUEUE" ]] &&
-             tail -c +$((PETRA_LOGGED + 1)) "$PETRA_LOG" | grep -q 'petra_mpi: watchdog: '; then
-        status=$EXIT_STALLED
-    fi
 }
 
 # Whether SLURM took a lost node out of this job's allocation (a --no-kill job keeps running on
@@ -442,19 +353,27 @@ petra_train() {
     # ELASTIC=1 (slurm/submit.sh with ELASTIC_NODES, which submits with --no-kill): a lost node
     # leaves the job running on the nodes left; launch again on the layout that fits them, and
     # the run resumes from its last complete checkpoint.
-    while [[ $status != 0 && $status != "$EXIT_REQUEUE" && -z $PETRA_SIGNAL ]] && petra_shrunk; do
+    while [[ $status != @(0|$EXIT_REQUEUE|$EXIT_CHECKPOINTED_TERM) && -z $PETRA_SIGNAL ]] &&
+              petra_shrunk; do
         petra_launch
     done
     case $status in
         0) petra_say "finished: $OUT_DIR/summary.json"; exit 0 ;;
-        "$EXIT_REQUEUE") petra_requeue ;;
+        "$EXIT_REQUEUE") petra_requeue checkpointed ;;
+        "$EXIT_CHECKPOINTED_TERM")
+            petra_say "checkpointed after a SIGTERM to the ranks (scancel -s TERM, or a" \
+                      "preemption's grace time), not requeueing: resubmit the same script to resume"
+            exit "$EXIT_CHECKPOINTED_TERM" ;;
         "$EXIT_STALLED") petra_stalled ;;
         *)
             if [[ $PETRA_SIGNAL == *USR1* ]]; then
                 # a SIGUSR1 that reached a rank before its handler was installed ended it
                 petra_say "the run ended with status $status after SIGUSR1, before it could" \
                           "checkpoint; it resumes from its last complete checkpoint"
-                petra_requeue
+                petra_requeue "nothing saved"
+            fi
+            if [[ $PETRA_SIGNAL == *TERM* ]]; then  # srun got it too (scancel --full): it
+                petra_requeue "nothing saved"        # ended the ranks at once
             fi
             if [[ -n $PETRA_CRASH ]]; then
                 petra_say "a rank crashed, $PETRA_CRASH (srun's first line about a task):" \

@@ -18,9 +18,12 @@ Everything runs on the tensor's device with no host synchronisation (no .item())
 travel with the codes (comm/transport.py puts them in front of the codes, in the same message).
 
 One inf or NaN makes an int8 scale non-finite, and then every value of the message decodes to
-NaN: a message like that stops the run (NonFiniteError) before any stage uses it. A CPU tensor is
-checked as it is packed; on a GPU the MPI transport checks a host copy of the scales once the
-send's data are ready (no synchronisation), and the one-process engine checks at once.
+NaN; fp16 ends at 65504, and a larger value becomes inf. A message or buffer like that stops the
+run (NonFiniteError) before any stage uses it. What tells is the guard: the int8 scales, or the
+largest fp16 magnitude. A CPU tensor is checked as it is packed; on a GPU the MPI transport checks
+a host copy of the guard once the send's data are ready (no synchronisation), the one-process
+engine checks at once, and a buffer (pack with defer_check) is checked when its backward unpacks
+it, from a host copy made at the push (long done by then).
 """
 import hashlib
 import typing
@@ -43,10 +46,13 @@ class NonFiniteError(RuntimeError):
 
 class Packed(NamedTuple):
     """A compressed tensor: codes of the original's shape (and strides), the scales that
-    multiply them (int8 only, broadcastable to the codes) and the original dtype."""
+    multiply them (int8 only, broadcastable to the codes) and the original dtype; `check`, of a
+    buffer: its guard to check when it is unpacked (unpack_checked), with the CUDA event after
+    which a host copy of it is complete (None on a CPU)."""
     codes: torch.Tensor
     scale: Optional[torch.Tensor]
     dtype: torch.dtype
+    check: Optional[tuple] = None
 
 
 def channel_axis(t_or_dim) -> int:
@@ -92,13 +98,16 @@ class Codec:
             count *= n
         return count * dtype.itemsize if self.scale_shape(shape) else 0
 
-    def pack(self, t: torch.Tensor, evaluation: bool = False):
-        """t compressed (t itself for `none`)."""
+    def pack(self, t: torch.Tensor, evaluation: bool = False, defer_check: bool = False):
+        """t compressed (t itself for `none`); on a CPU its guard is checked (NonFiniteError),
+        on a GPU the caller checks it (guard). defer_check (a buffer, any device): checked when
+        unpack_checked unpacks it instead."""
         if not self.active:
             return t
         stochastic = self.stochastic and not evaluation
         if self.fmt in _FLOAT16:
-            return Packed(self._to_float16(t, stochastic), None, t.dtype)
+            return self._checked(Packed(self._to_float16(t, stochastic), None, t.dtype),
+                                 defer_check)
         if self.fmt == "int8":
             amax = t.abs().amax().reshape(self.scale_shape(t.shape))
         else:
@@ -106,15 +115,27 @@ class Codec:
             amax = t.abs().amax(dim=[d for d in range(t.dim()) if d != axis], keepdim=True)
         # an all-zero tensor (or channel) gets a tiny positive scale: its codes are 0, not NaN
         scale = (amax / INT8_MAX).clamp_min(torch.finfo(t.dtype).tiny)
-        if scale.device.type == "cpu":  # free here; a GPU's scales are checked later, on a copy
-            self.check_scale(scale)
         scaled = t / scale
         if stochastic:
             scaled = torch.floor(scaled + self._uniform(t))
         else:
             scaled = torch.round(scaled)
         # clamp: |t / scale| may pass 127 by a rounding of the division
-        return Packed(scaled.clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale, t.dtype)
+        return self._checked(Packed(scaled.clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale,
+                                    t.dtype), defer_check)
+
+    def _checked(self, packed, defer_check):
+        """`packed`, its guard checked now on a CPU, or left with it (defer_check); on a GPU
+        otherwise the caller checks it later, on a copy."""
+        if not defer_check and packed.codes.device.type != "cpu":
+            return packed
+        guard = self.guard(packed)
+        if guard is None:
+            return packed
+        if defer_check:
+            return packed._replace(check=_readable_later(guard))
+        self.check_guard(guard)
+        return packed
 
     @staticmethod
     def unpack(p):
@@ -124,21 +145,47 @@ class Codec:
         t = p.codes.to(p.dtype)
         return t if p.scale is None else t * p.scale
 
-    def check_scale(self, scale: torch.Tensor):
-        """Raise NonFiniteError unless every scale is finite (a host synchronisation when
-        `scale` is on a GPU)."""
-        if not bool(torch.isfinite(scale).all()):
+    def unpack_checked(self, p):
+        """unpack(p), once the guard that pack(defer_check=True) left with it is checked."""
+        if isinstance(p, Packed) and p.check is not None:
+            guard, copied = p.check
+            if copied is not None:
+                copied.synchronize()  # queued at the push, a backward's worth of work ago
+            self.check_guard(guard)
+        return self.unpack(p)
+
+    def guard(self, packed) -> Optional[torch.Tensor]:
+        """What is finite exactly when `packed` decodes to finite values: its int8 scales, or
+        its largest fp16 magnitude (inf when a value passed 65504); None for bf16 (float32's
+        range) and an empty tensor."""
+        if packed.scale is not None:
+            return packed.scale
+        if self.fmt == "fp16" and packed.codes.numel():
+            return packed.codes.abs().amax()
+        return None
+
+    def check_guard(self, guard: torch.Tensor):
+        """Raise NonFiniteError unless the guard is finite (a host synchronisation when it is on
+        a GPU)."""
+        if bool(torch.isfinite(guard).all()):
+            return
+        if self.fmt == "fp16":
             raise NonFiniteError(
-                f"non-finite values (inf or NaN) in {self.what}: in {self.fmt} every value would "
-                f"decode to NaN; stopping before it is used; lower optim.lr or check the data")
+                f"non-finite values (inf or NaN) in {self.what} in fp16, whose largest value is "
+                f"65504 (larger ones become inf); stopping before it is used; use bf16 (the "
+                f"range of float32) or lower optim.lr")
+        raise NonFiniteError(
+            f"non-finite values (inf or NaN) in {self.what}: in {self.fmt} every value would "
+            f"decode to NaN; stopping before it is used; lower optim.lr or check the data")
 
     def roundtrip(self, t: torch.Tensor, evaluation: bool = False) -> torch.Tensor:
         """What the receiver of t gets: the local engine's stand-in for a compressed message."""
         if not self.active:
             return t
         packed = self.pack(t, evaluation)
-        if packed.scale is not None and packed.scale.device.type != "cpu":
-            self.check_scale(packed.scale)  # one process: nothing to overlap with the wait
+        guard = self.guard(packed) if packed.codes.device.type != "cpu" else None
+        if guard is not None:
+            self.check_guard(guard)  # one process: nothing to overlap with the wait
         return self.unpack(packed)
 
     def _uniform(self, t):
@@ -161,6 +208,18 @@ class Codec:
         gap = (other.to(t.dtype) - nearest).abs()
         take_other = self._uniform(t) * gap < error.abs()  # never where error == 0
         return torch.where(take_other, other, codes)
+
+
+def _readable_later(guard):
+    """(guard, None) on a CPU; on a GPU (a copy of it in pinned host memory, queued now, and the
+    event after which it is complete): read later without waiting for the device now."""
+    if guard.device.type == "cpu":
+        return guard, None
+    host = torch.empty(guard.shape, dtype=guard.dtype, pin_memory=True)
+    host.copy_(guard, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
 
 
 def nbytes(item) -> int:

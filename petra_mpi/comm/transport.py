@@ -376,8 +376,9 @@ class Outbox:
         self.codec = codec if codec is not None and codec.active else None
         self.unposted = deque()  # (buffer, tensor kept alive, CUDA event) not yet handed to MPI
         self.pending = deque()   # (request, tensor kept alive)
-        # GPU int8 messages: a host copy of each unposted message's scales, checked for inf and
-        # NaN once its event has completed, just before it is posted (compress.NonFiniteError)
+        # GPU int8 and fp16 messages: a host copy of each unposted message's guard (its scales,
+        # its largest fp16 value), checked for inf and NaN once its event has completed, just
+        # before it is posted (compress.NonFiniteError)
         self.scales = deque()
         self.waited = 0.0
         self.sent_bytes = 0  # what went over the wire
@@ -387,9 +388,12 @@ class Outbox:
         """Send t (evaluation: a stochastic codec rounds to the nearest). Returns its bytes."""
         if self.codec is not None:
             packed = self.codec.pack(in_layout(t.detach(), self.layout), evaluation)
-            if packed.scale is not None and packed.scale.is_cuda:  # queued before the event
-                host = torch.empty(packed.scale.shape, dtype=packed.scale.dtype, pin_memory=True)
-                self.scales.append(host.copy_(packed.scale, non_blocking=True))
+            if packed.codes.is_cuda:  # one entry per message (None: nothing to check)
+                guard, host = self.codec.guard(packed), None
+                if guard is not None:  # queued before the event
+                    host = torch.empty(guard.shape, dtype=guard.dtype, pin_memory=True)
+                    host.copy_(guard, non_blocking=True)
+                self.scales.append(host)
             t = to_wire(packed, self.layout)
             self.unposted.append(self.transport.send_buffer(t, CONTIGUOUS))
         else:
@@ -419,8 +423,9 @@ class Outbox:
                 self.transport.wait_for(ready)
                 continue  # look again: a poll while waiting may have posted it already
             self.unposted.popleft()
-            if self.scales:  # its event has completed: so has the copy queued before it
-                self.codec.check_scale(self.scales.popleft())
+            guard = self.scales.popleft() if self.scales else None
+            if guard is not None:  # its event has completed: so has the copy queued before it
+                self.codec.check_guard(guard)
             self.pending.append((self.comm.Isend(buf, dest=self.dest, tag=self.tag), keep))
 
     def _drain(self, keep: int):

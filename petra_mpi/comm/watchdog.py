@@ -48,6 +48,7 @@ AUTO_TICKS = 20
 # writes (their file systems), replica 0's evaluation of a piece (EVAL_CHECK_BATCHES batches).
 CHECKPOINT_GRACE_S = 600.0
 EVALUATION_GRACE_S = 600.0
+END_GRACE_S = 600.0  # the end of a run: the writer's trace and summary (its file system)
 
 
 def auto_limit(slowest_gap_s: float) -> float:
@@ -299,6 +300,12 @@ def _tell_watcher(data):
         pass
 
 
+def startup_report(rank_name, deadline_s, step) -> str:
+    """The start-up watcher's report: `rank_name` ("rank 1 (n2)") spent deadline_s in `step`."""
+    return (f"petra_mpi: watchdog: {rank_name}: no progress for {deadline_s:g} s "
+            f"(run.startup_s) in the start-up, at: {step}; exit status {EXIT_STALLED}")
+
+
 def _watch_startup(pipe, deadline_s, rank_name, rank_pid):
     """The watcher's loop: read the rank's steps until it says the start-up is over (or dies:
     end of file); when a step outlasts the deadline, report and end the rank."""
@@ -317,8 +324,7 @@ def _watch_startup(pipe, deadline_s, rank_name, rank_pid):
             *lines, pending = (pending + data).split(b"\n")
             if lines:
                 step, left = lines[-1].decode(errors="replace"), deadline_s
-    _write(sys.stderr, f"petra_mpi: watchdog: {rank_name}: no progress for {deadline_s:g} s "
-                       f"(run.startup_s) in the start-up, at: {step}; exit status {EXIT_STALLED}")
+    _write(sys.stderr, startup_report(rank_name, deadline_s, step))
     os.kill(rank_pid, signal.SIGTRAP)
     until = time.monotonic() + 5.0
     while time.monotonic() < until:  # end of file: the rank has exited
@@ -410,32 +416,44 @@ def diagnose(waits: dict, hosts: dict, size: int | None = None):
         ends = silent
         lines.append(f"{', '.join(at(r) for r in silent)}: lost or stalled (no report; the "
                      f"others' reports name no rank they waited on)")
-    if not lines:
+    if not lines and named:
         lines.append("every rank reported waiting on another: no rank stands out")
+    elif not lines:
+        lines.append("the reports name no rank they waited on, and " +
+                     ("every rank reported" if size else "which ranks did not report is unknown"))
     return sorted({hosts[r] for r in ends if r in hosts}), "; ".join(lines)
 
 
-def _placement(run_dir):
-    """rank -> host of the newest start or resume record of run_dir/metrics.jsonl, or {}."""
-    import json
-    hosts = {}
-    try:
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            for line in f:
-                if '"placement"' in line:
-                    record = json.loads(line)
-                    if record.get("event") in ("start", "resume") and record.get("placement"):
-                        hosts = {p["rank"]: p["host"] for p in record["placement"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+_RANK_MAP = re.compile(r"^petra_mpi: rank map \((\d+) ranks\)$")
+_RANK_ROW = re.compile(r"^  rank +(\d+)  host (\S+)  stage ")
+
+
+def read_rank_map(log_text: str) -> dict:
+    """rank -> host from the rank map that rank 0 printed at start-up (comm/devices.rank_map) in
+    `log_text`, a launch's part of the log; {} when that launch printed none (it hung before).
+    Only a launch's own map says where its ranks ran: the one before a requeue may name other
+    nodes."""
+    hosts, lines = {}, iter(log_text.splitlines())
+    for line in lines:
+        if _RANK_MAP.match(line):
+            for row in lines:
+                found = _RANK_ROW.match(row)
+                if not found:
+                    break
+                hosts[int(found.group(1))] = found.group(2)
+            return hosts
     return hosts
 
 
+NO_RANK_MAP = ("no rank map of this launch in the log (it stalled before rank 0 printed one): "
+               "no host is blamed")
+
+
 def main(argv=None) -> int:
-    """`python -m petra_mpi.watchdog --diagnose RUN_DIR [--log-from BYTES]`: read the reports in
-    RUN_DIR/logs/train.log (from byte BYTES: the launch that stalled) and print two lines: the
-    hosts to blame (comma-separated, empty when none stands out), then the diagnosis (empty
-    without reports)."""
+    """`python -m petra_mpi.watchdog --diagnose RUN_DIR [--log-from BYTES]`: read the reports and
+    the rank map in RUN_DIR/logs/train.log (from byte BYTES: the launch that stalled) and print
+    two lines: the hosts to blame (comma-separated, empty when none stands out or that launch
+    printed no rank map), then the diagnosis (empty without reports)."""
     import argparse
     parser = argparse.ArgumentParser(prog="python -m petra_mpi.watchdog")
     parser.add_argument("--diagnose", metavar="RUN_DIR", required=True)
@@ -444,9 +462,11 @@ def main(argv=None) -> int:
     with open(os.path.join(args.diagnose, "logs", "train.log"), "rb") as f:
         f.seek(args.log_from)
         text = f.read().decode(errors="replace")
-    placement = _placement(args.diagnose)
+    placement = read_rank_map(text)
     waits, hosts = read_reports(text)
     avoid, line = diagnose(waits, {**placement, **hosts}, len(placement) or None)
+    if waits and not placement:
+        avoid, line = [], f"{line}; {NO_RANK_MAP}"
     print(",".join(avoid))
     print(line)
     return 0

@@ -48,7 +48,8 @@ def launcher_rank_and_size(env=None):
     return None
 
 
-def _affinity() -> set:
+def cpu_affinity() -> set:
+    """The CPUs this process may run on (all of them where the OS cannot say)."""
     try:
         return set(os.sched_getaffinity(0))
     except AttributeError:
@@ -121,7 +122,7 @@ class World:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
-        self.node_cpus = node.allgather(sorted(_affinity()))  # CPU sets of this node's ranks
+        self.node_cpus = node.allgather(sorted(cpu_affinity()))  # CPU sets of this node's ranks
         node.Free()
         self.placement = None  # rank -> host, stage and replica, once map_ranks ran
         self.split(self.size)  # one pipeline over every rank until the trainer says otherwise
@@ -180,11 +181,11 @@ class World:
     def thread_share(self, busy: float = 0.0) -> int:
         """This rank's share of its CPU set for torch's CPU threads, beside `busy` CPUs kept
         busy by other programs (see cpu_share)."""
-        return cpu_share(_affinity(), self.node_sets(), busy)
+        return cpu_share(cpu_affinity(), self.node_sets(), busy)
 
     def node_sets(self) -> list:
         """The CPU sets of this node's ranks."""
-        return getattr(self, "node_cpus", None) or [_affinity()] * self.local_size
+        return getattr(self, "node_cpus", None) or [cpu_affinity()] * self.local_size
 
     def share_lengths(self, lengths):
         """Rank 0 (the data reader) tells everyone the segment lengths and input shape."""

@@ -172,28 +172,30 @@ def measured_partition(arch, width, num_classes, num_stages, input_shape, batch_
     return resolve_partition(blocks, num_stages, costs=costs), costs
 
 
-def measured_partition_for(cfg, num_stages, input_shape, device, dtype):
+def measured_partition_for(cfg, num_stages, input_shape, device, dtype, fixed=None):
     """measured_partition for the net and batch of a run's config: (PETRA's split, the
-    BlockCosts, the split the run trains, its kept plan). Under model.memory_budget, when the
-    split is the run's to choose, the measured balance is redone with the plan's costs in units
-    of the measured costs (memory_plan.split_for_budget, on a net built as the run builds it);
-    else the run trains PETRA's split and the plan is None (build_stages plans it)."""
+    BlockCosts, the split the run trains, its kept plan or None). The run trains the split
+    `fixed` (default model.partition) when there is one, else PETRA's; under
+    model.memory_budget the plan is in units of the measured costs, kept times included, and
+    a split that is the run's to choose is balanced with it (memory_plan.plan_split, on a net
+    built as the run builds it)."""
     from ..config import model_kwargs
     from ..models import build_blocks, set_precision
-    from .memory_plan import split_for_budget
+    from .memory_plan import plan_split
     net = dict(arch=cfg.model.arch, width=cfg.model.width, num_classes=cfg.model.num_classes,
                imagenet_stem=cfg.model.stem == "imagenet", **model_kwargs(cfg))
     sizes, costs = measured_partition(num_stages=num_stages, input_shape=input_shape,
                                       batch_size=cfg.data.batch_size, device=device,
                                       dtype=dtype, precision=cfg.run.precision,
                                       time_kept=bool(cfg.model.memory_budget), **net)
-    if not cfg.model.memory_budget or cfg.model.partition or num_stages >= len(costs.forward):
-        return sizes, costs, sizes, None
+    fixed = fixed or cfg.model.partition
+    if not cfg.model.memory_budget:
+        return sizes, costs, list(fixed or sizes), None
     blocks = build_blocks(image_size=input_shape[-1], **net)
     set_precision(blocks, cfg.run.precision)
-    split, plan = split_for_budget(blocks, sizes, cfg.model.memory_budget, cfg.data.batch_size,
-                                   image_size=input_shape[-1], device=device, dtype=dtype,
-                                   costs=costs)
+    split, plan = plan_split(blocks, num_stages, fixed, cfg.model.memory_budget,
+                             cfg.data.batch_size, image_size=input_shape[-1], device=device,
+                             dtype=dtype, costs=costs)
     return sizes, costs, split, plan.kept
 
 

@@ -10,8 +10,9 @@ whatever the plan. With measured costs (model.balance: measure) a block's unit i
 measured time rebuilt r_i and kept c_i (blockcost.py), and a middle stage costs
 sum_i r_i - (r_i - c_i) kept_i / d_s: on a device where keeping saves less than a quarter, the
 plan knows it, and a block that saves nothing keeps nothing. Each kept micro-batch of block i
-holds bytes_i (Stage.kept_bytes_per_microbatch: saved activations, stashed weights and the
-input).
+holds bytes_i (Stage.kept_storages_per_microbatch: saved activations, stashed weights and the
+input), less what it shares with the other blocks keeping the same micro-batch, held once (a
+block's saved output that is the next block's input: the stem's ReLU).
 
 The planner is greedy, not an exact knapsack: on each stage it fills the blocks in order of time
 saved per byte, as many slots as the budget allows; that gives the slowest stage's best time
@@ -67,11 +68,27 @@ def stage_units(units, kept, window, last=False) -> float:
     return sum(r - (r - c) * k / window for (r, c), k in zip(times, kept))
 
 
-def _greedy(units, sizes, window, budget, target=None) -> list[int]:
+def microbatch_kept_bytes(keeps, sizes, shared=None) -> int:
+    """Bytes one micro-batch holds in the graphs of the blocks it keeps (keeps[i]): each block's
+    sizes[i], less the storages several of them share (shared: {blocks: bytes}), held once."""
+    total = sum(z or 0 for k, z in zip(keeps, sizes) if k)
+    for blocks, nbytes in (shared or {}).items():
+        holders = sum(1 for i in blocks if keeps[i])
+        total -= nbytes * max(holders - 1, 0)
+    return total
+
+
+def stage_kept_bytes(kept, sizes, shared=None) -> int:
+    """Peak bytes of a stage's kept graphs under its plan `kept`: at the peak it holds one
+    micro-batch of every residue r = b mod d_s, which keeps block i when r < kept[i]."""
+    return sum(microbatch_kept_bytes([r < k for k in kept], sizes, shared)
+               for r in range(max(kept, default=0)))
+
+
+def _greedy(units, sizes, window, budget, target=None, shared=None) -> list[int]:
     """One stage: slots by time saved per byte, within `budget` bytes (None: no limit), stopping
     once the stage's time is at most `target`."""
     kept = [0] * len(units)
-    spent = 0
     saved = [r - c for r, c in map(block_times, units)]  # per kept slot, times d_s
     order = sorted((i for i, size in enumerate(sizes) if size is not None and saved[i] > 0),
                    key=lambda i: (-saved[i] / max(sizes[i], 1), i))
@@ -79,10 +96,10 @@ def _greedy(units, sizes, window, budget, target=None) -> list[int]:
         while kept[i] < window:
             if target is not None and stage_units(units, kept, window) <= target * (1 + 1e-12):
                 return kept
-            if budget is not None and spent + sizes[i] > budget:
-                break
             kept[i] += 1
-            spent += sizes[i]
+            if budget is not None and stage_kept_bytes(kept, sizes, shared) > budget:
+                kept[i] -= 1
+                break
     return kept
 
 
@@ -101,17 +118,18 @@ class Plan:
         return max(self.units) / max(self.petra_units)
 
 
-def choose(units, sizes, windows, budgets) -> Plan:
+def choose(units, sizes, windows, budgets, shared=None) -> Plan:
     """units, sizes: per stage, per block (sizes[s][i] None: the block cannot keep); windows: d_s
-    per stage (0: the last stage); budgets: bytes per stage (None: no limit)."""
+    per stage (0: the last stage); budgets: bytes per stage (None: no limit); shared: per stage,
+    the storages its blocks share (probe_kept; None: none)."""
     last = [w == 0 for w in windows]
-    best = [_greedy(u, z, w, b) if w else [0] * len(u)
-            for u, z, w, b in zip(units, sizes, windows, budgets)]
+    shared = shared or [None] * len(units)
+    best = [_greedy(u, z, w, b, shared=g) if w else [0] * len(u)
+            for u, z, w, b, g in zip(units, sizes, windows, budgets, shared)]
     target = max(stage_units(u, k, w, l) for u, k, w, l in zip(units, best, windows, last))
-    kept = [_greedy(u, z, w, b, target) if w else [0] * len(u)
-            for u, z, w, b in zip(units, sizes, windows, budgets)]
-    return Plan(kept,
-                [sum(k * (z or 0) for k, z in zip(ks, zs)) for ks, zs in zip(kept, sizes)],
+    kept = [_greedy(u, z, w, b, target, g) if w else [0] * len(u)
+            for u, z, w, b, g in zip(units, sizes, windows, budgets, shared)]
+    return Plan(kept, [stage_kept_bytes(k, z, g) for k, z, g in zip(kept, sizes, shared)],
                 [stage_units(u, k, w, l) for u, k, w, l in zip(units, kept, windows, last)],
                 [stage_units(u, [0] * len(u), w, l) for u, w, l in zip(units, windows, last)],
                 best, units)
@@ -163,6 +181,20 @@ def split_for_budget(blocks, sizes, budget, batch_size: int, *, image_size: int 
     return balance_with_plan(sizes, plan_for, resplit)
 
 
+def plan_split(blocks, num_stages: int, partition, budget, batch_size: int, *,
+               image_size: int = 32, device="cpu", dtype=torch.float32, costs=None):
+    """(blocks per stage, Plan) of `blocks` (a fresh net) under model.memory_budget `budget`:
+    the split `partition`, else (None) PETRA's balanced with the plan's costs (split_for_budget;
+    one block per stage leaves no choice); costs: the blocks' measured BlockCosts (model.balance
+    measure; the plan then in measured_units), else the estimate."""
+    sizes = resolve_partition(blocks, num_stages, partition, image_size, costs=costs)
+    where = dict(image_size=image_size, device=device, dtype=dtype)
+    if partition is None and num_stages < len(blocks):  # the split is ours to choose
+        return split_for_budget(blocks, sizes, budget, batch_size, costs=costs, **where)
+    units = None if costs is None else measured_units(costs)
+    return sizes, plan_blocks(blocks, sizes, budget, batch_size, units=units, **where)
+
+
 def measured_units(costs) -> list:
     """The plan's unit per block from measured costs (blockcost.BlockCosts): the pair (rebuilt,
     kept) of its measured seconds per micro-batch in a middle stage, or, where the kept time
@@ -206,22 +238,38 @@ def plan_stages(stages, make_input, batch: int, budget, device="cpu",
     for s in stages:
         units.append(costs[i:i + len(s.blocks)])
         i += len(s.blocks)
-    sizes = probe_sizes(stages, make_input, batch)
-    return choose(units, sizes, [s.window for s in stages], limits)
+    sizes, shared = probe_kept(stages, make_input, batch)
+    return choose(units, sizes, [s.window for s in stages], limits, shared)
 
 
-def probe_sizes(stages, make_input, batch: int) -> list[list]:
-    """Per stage, per block: bytes of one kept micro-batch of `batch` samples (None: the block
-    cannot keep), measured on 2 and 3 samples and extended as an affine function of the batch."""
+def probe_kept(stages, make_input, batch: int) -> tuple[list[list], list[dict]]:
+    """(sizes, shared) of a kept micro-batch of `batch` samples, measured on 2 and 3 samples and
+    extended as an affine function of the batch. Per stage: sizes, per block, the bytes its
+    graph holds (None: the block cannot keep); shared, {blocks: bytes} of the storages that the
+    graphs of several of its blocks hold, counted in each one's size (microbatch_kept_bytes)."""
     two, three = (kept_bytes(stages, make_input(n)) for n in (2, 3))
-    return [[None if a is None else a + (batch - 2) * (b - a) for a, b in zip(s2, s3)]
-            for s2, s3 in zip(two, three)]
+
+    def extend(a, b):
+        return a + (batch - 2) * (b - a)
+    sizes = [[None if a is None else extend(a, b) for a, b in zip(z2, z3)]
+             for (z2, _), (z3, _) in zip(two, three)]
+    shared = [{k: extend(g2.get(k, 0), g3.get(k, 0)) for k in sorted(g2.keys() | g3.keys())}
+              for (_, g2), (_, g3) in zip(two, three)]
+    return sizes, shared
 
 
-def kept_bytes(stages, x) -> list[list]:
-    """Per stage, per block: bytes of one kept micro-batch x (None: the block cannot keep)."""
+def kept_bytes(stages, x) -> list[tuple]:
+    """Per stage (sizes, shared) of one kept micro-batch x, as probe_kept's."""
     out = []
     for s in stages:
-        per_block, x = s.kept_bytes_per_microbatch(x)
-        out.append(per_block)
+        held, x = s.kept_storages_per_microbatch(x)
+        holders = {}  # data_ptr -> [bytes, the blocks whose graphs hold it]
+        for i, storages in enumerate(held):
+            for ptr, nbytes in (storages or {}).items():
+                holders.setdefault(ptr, [nbytes, ()])[1] += (i,)
+        shared = {}
+        for nbytes, blocks in holders.values():
+            if len(blocks) > 1:
+                shared[blocks] = shared.get(blocks, 0) + nbytes
+        out.append(([None if h is None else sum(h.values()) for h in held], shared))
     return out

@@ -1,11 +1,16 @@
 """Per-stage optimizer: SGD with Nesterov momentum (the paper's) or AdamW (decoupled weight decay,
 for transformers); no weight decay on normalisation parameters, biases and position embeddings;
 gradients averaged over the accumulated backwards; linear warm-up, then step decays or a cosine
-decay to 0 at the end of the run."""
+decay to 0 at the end of the run; delay compensation by the stage's known delay
+(compensation.py)."""
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
+
+from .compensation import (NO_COMPENSATION, DelayCompensation, lr_factor, momentum_by_delay,
+                           spike_weights)
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,10 @@ class StageOptimizer:
 
     def __init__(self, module: torch.nn.Module, lr_schedule: LRSchedule, momentum: float = 0.9,
                  nesterov: bool = True, weight_decay: float = 0.0, *, name: str = "sgd",
-                 betas=(0.9, 0.999)):
+                 betas=(0.9, 0.999), delay: float = 0.0,
+                 compensation: DelayCompensation = NO_COMPENSATION):
+        """delay: D, the mean staleness of this stage's gradients in optimizer steps
+        (compensation.delay_steps); compensation: what the optimizer does with it."""
         if name not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
         decay, no_decay = [], []
@@ -65,6 +73,18 @@ class StageOptimizer:
         self.params = decay + no_decay
         self.lr_schedule = lr_schedule
         self.name = name
+        self.delay, self.compensation = delay, compensation
+        # momentum by delay: the explicit momentum left once the delay's implicit one is counted
+        # (with momentum_lr, SGD's step grows so that each gradient keeps its total weight
+        # lr / (1 - mu), as Adam's averaged first moment does whatever beta1)
+        reduced = momentum_by_delay(momentum, delay, compensation.momentum, nesterov)
+        self.momentum_lr_scale = ((1 - reduced) / (1 - momentum)
+                                  if compensation.momentum_lr and name == "sgd" and momentum < 1
+                                  else 1.0)
+        momentum = reduced
+        betas = (momentum_by_delay(betas[0], delay, compensation.momentum), betas[1])
+        self.momentum = momentum if name == "sgd" else betas[0]  # what the dry run shows
+        self.prediction_scratch = None  # weight prediction's one copy of the weights
         # the torch optimizer, SGD or AdamW; None for a stage without parameters
         if not self.params:
             self.torch_optimizer = None
@@ -89,13 +109,50 @@ class StageOptimizer:
             for p in self.params:
                 if p.grad is not None and self.pending > 1:
                     p.grad.div_(self.pending)
-            lr = self.last_lr = self.lr_schedule(self.steps)
+            lr = self.last_lr = self.lr()
             for group in self.torch_optimizer.param_groups:
                 group["lr"] = lr
-            self.torch_optimizer.step()
+            if self.compensation.spike and self.delay:
+                (_spike_sgd_step if self.name == "sgd" else _spike_adamw_step)(
+                    self.torch_optimizer, self.delay)
+            else:
+                self.torch_optimizer.step()
             self.torch_optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         self.pending = 0
+
+    def lr(self, step: int | None = None) -> float:
+        """This stage's learning rate at optimizer step `step` (default: the next one): the
+        schedule's, times momentum by delay's and the learning-rate-by-delay factors."""
+        step = self.steps if step is None else step
+        return (self.lr_schedule(step) * self.momentum_lr_scale
+                * lr_factor(self.delay, step, self.compensation.lr_steps))
+
+    @property
+    def prediction_horizon(self) -> float:
+        """Steps ahead that weight prediction extrapolates the forward's weights (0: off)."""
+        return self.compensation.prediction * self.delay
+
+    @contextlib.contextmanager
+    def predicted_weights(self):
+        """Inside: the stage's parameters hold the weights predicted prediction_horizon steps
+        ahead (weight prediction), written into one scratch copy; outside: the current ones,
+        untouched. Without prediction, or before the first step, nothing changes."""
+        horizon = self.prediction_horizon
+        if not horizon or self.torch_optimizer is None or self.steps == 0:
+            yield
+            return
+        if self.prediction_scratch is None:
+            self.prediction_scratch = [torch.empty_like(p) for p in self.params]
+        _predict(self.torch_optimizer, self.prediction_scratch, horizon * self.lr())
+        current = [p.data for p in self.params]
+        for p, predicted in zip(self.params, self.prediction_scratch):
+            p.data = predicted
+        try:
+            yield
+        finally:
+            for p, c in zip(self.params, current):
+                p.data = c
 
     def state_dict(self):
         """The torch optimizer's state under its name ("sgd" or "adamw"), and the counters."""
@@ -114,3 +171,73 @@ class StageOptimizer:
         """Keep the learning-rate schedule's place, in epochs, when a resumed run has `factor`
         times the checkpoint's steps per epoch (another number of replicas)."""
         self.steps = round(self.steps * factor)
+
+
+@torch.no_grad()
+def _predict(optimizer, out, reach: float):
+    """out[i] = params[i] - reach * velocity (reach: horizon times the learning rate). SGD's
+    velocity is its momentum buffer (its step is lr times the buffer once the buffer is steady,
+    Nesterov or not); AdamW's its step direction m^ / (sqrt(v^) + eps) plus the decay. A
+    parameter without optimizer state yet is copied."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    settings = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    for p, o in zip(params, out):
+        state, group = optimizer.state.get(p, {}), settings[id(p)]
+        if "momentum_buffer" in state and state["momentum_buffer"] is not None:
+            torch.add(p, state["momentum_buffer"], alpha=-reach, out=o)
+        elif "exp_avg" in state:
+            beta1, beta2 = group["betas"]
+            t = float(state["step"])
+            o.copy_(state["exp_avg_sq"]).div_(1 - beta2 ** t).sqrt_().add_(group["eps"])
+            o.reciprocal_().mul_(state["exp_avg"]).mul_(-reach / (1 - beta1 ** t))
+            o.add_(p, alpha=1 - reach * group["weight_decay"])
+        else:
+            o.copy_(p)
+
+
+@torch.no_grad()
+def _spike_sgd_step(optimizer, delay: float):
+    """torch's SGD step (weight decay, momentum, Nesterov) with spike compensation:
+    p -= lr * (a * v + b * g), compensation.spike_weights."""
+    for group in optimizer.param_groups:
+        mu, lr, decay = group["momentum"], group["lr"], group["weight_decay"]
+        a, b = spike_weights(mu, delay, group["nesterov"])
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g = p.grad.add(p, alpha=decay) if decay else p.grad
+            if not mu:
+                p.add_(g, alpha=-lr)
+                continue
+            state = optimizer.state[p]
+            v = state.get("momentum_buffer")
+            if v is None:  # as torch: the first buffer is the gradient itself
+                v = state["momentum_buffer"] = g.detach().clone()
+            else:
+                v.mul_(mu).add_(g)
+            p.add_(v, alpha=-lr * a).add_(g, alpha=-lr * b)
+
+
+@torch.no_grad()
+def _spike_adamw_step(optimizer, delay: float):
+    """torch's AdamW step with spike compensation on the first moment: the bias-corrected
+    moment used is beta1^D m^ + (1 - beta1^D) g (the state keeps torch's m and v)."""
+    for group in optimizer.param_groups:
+        (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
+        fresh = 1 - beta1 ** delay
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g, state = p.grad, optimizer.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            t = float(state["step"])
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            p.mul_(1 - lr * group["weight_decay"])
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            first = m * ((1 - fresh) / (1 - beta1 ** t)) + g * fresh
+            p.addcdiv_(first, (v / (1 - beta2 ** t)).sqrt_().add_(eps), value=-lr)

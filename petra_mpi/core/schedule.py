@@ -11,6 +11,10 @@ is due: the backward and the forward only need the previous tick's messages, so 
 trains exactly as any other, and the backward frees a FIFO entry before the forward pushes one.
 A segment of n micro-batches starts with an empty pipeline (fill) and ends with every backward done
 (drain); stages take an optimizer step after every k backwards and after their last one.
+Evaluation runs a forward-only schedule (ForwardOnlySchedule) the same way.
+
+lowered() turns a stage's actions of a tick into what the engines run: the data read, the
+receives, the computation, the sends and the report, each message naming its peer stage.
 
 `python -m petra_mpi.schedule --method petra --stages 4 --microbatches 8 --accumulation 2`
 prints each rank's actions as a grid.
@@ -23,14 +27,28 @@ METHODS = ("petra", "backprop", "delayed")
 
 
 class Kind(str, Enum):
-    """What an action does; its value is the one name of the op everywhere (traces, models)."""
+    """What an action does; its value is the one name of the op everywhere (traces, models,
+    the watchdog's report)."""
+    # a stage's own work: what actions() plans and the grid shows
     FORWARD = "forward"
     BACKWARD = "backward"
     FORWARD_BACKWARD = "forward_backward"  # the last stage: forward, loss and backward at once
     STEP = "step"                          # the optimizer step, after the backward of microbatch
+    EVALUATE = "evaluate"                  # evaluation: a forward with running statistics
+    # around it, what lowered() adds: the data, the messages (to or from `peer`), the result
+    LOAD = "load"                          # stage 0 reads the micro-batch from the data
+    SEND_F = "send_forward"                # the activation, to stage + 1
+    RECV_F = "receive_forward"
+    SEND_B = "send_backward"               # (x̃, δx), to stage - 1
+    RECV_B = "receive_backward"
+    SEND_L = "send_labels"                 # stage 0's labels, to the last stage
+    RECV_L = "receive_labels"
+    REPORT = "report"                      # the last stage hands on the loss (or the logits)
 
 
-SYMBOLS = {Kind.FORWARD: "F", Kind.BACKWARD: "B", Kind.FORWARD_BACKWARD: "FB", Kind.STEP: "S"}
+SYMBOLS = {Kind.FORWARD: "F", Kind.BACKWARD: "B", Kind.FORWARD_BACKWARD: "FB", Kind.STEP: "S",
+           Kind.EVALUATE: "E"}
+RECEIVER = {Kind.SEND_F: Kind.RECV_F, Kind.SEND_B: Kind.RECV_B, Kind.SEND_L: Kind.RECV_L}
 
 
 @dataclass(frozen=True)
@@ -38,10 +56,19 @@ class Action:
     kind: Kind
     stage: int
     microbatch: int
+    peer: int | None = None  # a message's other stage: where a send goes, a receive comes from
+
+    @property
+    def computes(self) -> bool:
+        """Whether it is the stage's own work (planned by actions()), not what lowered() adds."""
+        return self.kind in SYMBOLS
 
     @property
     def label(self) -> str:
-        """F3, B1, FB5 or S (the step's micro-batch is the backward's just before it)."""
+        """F3, B1, FB5, E2 or S (the step's micro-batch is the backward's just before it); a
+        lowered action: its kind and micro-batch (send_forward 3)."""
+        if not self.computes:
+            return f"{self.kind.value} {self.microbatch}"
         return SYMBOLS[self.kind] + ("" if self.kind is Kind.STEP else str(self.microbatch))
 
 
@@ -64,6 +91,7 @@ class TickSchedule:
     follow from it; a subclass gives the timing (num_ticks, forward_microbatch,
     backward_microbatch, entered_before)."""
     method: str
+    backward = True  # whether a backward follows each forward (not in evaluation)
 
     def __init__(self, num_stages: int, accumulation: int = 1):
         self.J, self.k = num_stages, accumulation
@@ -108,6 +136,49 @@ class TickSchedule:
         """Every action of `stage` over a segment of n, tick by tick: one list per tick."""
         return [self.actions(stage, t, n) for t in range(self.num_ticks(n))]
 
+    # ---- lowered: the actions with their data and messages, what the engines run
+    def lowered(self, stage: int, tick: int, n: int) -> list:
+        """The actions of `stage` at `tick` as the engines run them: each computation after the
+        reads and receives of its inputs and before the sends of its outputs (torch's pipelining
+        lowers its schedules to SEND_F / RECV_F / SEND_B / RECV_B the same way). A send names
+        the stage it goes to, a receive the stage it comes from (`peer`); a stream carries its
+        messages in order, so the k-th send of a kind from s to p is the k-th such receive on p
+        (tests/unit/test_messages.py pairs them)."""
+        out = []
+        for action in self.actions(stage, tick, n):
+            out += self._inputs(action) + [action] + self._outputs(action)
+        return out
+
+    def _inputs(self, a: Action) -> list:
+        s, b, last = a.stage, a.microbatch, a.stage == self.J - 1
+        if a.kind is Kind.BACKWARD:
+            return [Action(Kind.RECV_B, s, b, s + 1)]
+        if a.kind is Kind.STEP:
+            return []
+        # a forward of some kind: stage 0 reads the data and passes the labels to the last stage
+        if s == 0:
+            return [Action(Kind.LOAD, s, b)] + ([] if last else [Action(Kind.SEND_L, s, b, self.J - 1)])
+        return [Action(Kind.RECV_F, s, b, s - 1)] + ([Action(Kind.RECV_L, s, b, 0)] if last else [])
+
+    def _outputs(self, a: Action) -> list:
+        s, b, last = a.stage, a.microbatch, a.stage == self.J - 1
+        down = [Action(Kind.SEND_B, s, b, s - 1)] if s > 0 else []  # stage 0 sends nothing down
+        if a.kind is Kind.BACKWARD:
+            return down
+        if a.kind is Kind.FORWARD_BACKWARD:  # the report after the send: .item() waits there
+            return down + [Action(Kind.REPORT, s, b)]
+        if a.kind in (Kind.FORWARD, Kind.EVALUATE):
+            return [Action(Kind.REPORT, s, b)] if last else [Action(Kind.SEND_F, s, b, s + 1)]
+        return []
+
+    def receives(self, stage: int, n: int) -> dict:
+        """How many messages of each kind `stage` receives in a segment of n, where every stage
+        runs every micro-batch once (what the MPI engine's streams post receives for)."""
+        last = stage == self.J - 1
+        return {Kind.RECV_F: n if stage > 0 else 0,
+                Kind.RECV_B: n if self.backward and not last else 0,
+                Kind.RECV_L: n if last and self.J > 1 else 0}
+
 
 class PetraSchedule(TickSchedule):
     """Stage s forwards b = t - s and backwards b = t - 2(J-1) + s at tick t."""
@@ -150,6 +221,30 @@ class BackpropSchedule(TickSchedule):
         return -(-tick // (2 * self.J - 1))
 
 
+class ForwardOnlySchedule(TickSchedule):
+    """Evaluation: stage s evaluates micro-batch b at tick b + s (a forward with running
+    statistics; no backward, no step), so the stages of one process and the ranks of MPI run
+    it with the same driver as training (engines/segment.py)."""
+    method = "evaluate"
+    backward = False
+
+    def num_ticks(self, n: int) -> int:
+        return n + self.J - 1 if n else 0
+
+    def forward_microbatch(self, stage, tick, n):
+        return _valid(tick - stage, n)
+
+    def backward_microbatch(self, stage, tick, n):
+        return None
+
+    def entered_before(self, tick: int) -> int:
+        return tick
+
+    def actions(self, stage: int, tick: int, n: int) -> list:
+        b = self.forward_microbatch(stage, tick, n)
+        return [] if b is None else [Action(Kind.EVALUATE, stage, b)]
+
+
 SCHEDULES = {s.method: s for s in (PetraSchedule, DelayedSchedule, BackpropSchedule)}
 
 
@@ -157,34 +252,9 @@ def schedule_for(method: str, num_stages: int, accumulation: int = 1) -> TickSch
     return SCHEDULES[method](num_stages, accumulation)
 
 
-# The tick arithmetic by method name, for callers that need one number.
 def num_ticks(method: str, num_stages: int, n: int) -> int:
+    """The tick count of a segment by method name, for callers that need that one number."""
     return schedule_for(method, num_stages).num_ticks(n)
-
-
-def forward_microbatch(method: str, num_stages: int, stage: int, tick: int, n: int):
-    return schedule_for(method, num_stages).forward_microbatch(stage, tick, n)
-
-
-def backward_microbatch(method: str, num_stages: int, stage: int, tick: int, n: int):
-    return schedule_for(method, num_stages).backward_microbatch(stage, tick, n)
-
-
-# Micro-batches a stopped segment keeps beyond what has entered stage 0 when the stop applies.
-# At least 1: micro-batch entered_before(t) - 1 may already have had its backward on some stage
-# (J = 1, backprop), which decided "no step" with the old length, and must not become the last.
-# At least RECEIVE_DEPTH (2) under MPI: a stream posts receives up to RECEIVE_DEPTH micro-batches
-# past the last one it received, at most micro-batch entered_before(t) - 1, and every posted
-# receive must still get its message. 3 keeps one micro-batch of slack over both bounds. Both
-# engines use this one margin, so that a stop leaves the same state in either.
-STOP_MARGIN = 3
-
-
-def stop_count(schedule: TickSchedule, tick: int, n: int) -> int:
-    """The segment length when a stop applies at `tick`: what has entered plus STOP_MARGIN, at
-    most n. Every action before `tick` is then the same in the segment of n and in the shorter
-    one, so the drain leaves every stage with its gradients applied."""
-    return min(n, schedule.entered_before(tick) + STOP_MARGIN)
 
 
 def grid(schedule: TickSchedule, n: int) -> str:

@@ -77,8 +77,13 @@ class Stage(PollsBetweenBlocks, nn.Module):
         self.peak_fifo_bytes = self.peak_stash_bytes = 0  # for the memory report
         self.window = delay(num_stages, index)  # d_s: micro-batches in flight after a forward
         self.graphs = [deque() for _ in blocks]  # kept micro-batches' graphs, oldest first
-        self.kept_bytes = self.peak_kept_bytes = 0
+        self.kept_held = HeldStorages()  # what the kept graphs hold, each storage once
+        self.peak_kept_bytes = 0
         self.set_kept(kept)
+
+    @property
+    def kept_bytes(self) -> int:
+        return self.kept_held.bytes
 
     def reset_peaks(self):
         """Start the peak byte counts afresh from what the stage holds now (a benchmark measures
@@ -95,7 +100,7 @@ class Stage(PollsBetweenBlocks, nn.Module):
             raise ValueError(f"stage {self.index}: a kept plan needs {len(self.blocks)} entries "
                              f"(one per block), got {kept}")
         for i, k in enumerate(kept):
-            if k and not self.can_keep(i):
+            if k and not self.can_keep:
                 raise ValueError(f"stage {self.index}, block {i}: the last stage and weight "
                                  f"stashing keep no graphs")
             if not 0 <= k <= self.window:
@@ -105,24 +110,28 @@ class Stage(PollsBetweenBlocks, nn.Module):
             raise ValueError("the plan changes only with nothing in flight")
         self.kept = kept
 
-    def can_keep(self, i: int) -> bool:
+    @property
+    def can_keep(self) -> bool:
+        """Whether its blocks may keep graphs (all alike): a delay, and no weight stashing."""
         return self.window > 0 and not self.stash_weights
 
     @torch.no_grad()
-    def kept_bytes_per_microbatch(self, x):
-        """(per block: the bytes one kept micro-batch x holds, None for a block that cannot keep;
-        the stage's output). Measured as a kept forward counts them; nothing is kept or updated."""
-        sizes = []
+    def kept_storages_per_microbatch(self, x):
+        """(per block: the storages one kept micro-batch x holds, {data_ptr: bytes}, None for a
+        block that cannot keep; the stage's output), as a kept forward of every block counts
+        them: blocks that share a storage name it alike. Every graph lives until the end, so no
+        address is reused; nothing is kept or updated."""
+        held, graphs = [], []
         with frozen_bn_stats():
             for i, block in enumerate(self.blocks):
-                if self.can_keep(i):
-                    graph = _kept_forward(block, x, -1, self._needs_grad_x(i))
-                    sizes.append(graph.bytes)
-                    x = graph.output
+                if self.can_keep:
+                    graphs.append(_kept_forward(block, x, -1, self._needs_grad_x(i)))
+                    held.append(graphs[-1].storages)
+                    x = graphs[-1].output
                 else:
-                    sizes.append(None)
+                    held.append(None)
                     x = block(x)
-        return sizes, x
+        return held, x
 
     def keeps_microbatch(self, i: int, b) -> bool:
         """Whether block i keeps the graph of micro-batch b (the rule both engines follow)."""
@@ -140,12 +149,11 @@ class Stage(PollsBetweenBlocks, nn.Module):
 
     @property
     def needs_rebuilt_input(self) -> bool:
-        """Whether backward uses the ỹ it is given (else only δy matters: a sender may skip ỹ)."""
-        return not self.buffered[-1]
-
-    def in_flight(self) -> int:
-        queues = [f for f, buffered in zip(self.fifos, self.buffered) if buffered]
-        return max(len(q) for q in queues + self.graphs) if queues or any(self.kept) else 0
+        """Whether backward uses the ỹ it is given (else only δy matters: a sender may skip ỹ):
+        not when its last block is buffered, nor when that block keeps the graph of every
+        micro-batch in flight (each backward starts from the graph, which holds the input). The
+        MPI engine asks once, when it opens its streams: set the plan before."""
+        return not self.buffered[-1] and not (self.window and self.kept[-1] >= self.window)
 
     @torch.no_grad()
     def forward(self, x, b=None):
@@ -155,13 +163,13 @@ class Stage(PollsBetweenBlocks, nn.Module):
                     self.blocks, self.fifos, self.stashes, self.buffered)):
                 keeps = self.keeps_microbatch(i, b)
                 if buffered and not keeps:  # a kept graph holds its input itself
-                    fifo.append(self.buffer_codec.pack(x))
+                    fifo.append(self.buffer_codec.pack(x, defer_check=True))
                 if self.stash_weights:
                     stash.append([p.detach().clone() for p in block.parameters()])
                 if keeps:
                     graph = _kept_forward(block, x, b, self._needs_grad_x(i))
                     self.graphs[i].append(graph)
-                    self.kept_bytes += graph.bytes
+                    self.kept_held.add(graph.storages)
                     x = graph.output
                     graph.output = None  # the graph needs its edge, not the output's storage
                 else:
@@ -192,15 +200,9 @@ class Stage(PollsBetweenBlocks, nn.Module):
     def _kept_backward(self, i, b, grad_y):
         graph = self.graphs[i].popleft()
         assert graph.microbatch == b, f"block {i} kept micro-batch {graph.microbatch}, not {b}"
-        self.kept_bytes -= graph.bytes
+        self.kept_held.remove(graph.storages)
         torch.autograd.backward(graph.edge, grad_tensors=grad_y)
-        for p, stashed in zip(self.blocks[i].parameters(), graph.weights):
-            if stashed.grad is None:
-                continue
-            if p.grad is None:
-                p.grad = stashed.grad
-            else:
-                p.grad += stashed.grad
+        _add_grads(self.blocks[i].parameters(), graph.weights)
         for bn, mean, var in graph.batch_norms:  # the running statistics, once
             bn.update_running_stats(mean, var)
         return graph.input.detach(), graph.input.grad
@@ -212,7 +214,7 @@ class Stage(PollsBetweenBlocks, nn.Module):
         if not self.buffered[i] and stashed is None:
             return block.backward_from_output(y, grad_y, need_grad_x)
         if self.buffered[i]:
-            x = self.buffer_codec.unpack(self.fifos[i].popleft())
+            x = self.buffer_codec.unpack_checked(self.fifos[i].popleft())
         else:  # rebuild with the current weights, differentiate with the stashed ones
             with torch.no_grad(), frozen_bn_stats():  # the graph pass below updates the stats
                 x = block.inverse(y)
@@ -248,7 +250,43 @@ class Stage(PollsBetweenBlocks, nn.Module):
     def clear(self):
         for q in self.fifos + self.stashes + self.graphs:
             q.clear()
-        self.kept_bytes = 0
+        self.kept_held = HeldStorages()
+
+
+class HeldStorages:
+    """The storages that kept graphs hold, each counted once however many graphs hold it
+    (consecutive blocks of one micro-batch share some: a block's saved output is the next
+    block's input). `bytes` is their sum."""
+
+    def __init__(self):
+        self.holders = {}  # data_ptr: [bytes, graphs holding it]
+        self.bytes = 0
+
+    def add(self, storages: dict):
+        for ptr, size in storages.items():
+            entry = self.holders.setdefault(ptr, [size, 0])
+            entry[1] += 1
+            if entry[1] == 1:  # its first holder
+                self.bytes += size
+
+    def remove(self, storages: dict):
+        for ptr in storages:
+            entry = self.holders[ptr]
+            entry[1] -= 1
+            if entry[1] == 0:  # its last holder left
+                del self.holders[ptr]
+                self.bytes -= entry[0]
+
+
+def _add_grads(params, stashed):
+    """Add the stashed copies' gradients into the live parameters' .grad."""
+    for p, copy in zip(params, stashed):
+        if copy.grad is None:
+            continue
+        if p.grad is None:
+            p.grad = copy.grad
+        else:
+            p.grad += copy.grad
 
 
 @dataclass
@@ -260,7 +298,11 @@ class KeptGraph:
     edge: object               # the output's gradient edge: the backward starts there
     weights: list              # stashed copies of the block's parameters, leaves
     batch_norms: list          # (module, batch mean, unbiased batch variance) per batch-norm call
-    bytes: int                 # what the graph holds: see _kept_forward
+    storages: dict             # what the graph holds, {data_ptr: bytes}: see _kept_forward
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
 
 
 def _kept_forward(block, x, b, need_grad_x) -> KeptGraph:
@@ -287,7 +329,7 @@ def _kept_forward(block, x, b, need_grad_x) -> KeptGraph:
         if storage.data_ptr() not in own:
             held[storage.data_ptr()] = storage.nbytes()
     return KeptGraph(b, x_leaf, out.detach(), get_gradient_edge(out), weights, batch_norms,
-                     sum(held.values()))
+                     held)
 
 
 def _queued_bytes(queues) -> int:

@@ -16,10 +16,11 @@ context manager and whose other hooks return their argument: no clock reads, no 
 When on, events are small tuples appended to a list, converted to JSON only at the end.
 """
 import json
-import os
 import sys
 import time
 from contextlib import nullcontext
+
+from ..files import write_atomic
 
 # Kinds of spans; each gets its own row (tid) within a rank, in this order.
 FORWARD, BACKWARD, STEP, LOSS, LOG, EVAL, CHECKPOINT, WAIT, PLAN = (
@@ -125,7 +126,7 @@ class Tracer:
         for action in actions:
             self.b = action.microbatch
             yield action
-        label = " ".join(a.label for a in actions)
+        label = " ".join(a.label for a in actions if a.computes)  # the messages: in the waits
         nbytes = self.sent_bytes - sent if self.under_mpi else -1
         self.log.add((PLAN, label, self.pid, COMPUTE_TIDS[PLAN], start, time.perf_counter(), -1,
                       tick, nbytes))
@@ -213,12 +214,10 @@ def write(path: str, parts, meta: dict):
         print(f"petra_mpi: trace: {dropped} events past the first {MAX_EVENTS} per process were "
               f"not recorded", file=sys.stderr, flush=True)
     other = {**meta, "dropped_events": dropped}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        # one event per line: compact, yet a reader can grep it
+
+    def one_event_a_line(f):  # compact, yet a reader can grep it
         f.write('{"displayTimeUnit": "ms", "otherData": ' + json.dumps(other) +
                 ', "traceEvents": [\n')
         f.write(",\n".join(json.dumps(e, separators=(",", ":")) for e in to_events(parts)))
         f.write("\n]}\n")
-    os.replace(tmp, path)
+    write_atomic(path, one_event_a_line)

@@ -24,15 +24,12 @@ class WorkerHooks:
 
 
 class StageWorker:
-    def __init__(self, stage: Stage, optimizer: StageOptimizer, accumulation: int = 1,
-                 on_update=None, *, tracer=NULL_TRACER, hooks=(), reducer=None):
+    def __init__(self, stage: Stage, optimizer: StageOptimizer, accumulation: int = 1, *,
+                 tracer=NULL_TRACER, hooks=(), reducer=None):
         self.stage, self.optimizer, self.k = stage, optimizer, accumulation
-        self.on_update = on_update  # called as on_update(worker) with the step's grads (summed
-        # over the accumulated backwards, averaged over the replicas), just before the step
         self.tracer = tracer    # trace.Tracer when run.trace is on
         self.hooks = list(hooks)
         self.reducer = reducer  # averages the gradients over the replicas (replicas.py)
-        self.segment_length = 0  # micro-batches in the current segment
         self.step_due = None  # with replicas: the micro-batch whose step waits for its average
 
     @property
@@ -56,9 +53,8 @@ class StageWorker:
         """Record with `tracer` from now on (a benchmark traces one segment of many)."""
         self.tracer = tracer
 
-    def begin_segment(self, n: int):
-        """Start (or shorten, on a stop request) a segment of n micro-batches."""
-        self.segment_length = n
+    def begin_segment(self):
+        """A training segment starts (the schedule's actions say when to step)."""
         self.stage.train()
 
     def _before(self, kind, b, x=None, labels=None):
@@ -74,7 +70,8 @@ class StageWorker:
 
     def forward(self, b, x):
         self._before(Kind.FORWARD, b, x)
-        with self.tracer.span(FORWARD, b):
+        # weight prediction (if on): the forward sees the weights its gradient will meet
+        with self.tracer.span(FORWARD, b), self.optimizer.predicted_weights():
             y = self.stage(x, b)  # b: which micro-batches a kept block keeps
         self._after(Kind.FORWARD, b)
         return y
@@ -118,7 +115,5 @@ class StageWorker:
         self._step(b)
 
     def _step(self, b):
-        if self.on_update is not None:
-            self.on_update(self)
         with self.tracer.span(STEP, b):
             self.optimizer.step()

@@ -197,8 +197,9 @@ class H5Source:
         self.path, self.split = str(path), split
         if not os.path.isfile(self.path):
             raise FileNotFoundError(f"{self.path}: no such file; pack a dataset into it with "
-                                    f"python -m petra_mpi.prep.cifar, .idx, .imagenet32, .imagenet "
-                                    f"or .synthetic (docs/data.md)")
+                                    f"python -m petra_mpi.prep.cifar, .idx, .imagenet32, .imagenet, "
+                                    f".folder (your own pictures), .parquet or .synthetic "
+                                    f"(docs/data.md)")
         try:
             f = open_readonly(self.path)
         except OSError as e:

@@ -6,8 +6,9 @@ import torch
 from ..comm.devices import to_device
 from ..models import build_blocks, set_precision
 from ..comm.compress import NO_COMPRESSION
+from ..core.compensation import NO_COMPENSATION, DelayCompensation, delay_steps
 from ..core.optim import StageOptimizer, constant_lr
-from ..core.memory_plan import plan_blocks, split_for_budget
+from ..core.memory_plan import plan_split
 from ..core.partition import resolve_partition, split_blocks
 from ..core.stages import Stage
 from ..core.trace import NULL_TRACER
@@ -29,19 +30,16 @@ def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, se
     stage's with the random stream of its own stage and `replica` (the replica these stages
     belong to: stochastic rounding draws differently in every replica, as their messages do).
     kept: per stage of the whole split, the kept plan of its blocks (Stage.set_kept; None:
-    PETRA); else, with a memory_budget (model.memory_budget) other than 0, memory_plan.py's plan
-    for micro-batches of `batch_size` samples, the same on every rank."""
+    PETRA); else, with a memory_budget (model.memory_budget) other than 0, memory_plan.plan_split's
+    plan for micro-batches of `batch_size` samples, the same on every rank."""
     torch.manual_seed(seed)
     blocks = build_blocks(arch, width, num_classes, imagenet_stem, image_size=image_size,
                           **(model_kw or {}))
     set_precision(blocks, precision)
     sizes = resolve_partition(blocks, num_stages, partition, image_size)
     if memory_budget and kept is None:
-        where = dict(image_size=image_size, device=device, dtype=dtype)
-        if partition is None and num_stages < len(blocks):  # the split is ours to choose
-            sizes, plan = split_for_budget(blocks, sizes, memory_budget, batch_size, **where)
-        else:
-            plan = plan_blocks(blocks, sizes, memory_budget, batch_size, **where)
+        sizes, plan = plan_split(blocks, num_stages, partition, memory_budget, batch_size,
+                                 image_size=image_size, device=device, dtype=dtype)
         kept = plan.kept
     stages = []
     for s, stage_blocks in enumerate(split_blocks(blocks, sizes)):
@@ -57,16 +55,19 @@ def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, se
 
 
 def build_workers(stages, lr_schedule=None, accumulation: int = 1, momentum: float = 0.9,
-                  nesterov: bool = True, weight_decay: float = 0.0, on_update=None, *,
-                  optimizer: str = "sgd", betas=(0.9, 0.999), tracers=None, hooks=()):
+                  nesterov: bool = True, weight_decay: float = 0.0, *,
+                  optimizer: str = "sgd", betas=(0.9, 0.999), tracers=None, hooks=(),
+                  method: str = "petra", compensation: DelayCompensation = NO_COMPENSATION):
     """One worker per stage; lr_schedule: the learning rate per optimizer step (None:
     constant_lr, for benchmarks); tracers: one per stage (trace.start), hooks: WorkerHooks for
-    all."""
+    all; compensation: delay compensation, by each stage's delay under `method`."""
     lr_schedule = lr_schedule or constant_lr()
     tracers = tracers or [NULL_TRACER] * len(stages)
     return [StageWorker(s, StageOptimizer(s, lr_schedule, momentum, nesterov, weight_decay,
-                                          name=optimizer, betas=betas),
-                        accumulation, on_update, tracer=tracer, hooks=hooks)
+                                          name=optimizer, betas=betas,
+                                          delay=delay_steps(method, s.window, accumulation),
+                                          compensation=compensation),
+                        accumulation, tracer=tracer, hooks=hooks)
             for s, tracer in zip(stages, tracers)]
 
 

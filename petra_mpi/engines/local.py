@@ -1,15 +1,25 @@
-"""All stages in one process, following the same schedule as the MPI engine: the reference
-implementation, and the engine for single-device users and tests. Each action runs through the
-same tick.run_action as the MPI engine's; here its messages wait in queues between the stages."""
-from collections import deque
+"""All stages in one process: the reference implementation of the tick, and the engine for
+single-device users and tests.
 
-import torch
+At each tick, stage by stage, every stage runs its actions of the schedule lowered with their
+messages (core/schedule.py, TickSchedule.lowered), the paper's Algorithm 1:
+- receive the (ỹ, δy) its successor sent at an earlier tick, backward, send (x̃, δx) down;
+- receive its input (stage 0: read the data and send the labels to the last stage), forward,
+  send the activation up; the last stage: forward, loss and backward at once, send (x, δx)
+  down, then hand the loss to on_loss;
+- the optimizer step, when one is due.
+The tick loop (engines/segment.py) and each action (engines/tick.py) are the MPI engine's too;
+what is this engine's own is its port below: a message waits in a queue between two stages of
+one process, after the round trip of the sender's codec (as the MPI engine's messages go
+through the codec itself), and arrives with its micro-batch, which the receive checks.
+"""
+from collections import Counter, defaultdict, deque
 
 from ..comm.compress import NO_COMPRESSION
-from ..core.schedule import schedule_for
-from .stopping import SegmentVotes
+from ..core.schedule import RECEIVER, ForwardOnlySchedule, Kind, schedule_for
+from . import segment
 from .evaluation import EvalTotals
-from .tick import run_action
+from .tick import StageRun
 
 
 class LocalEngine:
@@ -21,6 +31,7 @@ class LocalEngine:
         self.workers, self.method, self.replicas = workers, method, replicas
         self.J = len(workers) // replicas
         self.schedule = schedule_for(method, self.J, workers[0].k)
+        self.evaluation = ForwardOnlySchedule(self.J)
         # per worker, the codecs of what it sends: {direction: Codec}
         self.codecs = [{d: compression.codec(d, i % self.J, i // self.J)
                         for d in ("forward", "rebuilt", "gradient")} for i in range(len(workers))]
@@ -34,112 +45,108 @@ class LocalEngine:
         stop request ends the segment early, at the tick and length the MPI engine would
         (stopping.SegmentVotes). on_loss(b, loss, logits, labels) sees each result
         of replica 0. Returns the number of micro-batches trained."""
-        J, R = self.J, self.replicas
-        feeds = list(batches) if R > 1 else [batches]
-        assert len(feeds) == R, "one iterator of micro-batches per replica"
-        for w in self.workers:
-            w.begin_segment(n)
-        ports = self._ports(feeds, on_loss)
-        def read_stop():  # the MPI engine's all-reduce over the ranks: here the request itself
-            level = stop.requested
-            return lambda: level
-        votes = None if stop is None else SegmentVotes(self.schedule, read_stop)
-        t = 0
-        while t < self.schedule.num_ticks(n):
-            shorter = n if votes is None else votes.length(t, n)
-            if shorter != n:
-                n = shorter
-                for w in self.workers:
-                    w.begin_segment(n)  # the last backward now steps the optimizer
-            # Every replica through tick t before tick t + 1: a stage's average needs all of them.
-            for r in range(R):
-                self._tick(self.workers[r * J:(r + 1) * J], ports[r], t, n)
-            t += 1
-        for w in self.workers:
-            w.settle()  # the last step of the segment, when it waited for the replicas' average
-        assert all(p.links.empty() for stages in ports for p in stages), "pipeline not drained"
-        return n
+        feeds = list(batches) if self.replicas > 1 else [batches]
+        assert len(feeds) == self.replicas, "one iterator of micro-batches per replica"
+        runs = self._runs(feeds, on_loss)
+        return segment.train_segment(self.schedule, runs, n,
+                                     None if stop is None else _read_at_once(stop))
 
-    def _ports(self, feeds, on_loss):
-        """Per replica, one port per stage onto the replica's own links; on_loss sees replica 0."""
-        J, ports = self.J, []
-        for r, batches in enumerate(feeds):
-            ranks, links = slice(r * J, (r + 1) * J), _Links(J)
-            ports.append([_StagePort(s, self.workers[ranks], self.codecs[ranks], links, batches,
-                                     on_loss if r == 0 else None) for s in range(J)])
-        return ports
-
-    def _tick(self, workers, ports, t, n):
-        # Stage by stage: each action only needs what a neighbour produced at an earlier tick.
-        for s, (w, port) in enumerate(zip(workers, ports)):
-            # w.tracer.plan passes the actions through (it records the tick when tracing is on)
-            for action in w.tracer.plan(t, self.schedule.actions(s, t, n)):
-                run_action(w, action, port)
-
-    @torch.no_grad()
-    def evaluate(self, batches, m=None) -> EvalTotals:
-        """Forward-only pass of replica 0 (its batch-norm running statistics are the model's)."""
+    def evaluate(self, batches, m: int) -> EvalTotals:
+        """Forward-only pass of replica 0 over m batches (its batch-norm running statistics are
+        the model's)."""
         totals = EvalTotals()
-        pipeline = self.workers[:self.J]
-        for w in pipeline:
-            w.stage.eval()
-        try:
-            for x, y in batches:
-                for w, codecs in zip(pipeline, self.codecs):
-                    x = w.stage.evaluate(x)
-                    if not w.is_last:  # the MPI engine sends it: rounded to the nearest
-                        x = codecs["forward"].roundtrip(x, evaluation=True)
-                totals.add(x, y)
-        finally:
-            for w in pipeline:
-                w.stage.train()
+        runs = self._runs([batches], lambda b, logits, labels: totals.add(logits, labels),
+                          evaluating=True)
+        segment.evaluate(self.evaluation, runs, m)
         return totals
+
+    def _runs(self, feeds, report, evaluating=False):
+        """One StageRun per stage of the first len(feeds) replicas, in rank order, each replica
+        on links of its own; stage 0 of replica r reads feeds[r]; replica 0 reports."""
+        J, runs = self.J, []
+        for r, batches in enumerate(feeds):
+            ranks, links = slice(r * J, (r + 1) * J), _Links()
+            for s, (worker, codecs) in enumerate(zip(self.workers[ranks], self.codecs[ranks])):
+                port = _StagePort(s, self.workers[ranks], codecs, links)
+                runs.append(StageRun(worker, port, batches if s == 0 else None,
+                                     report if r == 0 else None, evaluating))
+        return runs
+
+
+def _read_at_once(stop):
+    """The stop vote of one process: the request itself, read where the MPI engine posts its
+    all-reduce over the ranks (mpi.post_stop_vote), and applied where that one completes."""
+    def read(tick):
+        level = stop.requested
+        return lambda: level
+    return read
 
 
 class _Links:
-    """The messages between the stages of one replica's pipeline, in flight from one tick to a
-    later one (the MPI engine's streams)."""
-    def __init__(self, J):
-        self.inputs = [deque() for _ in range(J)]  # activations waiting at stage s
-        self.grads = [deque() for _ in range(J)]   # (ỹ, δy) waiting at stage s
-        self.labels = deque()                      # labels waiting at the last stage
+    """The messages in flight between the stages of one replica's pipeline (the MPI engine's
+    streams): per (receive kind, sender, receiver), a queue of (micro-batch, tensors)."""
 
-    def empty(self):
-        return not any(q for q in (*self.inputs, *self.grads, self.labels))
+    def __init__(self):
+        self.queues = defaultdict(deque)
+
+    def put(self, kind, sender, receiver, b, tensors):
+        self.queues[(kind, sender, receiver)].append((b, tensors))
+
+    def take(self, kind, sender, receiver):
+        return self.queues[(kind, sender, receiver)].popleft()
+
+    def waiting_at(self, receiver) -> list:
+        """The (kind, sender) of each message sent to `receiver` and not received."""
+        return [(kind, sender) for (kind, sender, to), q in self.queues.items()
+                if to == receiver and q]
 
 
 class _StagePort:
-    """Stage s's side of tick.run_action in one process: its messages go through the sender's
-    codec round trip, as the MPI engine's go through the codec itself."""
-    def __init__(self, s, workers, codecs, links, batches, on_loss):
-        self.s, self.workers, self.codecs, self.links = s, workers, codecs, links
-        self.batches, self.on_loss = batches, on_loss
-        self.last = s == len(workers) - 1
+    """One stage's port (engines/tick.py) onto its replica's links: it receives from and sends to
+    the stage each action names, and receives exactly what expect() announced."""
 
-    def input(self):
-        if self.s > 0:
-            return self.links.inputs[self.s].popleft(), None
-        x, y = next(self.batches)  # stage 0 reads the data; the last stage needs its labels
-        if not self.last:
-            self.links.labels.append(y)
-        return x, y
+    def __init__(self, stage, pipeline, codecs, links):
+        """pipeline: the replica's workers by stage; codecs: this stage's, of what it sends."""
+        self.stage, self.pipeline, self.codecs, self.links = stage, pipeline, codecs, links
+        self.expected = Counter()  # receive kind -> messages still to come in this segment
 
-    def labels(self):
-        return self.links.labels.popleft()
+    def receive(self, action):
+        assert self.expected[action.kind] > 0, f"a {action.kind.value} beyond those expected"
+        self.expected[action.kind] -= 1
+        b, tensors = self.links.take(action.kind, action.peer, action.stage)
+        assert b == action.microbatch, \
+            f"stage {action.stage}: {action.kind.value} {action.microbatch} got micro-batch {b}"
+        return tensors
 
-    def gradient_pair(self):
-        return self.links.grads[self.s].popleft()
+    def send(self, action, *tensors, evaluation=False):
+        self.links.put(RECEIVER[action.kind], action.stage, action.peer, action.microbatch,
+                       self._encoded(action, tensors, evaluation))
 
-    def send_up(self, y):
-        self.links.inputs[self.s + 1].append(self.codecs[self.s]["forward"].roundtrip(y))
-
-    def send_down(self, x, grad_x):
-        s = self.s
-        if s == 0:
-            return
-        if self.workers[s - 1].stage.needs_rebuilt_input:  # as the MPI engine: ỹ only to a
-            x = self.codecs[s]["rebuilt"].roundtrip(x)     # stage that uses it
-        self.links.grads[s - 1].append((x, self.codecs[s]["gradient"].roundtrip(grad_x)))
+    def _encoded(self, action, tensors, evaluation):
+        """What the receiver gets: the round trip of this stage's codec of the direction."""
+        if action.kind is Kind.SEND_F:
+            (y,) = tensors
+            return (self.codecs["forward"].roundtrip(y, evaluation),)
+        if action.kind is Kind.SEND_B:
+            x, grad_x = tensors
+            # as the MPI engine: ỹ only to a stage that uses it (its streams carry no other)
+            wanted = self.pipeline[action.peer].stage.needs_rebuilt_input
+            return (self.codecs["rebuilt"].roundtrip(x) if wanted else None,
+                    self.codecs["gradient"].roundtrip(grad_x))
+        return tensors  # the labels, as they are
 
     def compute(self, work, *args):
         return work(*args)
+
+    def expect(self, receives):
+        assert not +self.expected, "previous messages were not all received"
+        self.expected = Counter(receives)
+
+    def shrink(self, fewer):
+        self.expected.subtract(fewer)
+        assert all(count >= 0 for count in self.expected.values()), "received more than sent"
+
+    def flush(self):
+        """The segment is over: every message sent to this stage was received."""
+        assert not +self.expected and not self.links.waiting_at(self.stage), \
+            f"stage {self.stage}: pipeline not drained"

@@ -1,31 +1,30 @@
-"""One rank per stage: the loop of the paper's Algorithm 1 over comm/transport.py.
+"""One rank per stage: the paper's Algorithm 1 over comm/transport.py.
 
-Rank r runs stage r of J = world size. Its actions come from the schedule in order (backward,
-forward, step of each tick); waiting on a neighbour's message is the only synchronisation. Rank 0
-reads the data and sends each micro-batch's labels straight to the last rank.
+Rank r runs stage r of J = world size, through the segment driver both engines share
+(engines/segment.py); what is this engine's own is its port, MPIPort below: each lowered action
+of the schedule that sends or receives (core/schedule.py) goes to or comes from the MPI stream
+its kind names, to or from the rank its peer names. Waiting on a neighbour's message is the only
+synchronisation. Rank 0 reads the data and sends each micro-batch's labels straight to the last
+rank.
 
 With R replicas (world.split) the pipeline is the replica's own communicator, `world.pipe`, and
 each stage also averages its gradients over `world.dp` before a step (replicas.py); stop votes
 stay on the whole world, so every replica shortens a segment at the same tick.
 """
+import functools
 import sys
 import time
 
 import numpy as np
-import torch
 
 from ..comm.streams import STREAM_NAMES, open_streams
-from ..comm.transport import RECEIVE_DEPTH, Inbox, Outbox, Transport, cuda_aware_mpi
+from ..comm.transport import Inbox, Outbox, Transport, cuda_aware_mpi
 from ..comm.compress import NO_COMPRESSION
-from ..core.schedule import STOP_MARGIN, schedule_for
-from .stopping import SegmentVotes
+from ..core.schedule import ForwardOnlySchedule, Kind, schedule_for
+from . import segment
 from .evaluation import EvalTotals
-from .tick import run_action
+from .tick import StageRun
 from ..comm.watchdog import start_watchdog
-
-# A stop keeps STOP_MARGIN micro-batches beyond what has entered: enough for the receives each
-# stream has posted ahead (up to RECEIVE_DEPTH past the last one received), which must all come.
-assert RECEIVE_DEPTH <= STOP_MARGIN
 
 STOP_VOTE = object()  # what the rank waits on (Transport.blocked) during a stop vote
 
@@ -60,10 +59,8 @@ class MPIEngine:
             print(f"petra_mpi: {ranks}, {line}", file=sys.stderr, flush=True)
         self.streams = open_streams(world, t, worker, compression, dtype, input_shape,
                                     batch_size, labels_per_sample)
-        self.inboxes = [b for b in self.streams.values() if isinstance(b, Inbox)]
-        self.outboxes = [b for b in self.streams.values() if isinstance(b, Outbox)]
-        self.compute_seconds = 0.0  # in the stage's own work (forward, backward, optimizer step)
-        self.batches = self.on_loss = None  # the segment's, for the port (train_segment)
+        self.port = MPIPort(worker, self.streams)
+        self.evaluation = ForwardOnlySchedule(J)
         # ends this rank with a report when it hangs (watchdog.py)
         self.watchdog = start_watchdog(watchdog_s, world, self.pending_messages,
                                        self.schedule.num_ticks(1))
@@ -91,57 +88,78 @@ class MPIEngine:
 
     def sent_bytes(self) -> int:
         """Bytes this rank sent so far (compressed size where compression is on)."""
-        return sum(box.sent_bytes for box in self.outboxes)
+        return sum(box.sent_bytes for box in self.streams.values() if isinstance(box, Outbox))
 
     def wait_seconds(self) -> float:
         """Time this rank spent blocked on MPI so far."""
         return sum(box.waited for box in self.streams.values())
 
-    def _get(self, name):
-        """The next message of stream `name`; the tracer records how long MPI made us wait."""
-        box = self.streams[name]
-        if not self.w.tracer.enabled:
-            return box.get()
-        before, start = box.waited, time.perf_counter()
-        t = box.get()  # it waits before anything else: the wait starts at `start`
-        self.w.tracer.wait(name, start, start + box.waited - before, box.last_bytes)
-        return t
+    @property
+    def compute_seconds(self) -> float:
+        """Time this rank spent in its stage's own work (forward, backward, optimizer step)."""
+        return self.port.compute_seconds
 
-    def _put(self, name, t, evaluation=False):
-        """Send t on stream `name` (evaluation: see Outbox.put); the tracer records the wait for
-        earlier sends and the bytes as sent (compressed where compression is on)."""
-        box = self.streams[name]
-        if not self.w.tracer.enabled:
-            box.put(t, evaluation)
-            return
-        before = box.waited
-        nbytes = box.put(t, evaluation)  # it waits for earlier sends at its end
-        end = time.perf_counter()
-        self.w.tracer.wait(name, end - (box.waited - before), end, nbytes)
+    def train_segment(self, batches, n, on_loss=None, stop=None) -> int:
+        """Algorithm 1 for this rank over a segment of n micro-batches (fill to drain); a stop
+        request agreed by all ranks ends it early. Returns the micro-batches trained."""
+        run = StageRun(self.w, self.port, batches, on_loss)
+        vote = None if stop is None else functools.partial(
+            post_stop_vote, self.world, self.transport, self.watchdog, stop)
+        # Large messages move only while MPI is called: poll between blocks (docs/performance.md).
+        poll = self.transport.poll if self.poll_between_blocks else None
+        with self.w.stage.calling_between_blocks(poll):
+            return segment.train_segment(self.schedule, [run], n, vote, self.watchdog)
 
-    def _expect(self, n):
-        for box in self.inboxes:
-            box.expect(n)
+    def evaluate(self, batches, m):
+        """Forward-only pass over m batches by replica 0 (whose batch-norm running statistics
+        are the model's; the other replicas return at once); the totals exist on its last rank
+        (None elsewhere)."""
+        if self.world.replica > 0:
+            return None
+        totals = EvalTotals() if self.w.is_last else None
+        report = None if totals is None else (lambda b, logits, labels: totals.add(logits, labels))
+        run = StageRun(self.w, self.port, batches, report, evaluating=True)
+        segment.evaluate(self.evaluation, [run], m, self.watchdog)
+        return totals
 
-    # The port of tick.run_action: this rank's streams, for the segment's batches and on_loss.
-    def input(self):
-        return self._input(self.batches)
 
-    def labels(self):
-        return self._get("labels in")
+# The streams that carry each kind of message, in the order they are sent (and received); a
+# stream in OPTIONAL is absent where the receiver has no use for it (comm/streams.py).
+STREAMS = {Kind.SEND_F: ("activation out",), Kind.RECV_F: ("activation in",),
+           Kind.SEND_B: ("rebuilt out", "gradient out"),
+           Kind.RECV_B: ("rebuilt in", "gradient in"),
+           Kind.SEND_L: ("labels out",), Kind.RECV_L: ("labels in",)}
+OPTIONAL = {"rebuilt out", "rebuilt in"}
 
-    def gradient_pair(self):
-        y = self._get("rebuilt in") if "rebuilt in" in self.streams else None
-        return y, self._get("gradient in")
 
-    def send_up(self, y):
-        self._put("activation out", y)
+class MPIPort:
+    """This rank's port (engines/tick.py): each message of a lowered action over the streams of
+    its kind, to or from the rank of its peer; the tracer records how long MPI made it wait."""
 
-    def send_down(self, x, grad_x):
-        if "rebuilt out" in self.streams:
-            self._put("rebuilt out", x)
-        if "gradient out" in self.streams:
-            self._put("gradient out", grad_x)
+    def __init__(self, worker, streams):
+        self.w, self.streams = worker, streams
+        self.compute_seconds = 0.0  # in the stage's own work (forward, backward, optimizer step)
+
+    def _boxes(self, action):
+        """The streams of `action`'s message (None for an optional one this rank lacks), each
+        checked against the action's peer: the schedule says where a message goes."""
+        boxes = []
+        for name in STREAMS[action.kind]:
+            box = self.streams.get(name) if name in OPTIONAL else self.streams[name]
+            if box is not None:
+                peer = box.source if isinstance(box, Inbox) else box.dest
+                assert peer == action.peer, f"{name} is with stage {peer}, not {action.peer}"
+            boxes.append((name, box))
+        return boxes
+
+    def receive(self, action):
+        return tuple(None if box is None else self._get(name, box)
+                     for name, box in self._boxes(action))
+
+    def send(self, action, *tensors, evaluation=False):
+        for (name, box), t in zip(self._boxes(action), tensors):
+            if box is not None:
+                self._put(name, box, t, evaluation)
 
     def compute(self, work, *args):  # the stage's own work, apart from the waits on MPI
         start = time.perf_counter()
@@ -149,53 +167,21 @@ class MPIEngine:
         self.compute_seconds += time.perf_counter() - start
         return out
 
-    def _input(self, batches):
-        """The next micro-batch's input (rank 0 reads it and sends its labels to the last rank)."""
-        if "activation in" in self.streams:
-            return self._get("activation in"), None
-        x, labels = next(batches)
-        if "labels out" in self.streams:
-            self._put("labels out", labels)
-        return x, labels
+    def expect(self, receives):
+        """Post the first receives of the segment's messages, as many per stream as its kind."""
+        for kind, box in self._inboxes():
+            box.expect(receives[kind])
 
-    def train_segment(self, batches, n, on_loss=None, stop=None) -> int:
-        """Algorithm 1 for this rank over a segment of n micro-batches (fill to drain); a stop
-        request agreed by all ranks ends it early. Returns the micro-batches trained."""
-        # Large messages move only while MPI is called: poll between blocks (docs/performance.md).
-        poll = self.transport.poll if self.poll_between_blocks else None
-        with self.w.stage.calling_between_blocks(poll):
-            return self._segment(batches, n, on_loss, stop)
+    def shrink(self, fewer):
+        for kind, box in self._inboxes():  # every receive already posted still comes
+            box.shrink(fewer[kind])
 
-    def _segment(self, batches, n, on_loss, stop) -> int:
-        w = self.w
-        self.batches, self.on_loss = batches, on_loss  # what the port reads and calls
-        w.begin_segment(n)
-        self._expect(n)
-        def vote():
-            return post_stop_vote(self.world, self.transport, self.watchdog, stop, t)
-        votes = None if stop is None else SegmentVotes(self.schedule, vote)
-        t = 0
-        while t < self.schedule.num_ticks(n):
-            shorter = n if votes is None else votes.length(t, n)
-            if shorter != n:
-                for box in self.inboxes:  # every receive already posted still comes
-                    box.shrink(n - shorter)
-                w.begin_segment(shorter)
-                n = shorter
-            # w.tracer.plan passes the actions through (it records the tick when tracing is on)
-            for action in w.tracer.plan(t, self.schedule.actions(w.index, t, n)):
-                self.watchdog.beat(t, action.kind.value, action.microbatch)
-                run_action(w, action, self)
-            t += 1
-        # A vote is posted only while 2 checks remain, so none is pending here; a request that
-        # arrives later is seen by the trainer's stop check at the drain.
-        assert votes is None or votes.pending is None
-        w.settle()  # the segment's last step, when it waited for the replicas' average
-        self._flush()
-        self.watchdog.idle()
-        return n
+    def _inboxes(self):
+        """(receive kind, box) of each stream this rank receives on."""
+        return [(kind, self.streams[name]) for kind in (Kind.RECV_F, Kind.RECV_B, Kind.RECV_L)
+                for name in STREAMS[kind] if name in self.streams]
 
-    def _flush(self):
+    def flush(self):
         for name, box in self.streams.items():
             if isinstance(box, Outbox):  # the tracer records the wait for the last sends
                 before = box.waited
@@ -203,33 +189,25 @@ class MPIEngine:
                 end = time.perf_counter()
                 self.w.tracer.wait(name, end - (box.waited - before), end, -1)
 
-    @torch.no_grad()
-    def evaluate(self, batches, m):
-        """Forward-only pass over m batches by replica 0 (whose batch-norm running statistics
-        are the model's; the other replicas return at once); the totals exist on its last rank
-        (None elsewhere)."""
-        if self.world.replica > 0:
-            return None
-        stage = self.w.stage
-        for name in ("activation in", "labels in"):
-            if name in self.streams:
-                self.streams[name].expect(m)
-        totals = EvalTotals() if self.w.is_last else None
-        stage.eval()
-        try:
-            for i in range(m):
-                self.watchdog.beat(i, "evaluate", i)
-                x, labels = self._input(batches)
-                out = stage.evaluate(x)
-                if totals is None:
-                    self._put("activation out", out, evaluation=True)
-                else:
-                    totals.add(out, self._get("labels in") if labels is None else labels)
-        finally:
-            stage.train()
-        self._flush()
-        self.watchdog.idle()
-        return totals
+    def _get(self, name, box):
+        """The next message of `box`; the tracer records how long MPI made us wait."""
+        if not self.w.tracer.enabled:
+            return box.get()
+        before, start = box.waited, time.perf_counter()
+        t = box.get()  # it waits before anything else: the wait starts at `start`
+        self.w.tracer.wait(name, start, start + box.waited - before, box.last_bytes)
+        return t
+
+    def _put(self, name, box, t, evaluation):
+        """Send t on `box` (evaluation: see Outbox.put); the tracer records the wait for
+        earlier sends and the bytes as sent (compressed where compression is on)."""
+        if not self.w.tracer.enabled:
+            box.put(t, evaluation)
+            return
+        before = box.waited
+        nbytes = box.put(t, evaluation)  # it waits for earlier sends at its end
+        end = time.perf_counter()
+        self.w.tracer.wait(name, end - (box.waited - before), end, nbytes)
 
 
 def post_stop_vote(world, transport, watchdog, stop, tick):

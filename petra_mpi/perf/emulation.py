@@ -12,6 +12,7 @@ Costs (a Profile: seconds per micro-batch per block) come from this machine (`me
 file (e.g. profiled on a GPU), the paper's Table 5 (`paper_profile`, derivation below) or its
 total work spread evenly over the blocks (`balanced_profile`).
 """
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -242,11 +243,14 @@ class WaitingStage(PollsBetweenBlocks, nn.Module):
         self.anchor = nn.Parameter(torch.zeros(1))  # engines find the device from a parameter
         self.forward_starts = []  # wall clock of every forward (rank 0: the tick rate)
 
-    def set_kept(self, kept=None, kept_bytes=None):
-        """A kept plan (memory_plan.Plan.kept[s]: per block, kept micro-batches of every d_s)
-        and the bytes one kept micro-batch of each block holds (memory_plan.probe_sizes). A kept
-        micro-batch's backward skips the block's rebuild, and it holds those bytes from its
-        forward to its backward; which micro-batches keep is Stage.keeps_microbatch's rule."""
+    def set_kept(self, kept=None, kept_bytes=None, shared=None):
+        """A kept plan (memory_plan.Plan.kept[s]: per block, kept micro-batches of every d_s),
+        the bytes one kept micro-batch of each block holds and what its blocks share
+        (memory_plan.probe_kept). A kept micro-batch's backward skips the block's rebuild, and
+        it holds those bytes from its forward to its backward, a shared storage once
+        (memory_plan.microbatch_kept_bytes); which micro-batches keep is
+        Stage.keeps_microbatch's rule."""
+        self.shared = shared
         self.kept = [0] * len(self.costs) if kept is None else [int(k) for k in kept]
         self.kept_bytes = ([0] * len(self.costs) if kept_bytes is None
                            else [z or 0 for z in kept_bytes])
@@ -265,8 +269,10 @@ class WaitingStage(PollsBetweenBlocks, nn.Module):
     def _holds(self, b) -> int:
         """Bytes micro-batch b holds from its forward to its backward: a kept block's graph
         (its input included), a buffered block's input."""
-        return sum(self.kept_bytes[i] if self._keeps(i, b) else z
-                   for i, z in enumerate(self.fifo_bytes))
+        from ..core.memory_plan import microbatch_kept_bytes
+        keeps = [self._keeps(i, b) for i in range(len(self.kept))]
+        return (microbatch_kept_bytes(keeps, self.kept_bytes, self.shared)
+                + sum(z for k, z in zip(keeps, self.fifo_bytes) if not k))
 
     def _wait(self, seconds):
         self.clock.poll = self.between_blocks
@@ -310,6 +316,10 @@ class WaitingOptimizer:
 
     def step(self):
         self.clock.wait(self.seconds)
+
+    def predicted_weights(self):
+        """No weight prediction: the forward's weights are the current ones."""
+        return contextlib.nullcontext()
 
 
 class _WaitInput(torch.autograd.Function):
@@ -391,17 +401,18 @@ class WaitingPlainStage(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # Kept blocks (model.memory_budget): the plan training would make, with the profile's costs
 
-def kept_sizes(arch, width, batch, sizes, num_classes=10) -> list[list]:
-    """Per stage of the split `sizes`, per block: the bytes one kept micro-batch of `batch`
-    samples holds (saved activations, stashed weights, input; None: the block cannot keep),
-    measured on the real stages as training's planner measures them (memory_plan.probe_sizes)."""
+def kept_sizes(arch, width, batch, sizes, num_classes=10) -> tuple[list[list], list[dict]]:
+    """Per stage of the split `sizes`: per block, the bytes one kept micro-batch of `batch`
+    samples holds (saved activations, stashed weights, input; None: the block cannot keep), and
+    the storages its blocks share, measured on the real stages as training's planner measures
+    them (memory_plan.probe_kept)."""
     from ..engines.build import build_stages
-    from ..core.memory_plan import probe_sizes
+    from ..core.memory_plan import probe_kept
     stages = build_stages(arch, width, num_classes, len(sizes), partition=sizes)
-    return probe_sizes(stages, lambda n: torch.zeros(n, 3, 32, 32), batch)
+    return probe_kept(stages, lambda n: torch.zeros(n, 3, 32, 32), batch)
 
 
-def kept_plan(profile: Profile, sizes, block_bytes, budgets):
+def kept_plan(profile: Profile, sizes, block_bytes, budgets, shared=None):
     """memory_plan's plan (memory_plan.choose) for the split `sizes` under `budgets` (bytes of
     kept graphs per stage, None: no limit), with each block's unit its forward in the profile:
     the planner's model, in which a rebuild costs a forward and a backward two, is then the
@@ -412,7 +423,7 @@ def kept_plan(profile: Profile, sizes, block_bytes, budgets):
         units.append(list(profile.forward[i:i + n]))
         i += n
     J = len(sizes)
-    return choose(units, block_bytes, [delay(J, s) for s in range(J)], budgets)
+    return choose(units, block_bytes, [delay(J, s) for s in range(J)], budgets, shared)
 
 
 def fifo_bytes(shapes: BlockShapes, sizes, batch) -> list[int]:

@@ -17,7 +17,8 @@ import numpy as np
 
 from ..core.schedule import Kind, schedule_for
 
-FORWARD, BACKWARD, FORWARD_BACKWARD, STEP = (k.value for k in Kind)
+FORWARD, BACKWARD, FORWARD_BACKWARD, STEP = (k.value for k in (
+    Kind.FORWARD, Kind.BACKWARD, Kind.FORWARD_BACKWARD, Kind.STEP))
 
 
 @dataclass

@@ -1,9 +1,13 @@
 """What every packer shares: the schema writer (the schema: petra_mpi/data/schema.py), exact
-channel statistics, atomic output, a progress printer, and the error/exit-status convention of
-the command lines.
+channel statistics, atomic output, a progress printer, the error/exit-status convention of
+the command lines, and the ordered pool of worker processes (ordered_map).
 """
+import collections
 import contextlib
+import functools
 import importlib
+import itertools
+import multiprocessing
 import os
 import pickle
 import signal
@@ -13,6 +17,7 @@ import time
 import h5py
 import numpy as np
 
+from .. import files
 from ..data.schema import SCHEMA_VERSION, SPLITS  # noqa: F401 (the packers' schema)
 from ..data.stats import ChannelStats  # noqa: F401 (the packers' statistics)
 from ..data.source import open_unlocked
@@ -129,19 +134,11 @@ def load_pickle(fileobj, where):
 
 @contextlib.contextmanager
 def atomic_path(path):
-    """Yield a temporary name beside `path`; rename it to `path` only if the block succeeds,
-    delete it on any exception (KeyboardInterrupt included)."""
-    path = os.path.abspath(path)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
+    """files.atomic_path (a temporary name beside `path`, renamed to `path` only if the block
+    succeeds), which also leaves nothing in place after an interrupt."""
+    with files.atomic_path(path) as tmp:
         yield tmp
         check_interrupt()
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
 
 
 @contextlib.contextmanager
@@ -175,6 +172,7 @@ class ArrayWriter(_LabelsMixin):
 
     def __init__(self, f, split, height, width):
         self.f, self.split, self.labels = f, split, []
+        self.pending = []  # (image, label) of append_one, written a chunk at a time
         rows = chunk_rows(height * width * 3)
         self.images = f.create_dataset(
             f"{split}/images", shape=(0, height, width, 3), maxshape=(None, height, width, 3),
@@ -189,7 +187,20 @@ class ArrayWriter(_LabelsMixin):
         self.images[n0:] = images
         self.labels.extend(int(v) for v in labels)
 
+    def append_one(self, image, label):
+        """One image (H, W, 3); buffered, so that HDF5 grows the dataset a chunk at a time."""
+        self.pending.append((image, label))
+        if len(self.pending) >= self.images.chunks[0]:
+            self._flush()
+
+    def _flush(self):
+        if self.pending:
+            images, labels = zip(*self.pending)
+            self.pending = []
+            self.append(np.stack(images), labels)
+
     def close(self):
+        self._flush()
         return self._write_labels()
 
 
@@ -210,6 +221,8 @@ class JpegWriter(_LabelsMixin):
     def append(self, data, label):
         """One encoded image (bytes)."""
         self.append_many(data, [0, len(data)], [label])
+
+    append_one = append  # the interface write_pictures uses for both writers
 
     def append_many(self, data, rel_offsets, labels):
         """Several images at once: their concatenated bytes, their offsets from 0, labels."""
@@ -304,3 +317,43 @@ def print_summary(path, start_time):
     size = os.path.getsize(path)
     print(f"wrote {path} ({size / 2**20:.1f} MiB) in {time.monotonic() - start_time:.1f} s")
     print("\n".join(lines))
+
+
+@contextlib.contextmanager
+def ordered_map(workers, chunk=8):
+    """Yield a map(fn, items) that preserves order, over `workers` processes (or in-process).
+
+    At most 2 * workers chunks of `chunk` items are handed to the pool and not yet consumed: a
+    consumer that stalls (a slow file system under the writer) stops the workers instead of
+    letting finished images pile up in memory. Leaving the `with` (end, error, Ctrl-C)
+    terminates the pool. Open it before any output file: forked workers would otherwise inherit
+    the file's descriptor and HDF5 lock."""
+    if workers <= 1:
+        yield map
+        return
+    with interrupts_held_back():  # no worker may see a Ctrl-C before worker_init ignores it
+        pool = multiprocessing.Pool(workers, initializer=worker_init)
+    with pool:
+        yield functools.partial(bounded_imap, pool, chunk=chunk, max_chunks=2 * workers)
+
+
+def bounded_imap(pool, fn, items, *, chunk, max_chunks):
+    """pool.imap(fn, items) in order, with at most max_chunks chunks submitted and unconsumed.
+
+    Items are drawn from `items` only as room frees up, in the caller's thread."""
+    items = iter(items)
+    pending = collections.deque()
+    while True:
+        while len(pending) < max_chunks:
+            batch = list(itertools.islice(items, chunk))
+            if not batch:
+                break
+            pending.append(pool.apply_async(map_list, (fn, batch)))
+        if not pending:
+            return
+        yield from pending.popleft().get()
+
+
+def map_list(fn, batch):
+    """Worker side of bounded_imap: one chunk."""
+    return [fn(x) for x in batch]

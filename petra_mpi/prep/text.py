@@ -5,6 +5,8 @@
 
 The files (a folder: every file under it, in name order) are concatenated, turned into token ids
 and cut into a training split (the head) and a validation split (the tail `--val-fraction`).
+Hidden files and folders under a folder (.DS_Store, .git) and empty files (.gitkeep) are skipped,
+each named in a note; only when nothing is left is it an error.
 `--vocab bytes` (default): one token per byte, vocabulary 256, any file accepted. `--vocab char`:
 one token per Unicode character of the UTF-8 text, the vocabulary being the characters that occur
 (sorted), stored in the file.
@@ -24,19 +26,34 @@ CHUNK = 1 << 20  # tokens per HDF5 chunk
 
 
 def find_text_files(sources):
-    """Every file named, and every file under every folder named, in name order."""
-    files = []
+    """(files to pack, skipped): every file named, and every file under every folder named, in
+    name order, less the files nobody means as text: under a folder the hidden ones (.DS_Store,
+    anything under .git), and empty files anywhere (.gitkeep). skipped: (path, why) for each."""
+    files, skipped = [], []
     for source in sources:
         if os.path.isdir(source):
-            found = sorted(os.path.join(d, n) for d, _, names in os.walk(source) for n in names)
+            found = []
+            for d, dirs, names in os.walk(source):
+                hidden = sorted(n for n in dirs if n.startswith("."))
+                skipped += [(os.path.join(d, n), "a hidden folder") for n in hidden]
+                dirs[:] = [n for n in dirs if not n.startswith(".")]
+                found += [os.path.join(d, n) for n in names]
             if not found:
                 raise PrepError(f"{source}: the folder holds no files")
-            files += found
+            for path in sorted(found):
+                if os.path.basename(path).startswith("."):
+                    skipped.append((path, "a hidden file"))
+                else:
+                    files.append(path)
         elif os.path.isfile(source):
             files.append(source)
         else:
             raise PrepError(f"{source}: no such file or folder")
-    return files
+    skipped += [(path, "the file is empty") for path in files if os.path.getsize(path) == 0]
+    files = [path for path in files if os.path.getsize(path) > 0]
+    if not files:
+        raise PrepError("no text to pack: " + "; ".join(f"{p}: {why}" for p, why in skipped))
+    return files, skipped
 
 
 def read_texts(files, vocab):
@@ -45,8 +62,6 @@ def read_texts(files, vocab):
     for path in files:
         with open(path, "rb") as fh:
             data = fh.read()
-        if not data:
-            raise PrepError(f"{path}: the file is empty")
         if vocab == "char":
             try:
                 data = data.decode("utf-8")
@@ -98,7 +113,9 @@ def main(argv=None):
         p.error("--val-fraction must be between 0 and 1")
 
     start = time.monotonic()
-    files = find_text_files(args.source)
+    files, skipped = find_text_files(args.source)
+    if skipped:  # said, not silent: a file the user meant as text may be among them
+        print("note: skipped " + ", ".join(f"{p} ({why})" for p, why in skipped), flush=True)
     tokens, vocab_size, chars = encode(read_texts(files, args.vocab), args.vocab)
     n_val = int(round(len(tokens) * args.val_fraction))
     if n_val < 2 or len(tokens) - n_val < 2:

@@ -6,6 +6,7 @@ import sys
 from ..archs import LM_ARCHS
 from ..comm.compress import Compression
 from ..config import model_kwargs
+from ..core.compensation import DelayCompensation
 from ..engines.build import build_engine, build_stages, build_workers
 from ..core.optim import LRSchedule, peak_lr
 from ..comm.watchdog import NoWatchdog
@@ -70,7 +71,10 @@ def build_run_engine(cfg, world, placement, partition, input_shape, microbatches
         hooks.append(Diagnostics(cfg.train.diag_every, cfg.train.accumulation, emit=diagnostics))
     workers = build_workers(stages, schedule, cfg.train.accumulation, cfg.optim.momentum,
                             cfg.optim.nesterov, cfg.optim.weight_decay, optimizer=cfg.optim.name,
-                            betas=tuple(cfg.optim.betas), tracers=tracers, hooks=hooks)
+                            betas=tuple(cfg.optim.betas), tracers=tracers, hooks=hooks,
+                            method=cfg.train.method,
+                            compensation=DelayCompensation.from_config(cfg.optim,
+                                                                       steps_per_epoch))
     engine = build_engine(workers, cfg.train.method, world, input_shape, cfg.data.batch_size,
                           dtype=placement.dtype, replicas=R,
                           compression=compression,  # the MPI engine's start-up line shows it

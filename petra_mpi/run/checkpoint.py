@@ -8,7 +8,9 @@ Durability: every file is flushed to disk (fsync) before it is renamed into plac
 directory after the renames, so the manifest is written only over stage files that survive a
 crash of the node, and older checkpoints are pruned only once the new manifest has reached the
 disk. If the newest checkpoint still cannot be read back (a file corrupted on a file system that
-broke these promises), the run resumes from the previous complete one and says so.
+broke these promises), the run resumes from the previous complete one, says so, and renames the
+unreadable one out of the way (ckpt-...corrupt): no later resume, prune or stall count takes it
+for the newest.
 
 The checkpoint does not depend on the layout that wrote it (manifest "format": 2): stage{s}.pt
 holds that stage's blocks under the names of the whole network ("blocks.{g}.{rest}", g the
@@ -17,16 +19,20 @@ optimizer's counters and the random state; the manifest says which blocks each f
 with another number of stages, another split or another number of replicas reads the blocks it
 owns from whichever files hold them. A manifest of another format is refused.
 """
-import errno
 import itertools
 import json
 import os
+import re
 import shutil
 import sys
 
 import torch
 
+from ..files import fsync_dir, write_atomic, write_json_atomic
+
 MANIFEST = "manifest.json"
+CHECKPOINT_NAME = re.compile(r"ckpt-e\d+-b\d+")  # what checkpoint_dir names; nothing else counts
+CORRUPT = ".corrupt"  # the suffix of a checkpoint set aside because it could not be read back
 LAYOUT_FREE = 2  # the manifest's "format" of checkpoints keyed by the network's own names
 # Identity keys added after the first checkpoints were written, with the value those runs had.
 IDENTITY_DEFAULTS = {"optimizer": "sgd", "lr_schedule": "step", "replicas": 1}
@@ -38,33 +44,6 @@ class CheckpointError(RuntimeError):
 
 class UnreadableCheckpoint(CheckpointError):
     """A checkpoint whose files cannot be read back (truncated, corrupted or missing)."""
-
-
-def _fsync_dir(path: str):
-    """Make the entries of directory `path` (files renamed or removed in it) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno != errno.EINVAL:  # file systems that cannot sync a directory say EINVAL
-            raise
-    finally:
-        os.close(fd)
-
-
-def _replace_durably(tmp: str, final: str):
-    os.replace(tmp, final)
-    _fsync_dir(os.path.dirname(final))
-
-
-def _write_json_durably(path: str, data: dict):
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    _replace_durably(tmp, path)
 
 
 def checkpoint_dir(out_dir: str, epoch: int, position: int) -> str:
@@ -80,20 +59,14 @@ def invalidate(path: str):
         except FileNotFoundError:
             pass
     if os.path.isdir(path):
-        _fsync_dir(path)
+        fsync_dir(path)
 
 
 def _write_stage_file(path: str, index: int, state: dict) -> tuple[str, int]:
     """torch.save under a temporary name, flushed to disk, then rename: (file name, size) for
     the manifest."""
-    os.makedirs(path, exist_ok=True)
     final = os.path.join(path, f"stage{index}.pt")
-    tmp = f"{final}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    _replace_durably(tmp, final)
+    write_atomic(final, lambda f: torch.save(state, f), binary=True, durable=True)
     return os.path.basename(final), os.path.getsize(final)
 
 
@@ -208,13 +181,14 @@ def write_manifest(path: str, identity: dict, trainer_state: dict, stage_files: 
     """Called once every stage file is on disk, with their sizes as their writers saw them (a
     shared file system may not show another node's file size yet): marks the checkpoint
     complete, and returns once that mark is on disk too (prune may then run)."""
-    _write_json_durably(os.path.join(path, "trainer.json"), trainer_state)
+    write_json_atomic(os.path.join(path, "trainer.json"), trainer_state, durable=True)
     files = dict(stage_files)
     files["trainer.json"] = os.path.getsize(os.path.join(path, "trainer.json"))
-    _write_json_durably(os.path.join(path, MANIFEST), {**identity, "files": files,
-                                                      "epoch": trainer_state["epoch"],
-                                                      "position": trainer_state["position"]})
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))  # the checkpoint's own directory entry
+    write_json_atomic(os.path.join(path, MANIFEST), {**identity, "files": files,
+                                                     "epoch": trainer_state["epoch"],
+                                                     "position": trainer_state["position"]},
+                      durable=True)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))  # the checkpoint's own directory entry
 
 
 def incomplete_reason(path: str):
@@ -238,12 +212,18 @@ def is_complete(path: str) -> bool:
     return incomplete_reason(path) is None
 
 
+def checkpoint_names(root: str) -> list[str]:
+    """The checkpoint directories in `root` (out_dir/checkpoints), oldest first; a checkpoint
+    set aside (CORRUPT) is none of them."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(d for d in os.listdir(root) if CHECKPOINT_NAME.fullmatch(d))
+
+
 def complete_checkpoints(out_dir: str) -> list[str]:
     """Complete checkpoints, oldest first."""
     root = os.path.join(out_dir, "checkpoints")
-    if not os.path.isdir(root):
-        return []
-    paths = [os.path.join(root, d) for d in sorted(os.listdir(root)) if d.startswith("ckpt-")]
+    paths = [os.path.join(root, d) for d in checkpoint_names(root)]
     return [p for p in paths if is_complete(p)]
 
 
@@ -270,9 +250,7 @@ def _report_newer_incomplete(out_dir: str, newest):
     """One line when a checkpoint newer than the one resumed from is incomplete (a crash while
     it was written, or a file lost since)."""
     root = os.path.join(out_dir, "checkpoints")
-    names = sorted(d for d in os.listdir(root) if d.startswith("ckpt-")) if os.path.isdir(
-        root) else []
-    newer = [os.path.join(root, d) for d in names
+    newer = [os.path.join(root, d) for d in checkpoint_names(root)
              if newest is None or d > os.path.basename(newest)]
     if newer:
         what = f"resuming from {newest}" if newest else "starting from the beginning"
@@ -363,9 +341,23 @@ def resume_readable(path: str, load, fallback: bool = True, comm=None):
             raise UnreadableCheckpoint(f"cannot resume from {path}: {errors[0]}" +
                                        ("; no earlier complete checkpoint" if fallback else ""))
         if first:
-            print(f"petra_mpi: checkpoint {path} cannot be read ({errors[0]}): resuming from "
-                  f"the previous complete checkpoint {older}", file=sys.stderr, flush=True)
+            print(f"petra_mpi: checkpoint {path} cannot be read ({errors[0]}): set aside as "
+                  f"{set_aside(path)}; resuming from the previous complete checkpoint {older}",
+                  file=sys.stderr, flush=True)
         path = older
+
+
+def set_aside(path: str) -> str:
+    """Rename the unreadable checkpoint at `path` out of the checkpoints (PATH.corrupt, or
+    PATH.corrupt-2, ...; kept for a look): complete by its manifest, it would otherwise stay the
+    newest, which prune keeps and a later resume tries first. Returns the new path."""
+    aside, n = path + CORRUPT, 1
+    while os.path.exists(aside):
+        n += 1
+        aside = f"{path}{CORRUPT}-{n}"
+    os.rename(path, aside)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    return aside
 
 
 def prune(out_dir: str, keep: int):
@@ -375,7 +367,7 @@ def prune(out_dir: str, keep: int):
     complete = complete_checkpoints(out_dir)
     root = os.path.join(out_dir, "checkpoints")
     newest = complete[-1] if complete else None
-    for d in sorted(os.listdir(root)):
+    for d in checkpoint_names(root):  # a checkpoint set aside stays
         p = os.path.join(root, d)
         stale = p in complete[:-keep] or (p not in complete and newest and p < newest)
         if stale:

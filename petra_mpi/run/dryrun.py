@@ -10,6 +10,7 @@ import torch
 from ..archs import LM_ARCHS
 from ..config import model_kwargs
 from ..comm.compress import Codec
+from ..core.compensation import DelayCompensation, delay_steps, lr_factor, momentum_by_delay
 from ..engines.build import build_stages
 from ..core.schedule import delay
 
@@ -72,9 +73,11 @@ def stage_table(cfg, num_stages: int, dtype=torch.float32, partition=None,
             "kind": "+".join("rev" if not b else "buf" for b in stage.buffered),
             "input": in_shape, "output": tuple(x.shape[1:]),
             "param_bytes": params,
-            # SGD: one momentum buffer; AdamW: two moments
-            "optimizer_bytes": 2 * params if cfg.optim.name == "adamw"
-            else params if cfg.optim.momentum > 0 else 0,
+            # SGD: one momentum buffer; AdamW: two moments; weight prediction: one more copy
+            "optimizer_bytes": (2 * params if cfg.optim.name == "adamw"
+                                else params if cfg.optim.momentum > 0 else 0)
+            + (params if cfg.optim.delay_prediction and in_flight > 1 and not stage.is_last
+               else 0),
             "input_fifo_bytes": fifo * in_flight,
             "stash_bytes": params * in_flight if cfg.train.stash_weights and not stage.is_last
             else 0,
@@ -86,7 +89,7 @@ def profile_blocks(cfg, num_stages: int, device, dtype, side: int):
     """Time every block on `side`x`side` images, print each block's and each stage's cost,
     return (PETRA's split, the split training uses, the plan's unit per block): the one
     minimising the slowest stage by the measured costs, redone with the plan's costs in the
-    measured units under model.memory_budget (as trainer.choose_partition does), or
+    measured units under model.memory_budget (as run/layout.choose_layout does), or
     model.partition when it is fixed."""
     from ..core.blockcost import measured_partition_for
     from ..core.memory_plan import measured_units
@@ -170,12 +173,35 @@ def print_kept_plan(cfg, num_stages: int, device, dtype, partition, side, petra_
           f"every d_s micro-batches (- cannot keep)")
     scale = max(petra.petra_units)
     for s, stage in enumerate(stages):
-        kept = " ".join(str(k) if stage.can_keep(i) else "-" for i, k in enumerate(plan.kept[s]))
+        kept = " ".join(str(k) if stage.can_keep else "-" for k in plan.kept[s])
         print(f"{s:>5} {stage.window:>4} {plan.kept_bytes[s] / mib:>9.2f} "
               f"{plan.units[s] / scale:>6.3f} {plan.petra_units[s] / scale:>6.3f}  {kept}")
     slowest = max(range(len(stages)), key=lambda s: plan.units[s])
     print(f"slowest stage {slowest}: {plan.units[slowest] / scale:.3f} of PETRA's time per "
           f"micro-batch")
+
+
+def print_delays(cfg, num_stages: int):
+    """Each stage's delay and what delay compensation (optim.delay_*) makes of it."""
+    k, optim = cfg.train.accumulation, cfg.optim
+    sgd = optim.name == "sgd"
+    mu = optim.momentum if sgd else optim.betas[0]
+    comp = DelayCompensation.from_config(optim, steps_per_epoch=1)
+    print(f"delays (D = d_s / k optimizer steps) and delay compensation "
+          f"({'on' if comp.active else 'off'}; optim.delay_*):")
+    print(f"{'stage':>5} {'d_s':>4} {'D':>6} {'momentum' if sgd else 'beta1':>8} "
+          f"{'predicts (steps)':>16} {'lr factor at start':>18}")
+    for s in range(num_stages):
+        d = delay(num_stages, s)
+        D = delay_steps(cfg.train.method, d, k)
+        momentum = momentum_by_delay(mu, D, optim.delay_momentum, sgd and optim.nesterov)
+        lr = lr_factor(D, 0, 1 if optim.delay_lr_epochs else 0)  # (1 / D at step 0 when on)
+        if sgd and mu < 1 and optim.delay_momentum_lr:  # each gradient keeps its weight
+            lr *= (1 - momentum) / (1 - mu)
+        print(f"{s:>5} {d:>4} {D:>6.2f} {momentum:>8.3f} {optim.delay_prediction * D:>16.2f} "
+              f"{lr:>18.3f}")
+    if optim.delay_spike:
+        print("spike compensation: a gradient D steps late gets the momentum it missed at once")
 
 
 def report(cfg, num_stages: int, world=None, device="cpu", dtype=torch.float32,
@@ -208,6 +234,8 @@ def report(cfg, num_stages: int, world=None, device="cpu", dtype=torch.float32,
     print(f"total estimated memory (without activations of the running op): {total / mib:.1f} MiB")
     if cfg.model.memory_budget:
         print_kept_plan(cfg, num_stages, device, dtype, partition, side, petra_split, units)
+    if cfg.train.method != "backprop" and num_stages > 1:
+        print_delays(cfg, num_stages)
     sys.stdout.flush()
     if world is not None:
         world.comm.barrier()

@@ -14,14 +14,17 @@ def fmt_time(seconds: float) -> str:
 
 class Progress:
     """One status line on stderr: redrawn in place on a terminal (at most 5 times a second),
-    else printed as a new line every 10 % or 30 s, so that logs stay readable."""
+    else (a log file) printed as a new line every `interval_s` seconds and once at the end, so
+    that a long batch job's log holds a line per interval, not one per handful of updates."""
 
-    def __init__(self, total: int, label: str, enabled: bool = True, stream=None):
+    def __init__(self, total: int, label: str, enabled: bool = True, stream=None,
+                 interval_s: float = 30.0):
         self.total, self.label, self.enabled = total, label, enabled
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
+        self.interval_s = 0.2 if self.tty else interval_s
         self.start = self.last_print = time.perf_counter()
-        self.done = self.next_done = 0
+        self.done = 0
 
     def advance(self, n: int = 1, **fields):
         self.update(self.done + n, **fields)
@@ -30,10 +33,8 @@ class Progress:
         """`done` of `total` finished; `fields` are shown after the count."""
         self.done = done
         now = time.perf_counter()
-        due = (now - self.last_print >= 0.2) if self.tty else (
-            done >= self.next_done or now - self.last_print >= 30)
-        if self.enabled and (due or done >= self.total):
-            self.last_print, self.next_done = now, done + max(1, self.total // 10)
+        if self.enabled and (now - self.last_print >= self.interval_s or done >= self.total):
+            self.last_print = now
             self._print(now, fields)
 
     def _print(self, now, fields):
@@ -92,14 +93,6 @@ def _plain(v):
     return v
 
 
-def write_json_atomic(path: str, data: dict):
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
 def stage_memory(stage, optimizer) -> dict:
     """Bytes held by one stage: parameters, optimizer state, input FIFO peak, stashed-weight peak,
     and the device's peak allocation when on CUDA."""
@@ -122,6 +115,7 @@ def stage_memory(stage, optimizer) -> dict:
         "optimizer_bytes": nbytes(opt_state),
         "input_fifo_peak_bytes": stage.peak_fifo_bytes,
         "stash_peak_bytes": stage.peak_stash_bytes,
+        "kept_peak_bytes": stage.peak_kept_bytes,  # model.memory_budget's kept graphs
         "device_peak_bytes": (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
                               else None),
     }

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from doc_commands import ROOT, SHORTEN, extract
+from tests.support.doc_commands import ROOT, SHORTEN, extract
+from tests.support.pictures import make_picture_folder
 
 # exact command text -> (kind, what its output must contain: a regex, for `run` and `long`)
-# kinds: see doc_commands.py. A command met again is not run again.
+# kinds: see tests/support/doc_commands.py. A command met again is not run again.
 KINDS = {
     # README.md
     'pip install torch==2.13.0': ("install", None),
@@ -38,30 +39,34 @@ KINDS = {
     'python -m pytest -q -m ""': ("suite", None),
     'python -m petra_mpi.schedule --method petra --stages 4 --microbatches 8':
         ("run", r"^rank 3 +\|.*FB7 S"),
+    'python -m petra_mpi.schedule --method petra --stages 4 --microbatches 8 --accumulation 2':
+        ("run", r"^petra: 4 stages, 8 micro-batches, accumulation 2"),
     'SOURCE=/datasets/ILSVRC2012 sbatch slurm/pack_imagenet.sh': ("slurm", None),
     'sbatch slurm/revnet50_imagenet.sh': ("slurm", None),
     'mpirun -n 10 python -m petra_mpi.train configs/cifar10.yaml': ("download", None),
     'python -m petra_mpi.train CONFIG.yaml --dry-run': ("usage", None),
     'bash scripts/gpu_validate.sh': ("gpu", None),
+    'python -m petra_mpi.bench overhead': ("bench", None),
+    'mpirun -n 2 python -m petra_mpi.bench pipeline': ("bench", None),
+    'mpirun -n 10 python -m petra_mpi.bench emulate': ("site", None),
+    'mpirun -n 2 python -m petra_mpi.bench peers': ("bench", None),
+    'mpirun -n 2 python -m petra_mpi.bench peers --model revlm --batch 12 --accumulation 1 --rounds 3':
+        ("bench", None),
+    'mpirun -n 2 python -m petra_mpi.bench replicas': ("bench", None),
+    'python -m petra_mpi.bench memory': ("bench", None),
+    'python -m petra_mpi.plot': ("usage", None),  # the program named in prose
+    # docs/benchmarks.md
     'python -m petra_mpi.export runs/quickstart --out model.pt':
         ("run", r"^exported revnet18 from \S*runs/quickstart/checkpoints/ckpt-e00001"),
     'python -m petra_mpi.evaluate model.pt': ("long", r"^revnet18 on synthetic \(val, 1000 "
                                                       r"images\): .*top-1 0\.\d+"),
-    'python -m petra_mpi.bench overhead': ("bench", None),
-    'mpirun -n 2 python -m petra_mpi.bench pipeline': ("bench", None),
-    'mpirun -n 10 python -m petra_mpi.bench emulate': ("site", None),
     'mpirun -n 2 python -m petra_mpi.bench emulate --costs measured --width 32 --batch 64 --real':
-        ("bench", None),
-    'mpirun -n 2 python -m petra_mpi.bench peers': ("bench", None),
-    'mpirun -n 2 python -m petra_mpi.bench peers --model revlm --batch 12 --accumulation 1 --rounds 3':
         ("bench", None),
     'mpirun -n 2 python -m petra_mpi.bench scaling --rounds 2 --microbatches 12':
         ("bench", None),
-    'mpirun -n 2 python -m petra_mpi.bench replicas': ("bench", None),
     'python -m petra_mpi.bench data synthetic --pipeline revnet18':
         ("bench", None),
     'python -m petra_mpi.bench data synthetic --jpeg-demo': ("bench", None),
-    'python -m petra_mpi.bench memory': ("bench", None),
     'python -m petra_mpi.bench memory --arch irevnet50':
         ("bench", None),
     'python -m petra_mpi.train configs/quickstart.yaml --set model.arch=irevnet18 --set train.method=petra --set run.out_dir=runs/qi_petra':
@@ -72,8 +77,6 @@ KINDS = {
         ("bench", None),
     'python -m petra_mpi.bench memory --arch revvit --width 192 --depth 8':
         ("bench", None),
-    'python -m petra_mpi.plot': ("usage", None),  # the program named in prose
-    # docs/benchmarks.md
     'python -m petra_mpi.train configs/quickstart.yaml --set model.memory_budget=auto --set run.out_dir=runs/quickstart_kept':
         ("long", r"outputs in runs/quickstart_kept$"),
     'python -m petra_mpi.train configs/quickstart.yaml --set run.out_dir=runs/qs':
@@ -261,6 +264,40 @@ KINDS = {
     'CONFIG=configs/lm/shakespeare_gpu_backprop.yaml sbatch slurm/lm_shakespeare.sh':
         ("slurm", None),
     'python -m petra_mpi.schedule': ("run", r"^rank 0 +\|"),
+    # docs/own_data.md: run on the folder my_photos/ that fresh_directory makes
+    'python -m petra_mpi.prep.folder --source my_photos --out data/my_photos.h5 --size 64':
+        ("run", r"^wrote data/my_photos\.h5 .*\n  train: \d+ JPEGs"),
+    'python -m petra_mpi.prep.folder merge': ("usage", None),
+    'python -m petra_mpi.prep.verify data/my_photos.h5':
+        ("run", r"^OK: the file follows schema version 1$"),
+    'python -m petra_mpi.train configs/folder_example.yaml --dry-run':
+        ("run", r"^revnet18 width 16, 10 stages.*images 56x56 \(data/my_photos\.h5\)"
+                r"[\s\S]*^total estimated memory"),
+    'mpirun -n 2 python -m petra_mpi.train configs/folder_example.yaml':
+        ("long", r"outputs in runs/folder_example$"),
+    'python -m petra_mpi.export runs/folder_example --out my_model.pt':
+        ("long", r"^exported revnet18 from \S*runs/folder_example/checkpoints/ckpt-e00001"),
+    'python -m petra_mpi.evaluate my_model.pt':
+        ("long", r"^revnet18 on data/my_photos\.h5 \(val, 3 images\): .*top-1 [01]\.\d+"),
+    'python -m petra_mpi.predict my_model.pt my_photos/cat my_photos/dog/dog_01.png --top 3':
+        ("long", r"\A(my_photos/cat/cat_\d\d\.(jpg|png): \w+ \(0\.\d{3}\), \w+ \(0\.\d{3}\), "
+                 r"\w+ \(0\.\d{3}\)\n){14}my_photos/dog/dog_01\.png: "),
+    'python -m petra_mpi.generate': ("usage", None),
+    'pip install -e ".[parquet]"': ("install", None),
+    'python -m petra_mpi.prep.parquet --source DIR_OR_FILES --out data/my_dataset.h5 [--size 64 '
+    '| --raw S] [--split NAME] [--val-fraction 0.1] [--skip-bad]': ("usage", None),
+    'python scripts/fashion_mnist_folder.py --out fashion_mnist_folder': ("download", None),
+    'python -m petra_mpi.prep.folder --source fashion_mnist_folder --out data/fm_folder.h5 '
+    '--size 32 --workers 1': ("download", None),
+    'python -m petra_mpi.prep.folder --source fashion_mnist_folder --out data/fm_folder.h5 '
+    '--size 32 --workers 2': ("download", None),
+    'python -m petra_mpi.train configs/folder_example.yaml --set data.path=data/fm_folder.h5 '
+    '--set model.num_classes=10 --set data.crop=28 --set model.width=8 --set model.stages=4 '
+    '--set optim.warmup_epochs=0.5 --set train.epochs=2 --set run.threads=1 '
+    '--set run.out_dir=runs/fm_folder': ("download", None),
+    'python -m petra_mpi.export runs/fm_folder --out fm_model.pt': ("download", None),
+    'python -m petra_mpi.predict fm_model.pt fashion_mnist_folder/val --json': ("download", None),
+    'python -m petra_mpi.evaluate fm_model.pt': ("download", None),
 }
 RUNS_HERE = ("run", "long")
 KNOWN = {"run", "long", "bench", "usage", "install", "site", "slurm", "gpu", "download", "suite"}
@@ -278,11 +315,35 @@ def test_every_documented_command_is_classified():
         assert (expect is not None) == (kind in RUNS_HERE), command
 
 
+def section_anchors(page: Path) -> set:
+    """The anchors GitHub gives the headings of `page`: lower case, punctuation dropped, spaces
+    to hyphens."""
+    prose = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)  # no code comments
+    headings = re.findall(r"^#+ (.+)$", prose, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_readme_results_table_fits_a_first_screen():
+    """The README's results table holds the headline figures only: at most 12 rows, no cell over
+    250 characters, each row linking to its section of docs/benchmarks.md (where the rest are)."""
+    results = (ROOT / "README.md").read_text().split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in results.splitlines() if line.startswith("|")][2:]  # no header
+    assert 0 < len(rows) <= 12, f"{len(rows)} rows"
+    anchors = section_anchors(ROOT / "docs" / "benchmarks.md")
+    for row in rows:
+        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", row.strip().strip("|"))]
+        assert len(cells) == 5, row
+        assert max(map(len, cells)) <= 250, f"a cell of {max(map(len, cells))} characters: {row}"
+        link = re.fullmatch(r"\[[^]]+\]\(docs/benchmarks\.md#([^)]+)\)", cells[-1])
+        assert link and link[1] in anchors, f"no link to a section of docs/benchmarks.md: {row}"
+
+
 def fresh_directory(tmp_path) -> Path:
     """A directory like a new clone's root for the commands: the repository's configs, SLURM
-    scripts and scripts, nothing else (no runs/, no data/)."""
+    scripts and scripts, and a user's folder of pictures (no runs/, no data/)."""
     for name in ("configs", "slurm", "scripts"):
         (tmp_path / name).symlink_to(ROOT / name)
+    make_picture_folder(tmp_path / "my_photos")  # the user's pictures of docs/own_data.md
     return tmp_path
 
 

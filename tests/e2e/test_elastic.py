@@ -57,7 +57,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import time  # noqa: E402
 
-import slurm_cluster  # noqa: E402
+from tests.support import slurm_cluster  # noqa: E402
 
 
 class ThreeNodes(slurm_cluster.Cluster):

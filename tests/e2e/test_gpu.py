@@ -278,6 +278,25 @@ def test_compression_on_gpu_needs_no_host_synchronisation(fmt):
     assert (got - x).abs().max().item() <= x.abs().max().item() / 127 * 1.01  # within a step
 
 
+@pytest.mark.parametrize("fmt,bad", [("int8", float("inf")), ("fp16", 1e5)])
+def test_a_non_finite_buffer_on_gpu_stops_its_backward(fmt, bad):
+    """A buffer pushed on a GPU whose values would decode to inf or NaN: the push packs it and
+    copies its guard to the host without a synchronising call (sync debug mode makes one an
+    error); the backward's unpack raises the clear non-finite error."""
+    from petra_mpi.comm.compress import Codec, NonFiniteError
+    x = torch.randn(8, 6, 5, 5, device="cuda")
+    x[1, 2, 3, 4] = bad
+    codec = Codec(fmt, what="the input stage 0 keeps for its backward")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        packed = codec.pack(x, defer_check=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(NonFiniteError, match="the input stage 0 keeps"):
+        codec.unpack_checked(packed)
+
+
 def test_mpi_training_on_gpu_with_compression(tmp_path):
     proc = mpirun(2, ["-m", "petra_mpi.train", "configs/quickstart.yaml", *QUICK, "--set",
                       f"run.out_dir={tmp_path}", "--set", "run.device=cuda", "--set",

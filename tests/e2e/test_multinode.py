@@ -1,5 +1,5 @@
-"""The batch scripts on a several-node SLURM cluster (tests/e2e/netns_cluster.py: three nodes, each
-its own network namespace, 2 CPUs and 2 "GPUs"): ranks placed on the nodes the script intends,
+"""The batch scripts on a several-node SLURM cluster (tests/support/netns_cluster.py: three nodes,
+each its own network namespace, 2 CPUs and 2 "GPUs"): ranks placed on the nodes the script intends,
 messages between nodes over the nodes' interfaces, the same result as one node, and a node lost
 mid-run survived (watchdog line, intact checkpoint, requeue, resume)."""
 import json
@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import netns_cluster
-import slurm_cluster
+from tests.support import netns_cluster, slurm_cluster
 from tests.support.launch import mpirun
 from tests.support.paths import ROOT
 from tests.support.upstream_formats import make_cifar10

@@ -1,7 +1,9 @@
 """The batch scripts in slurm/: syntax and config checks, then real jobs on a throwaway one-node
-SLURM cluster (tests/e2e/slurm_cluster.py): a smoke run, a failing run, preemption with checkpoint,
-requeue and resume, a job array, and the ImageNet packing array with its dependent merge."""
+SLURM cluster (tests/support/slurm_cluster.py): a smoke run, a failing run, preemption with
+checkpoint, requeue and resume, a job array, and the ImageNet packing array with its dependent
+merge."""
 import glob
+import itertools
 import json
 import os
 import re
@@ -14,9 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-import slurm_cluster
+from tests.support import slurm_cluster
 from petra_mpi.config import load_config, num_replicas, num_stages, validate
 from tests.support import paths
+from tests.support.outputs import printed_rank_map
+from petra_mpi.comm.watchdog import startup_report
 
 ROOT = str(paths.ROOT)
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "slurm", "*.sh")))
@@ -418,6 +422,39 @@ def test_term_to_batch_shell_checkpoints_without_requeue(cluster, tmp_path):
 
 
 @pytest.mark.extended
+def test_term_to_the_ranks_alone_checkpoints_without_requeue(cluster, tmp_path):
+    """`scancel --signal=TERM JOB` (no --batch) signals the job's steps but not the batch shell,
+    as a preemption's grace time without send_user_signal does: the ranks checkpoint and exit 4
+    (not the requeue status), and the script, which got no signal itself, does not requeue the
+    job; it ends with status 4."""
+    jobid, out = start_training(cluster, tmp_path)
+    cluster.run("scancel", "--signal=TERM", jobid)
+    (job,) = cluster.wait(jobid, lambda jobs: jobs[0]["Restarts"] != "0"
+                          or jobs[0]["JobState"] in slurm_cluster.TERMINAL, timeout=120)
+    log = (out / "logs" / "train.log").read_text()
+    assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("FAILED", "4:0", "0"), \
+        job_output(cluster, job) + log
+    assert "received SIGTERM" in log and "exit status 4" in log, log
+    assert "checkpointed after a SIGTERM to the ranks" in log and "requeued job" not in log, log
+    assert glob.glob(str(out / "checkpoints" / "*" / "manifest.json")), log
+
+
+@pytest.mark.extended
+def test_term_to_the_whole_job_is_a_stop_not_a_crash(cluster, tmp_path):
+    """`scancel --full --signal=TERM JOB`: the batch shell, srun and the ranks get SIGTERM, and
+    srun ends the ranks at once (nothing saved). The job stopped on a SIGTERM: status 4, not
+    requeued, and no line calls it a crash."""
+    jobid, out = start_training(cluster, tmp_path)
+    cluster.run("scancel", "--full", "--signal=TERM", jobid)
+    (job,) = cluster.wait(jobid, lambda jobs: jobs[0]["Restarts"] != "0"
+                          or jobs[0]["JobState"] in slurm_cluster.TERMINAL, timeout=120)
+    log = (out / "logs" / "train.log").read_text()
+    assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("FAILED", "4:0", "0"), \
+        job_output(cluster, job) + log
+    assert "nothing saved after SIGTERM" in log and "crashed" not in log, log
+
+
+@pytest.mark.extended
 def test_launcher_ending_while_the_trap_runs(cluster, tmp_path):
     """The launcher exits (status 3, "checkpointed") while the batch shell's USR1 trap runs,
     i.e. between the interrupted `wait` and the check that it still runs: the script must still
@@ -754,17 +791,18 @@ def test_ranks_of_a_cpus_per_gpu_job_get_their_cpus(affinity_cluster, tmp_path):
 STALL_REPORT = ("petra_mpi: watchdog: rank 0 (n1, stage 0): no progress for 3 s (run.watchdog_s) "
                 "after tick 5, forward of micro-batch 5; waiting on the receive of gradient from "
                 "rank 1 (n2): that rank or its node is lost or stalled; exit status 5")
+RANK_MAP = printed_rank_map(["n1", "n2"]).splitlines()  # the launch's own, printed at start-up
 
 
-def end_of_step(tmp_path, lines, srun_status, **env):
-    """Run the batch script with an srun that prints `lines` and exits `srun_status`; returns
-    (the script's result, the scontrol commands it ran, its log)."""
+def end_of_step(tmp_path, lines, srun_status, SRUN_BODY="", **env):
+    """Run the batch script with an srun that prints `lines` (after running SRUN_BODY) and exits
+    `srun_status`; returns (the script's result, the scontrol commands it ran, its log)."""
     calls = tmp_path / "scontrol.calls"
     calls.unlink(missing_ok=True)
     printed = tmp_path / "srun.out"
     printed.write_text("".join(line + "\n" for line in lines))
     path = fake_commands(
-        tmp_path / "bin", srun=f"cat {printed} >&2; exit {srun_status}",
+        tmp_path / "bin", srun=f"{SRUN_BODY}\ncat {printed} >&2; exit {srun_status}",
         scontrol=f'echo "$@" >>{calls}\n'
                  'if [[ $1 == -o ]]; then\n'
                  '    echo "JobId=$4 JobState=COMPLETED ExcNodeList=(null)"\nfi')
@@ -778,7 +816,7 @@ def test_a_stall_is_read_from_the_first_rank_out_diagnosed_and_its_node_excluded
     the run stalled. The reports name rank 1 on n2, which never reported: the job is requeued and
     kept off n2."""
     proc, calls, log = end_of_step(tmp_path, [
-        STALL_REPORT, "srun: error: n1: task 0: Exited with exit code 5",
+        *RANK_MAP, STALL_REPORT, "srun: error: n1: task 0: Exited with exit code 5",
         "srun: launch/slurm: _step_signal: Terminating StepId=7.0",
         "srun: error: n2: task 1: Killed"], 137)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -806,6 +844,43 @@ def test_a_crashed_rank_fails_the_job_though_a_watchdog_reported_after_it(tmp_pa
     assert "a rank crashed, n2: task 1: Segmentation fault" in log, log
 
 
+def test_a_rank_killed_after_its_start_up_report_is_a_stall_not_a_crash(tmp_path):
+    """Rank 1 hangs in its start-up holding the interpreter: its watcher reports, and has to
+    SIGKILL it when even the exit it asked for cannot run. srun's first line says "Killed", but
+    the report came first: the run stalled (requeued), it did not crash."""
+    report = startup_report("rank 1 (n2)", 600, "opening the data (data/x.h5)")
+    proc, calls, log = end_of_step(tmp_path, [
+        *RANK_MAP, report, "srun: error: n2: task 1: Killed",
+        "srun: launch/slurm: _step_signal: Terminating StepId=7.0",
+        "srun: error: n1: task 0: Killed"], 137)
+    assert proc.returncode == 0 and calls[0] == "requeue 7", proc.stdout + log
+    assert "a rank stopped making progress (exit 5" in log and "crashed" not in log, log
+
+
+def test_a_rank_killed_after_the_trainers_final_line_does_not_undo_it(tmp_path):
+    """The ranks checkpointed and the writer printed its final line; then a rank that could not
+    exit was killed (srun's first line: Killed). The checkpoint is complete: the job requeues as
+    after any checkpointed stop, and a finished run ends as finished."""
+    proc, calls, log = end_of_step(tmp_path, [
+        "stopped on request at epoch 1, micro-batch 8: checkpoint complete, exit status 3 "
+        "(requeue to resume with run.resume=auto)", "srun: error: n2: task 1: Killed"], 137)
+    assert proc.returncode == 0 and calls == ["requeue 7"], proc.stdout + log
+    proc, calls, log = end_of_step(tmp_path, [
+        "done in 0:12: val acc 0.1000 (best 0.1000); outputs in runs/x",
+        "srun: error: n2: task 1: Killed"], 137)
+    assert proc.returncode == 0 and calls == [] and "finished: " in log, proc.stdout + log
+
+
+def test_a_usr1_that_ended_the_ranks_before_they_listened_saves_nothing_and_says_so(tmp_path):
+    """SIGUSR1 reaches the batch shell, whose srun ends with it (status 138) before any rank
+    could checkpoint: the job requeues, and no line claims a checkpoint."""
+    proc, calls, log = end_of_step(tmp_path, [], "138", SRUN_BODY="kill -USR1 $PPID; sleep 5")
+    assert proc.returncode == 0 and calls == ["requeue 7"], proc.stdout + log
+    said = [line for line in log.splitlines() if line.startswith("[petra ")]
+    assert any("nothing saved; requeued job 7" in line for line in said), log
+    assert not any("checkpointed" in line for line in said), log
+
+
 def test_the_stall_budget_ends_a_job_that_stalls_again_without_progress(tmp_path):
     """STALL_RESTARTS=2: two requeues after stalls with no newer complete checkpoint, and the
     third stall ends the job (status 5); a new checkpoint, or another job, starts the count
@@ -827,6 +902,209 @@ def test_the_stall_budget_ends_a_job_that_stalls_again_without_progress(tmp_path
     assert proc.returncode == 5 and not asked_to_requeue(calls), proc.stdout + log
     proc, calls, log = end_of_step(tmp_path, stall, 5, STALL_RESTARTS="1", SLURM_JOB_ID="8")
     assert proc.returncode == 0 and asked_to_requeue(calls), proc.stdout + log
+
+
+def test_a_checkpoint_set_aside_as_unreadable_is_no_progress(tmp_path):
+    """A checkpoint the trainer set aside (ckpt-...corrupt, complete by its manifest but
+    unreadable) is not a newer checkpoint: with STALL_RESTARTS=1 the second stall in a row ends
+    the job."""
+    stall = [STALL_REPORT, "srun: error: n1: task 0: Exited with exit code 5"]
+    proc, calls, log = end_of_step(tmp_path, stall, 5, STALL_RESTARTS="1")
+    assert proc.returncode == 0 and calls[0] == "requeue 7", proc.stdout + log
+    aside = tmp_path / "run" / "checkpoints" / "ckpt-e00002-b00000000.corrupt"
+    aside.mkdir(parents=True)
+    (aside / "manifest.json").write_text("{}")
+    proc, calls, log = end_of_step(tmp_path, stall, 5, STALL_RESTARTS="1")
+    assert proc.returncode == 5 and not asked_to_requeue(calls), proc.stdout + log
+    assert "2 stall(s) in a row with no newer complete checkpoint than none" in log, log
+
+
+def with_common(tmp_path, code, path, **env):
+    """`code` run in bash after sourcing slurm/common.sh as job 7 with the run directory
+    tmp_path/run, commands first looked up on `path`: the finished process."""
+    env = {"PATH": path, "SLURM_JOB_ID": "7", "OUT_DIR": str(tmp_path / "run"), **env}
+    return subprocess.run(["bash", "-c", f"source slurm/common.sh && mkdir -p $OUT_DIR/logs && "
+                                         f"{code}"], cwd=ROOT, env=env, timeout=60,
+                          capture_output=True, text=True)
+
+
+def test_the_hosts_a_job_is_kept_off_are_capped(tmp_path):
+    """Stall after stall, each blaming another host: the job is kept off at most EXCLUDE_MAX (2)
+    of them, the newest blamed (a list that grows with each could leave too few nodes for a job
+    of fixed size); the host it was submitted without (u9) stays excluded. A stand-in scontrol
+    keeps the job's ExcNodeList."""
+    listed = tmp_path / "ExcNodeList"
+    listed.write_text("u9")
+    path = fake_commands(tmp_path / "bin", scontrol=f"""
+case $1 in
+    -o) echo "JobId=7 JobState=PENDING ExcNodeList=$(cat {listed}) Partition=p" ;;
+    show) tr , '\\n' <<<"$3" ;;
+    update) echo "${{3#ExcNodeList=}}" >{listed} ;;
+esac""")
+    kept = []
+    for host in ("n1", "n2", "n3", "n2", "n4"):
+        proc = with_common(tmp_path, f"petra_exclude {host}", path)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        kept.append(set(listed.read_text().strip().split(",")))
+    assert kept == [{"u9", "n1"}, {"u9", "n1", "n2"}, {"u9", "n2", "n3"}, {"u9", "n2", "n3"},
+                    {"u9", "n2", "n4"}]
+    assert "(allowed again: n3; EXCLUDE_MAX=2)" in proc.stdout, proc.stdout
+
+
+def test_of_two_jobs_starting_on_one_run_directory_one_takes_it(tmp_path):
+    """Jobs 8 and 9 start on one run directory at once, both finding it free, or both finding
+    it held by job 5, which has ended: exactly one of them takes it, the other refuses to run
+    beside it. A stand-in `mv` holds each job until both have got there, so that neither check
+    can be over before the other has begun."""
+    state = {"5": "COMPLETED", "8": "RUNNING", "9": "RUNNING"}
+    arrived = tmp_path / "arrived"
+    arrived.mkdir()
+    path = fake_commands(tmp_path / "bin", scontrol=(
+        'case $4 in ' + " ".join(f"{j}) echo \"JobId={j} JobState={s} \" ;;"
+                                 for j, s in state.items()) + ' esac'),
+        mv=(f'touch {arrived}/$$\nfor i in $(seq 50); do (($(ls {arrived} | wc -l) >= 2)) && '
+            f'break; sleep 0.1; done\nexec /bin/mv "$@"'))
+    lock = tmp_path / "run" / "logs" / "job"
+    for before in (None, "5"):
+        (tmp_path / "run" / "logs").mkdir(parents=True, exist_ok=True)
+        lock.unlink(missing_ok=True)
+        for f in arrived.iterdir():
+            f.unlink()
+        if before:
+            lock.write_text(before + "\n")
+        with ThreadPoolExecutor(2) as pool:
+            done = list(pool.map(lambda job: with_common(tmp_path, "petra_lock", path,
+                                                         SLURM_JOB_ID=job), ("8", "9")))
+        statuses = sorted(p.returncode for p in done)
+        assert statuses == [0, 2], [p.stdout + p.stderr for p in done]
+        winner = ("8", "9")[[p.returncode for p in done].index(0)]
+        assert lock.read_text().split() == [winner]
+        loser = next(p for p in done if p.returncode)
+        assert f"is the run directory of job {winner} (RUNNING)" in loser.stdout, loser.stdout
+
+
+def tagged_processes(tag):
+    """The pids of the processes whose environment holds `tag` (NAME=value)."""
+    pids = []
+    for environ in glob.glob("/proc/[0-9]*/environ"):
+        try:
+            with open(environ, "rb") as f:
+                if tag.encode() in f.read().split(b"\0"):
+                    pids.append(int(environ.split("/")[2]))
+        except OSError:
+            pass
+    return pids
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("end", ["crash", "final line"])
+def test_an_mpirun_that_cannot_end_is_ended_with_every_process_under_it(tmp_path, end):
+    """LAUNCHER=mpirun with a stand-in trainer (through PYTHON) and no watchdog report; mpirun
+    cannot end by itself. "crash": rank 0 dies of SIGKILL (an OOM kill), and a process in a
+    session of its own holds rank 1's output, as one stuck in the kernel would. "final line":
+    the writer prints its final line (a checkpointed stop) and no rank exits. Once a rank's
+    process ended, or the final line is in the log, the script gives mpirun STUCK_GRACE_S, then
+    ends mpirun and every process under it (its proxy and the ranks, each in a session of its
+    own): the crash fails the job with mpirun's status, the stop requeues it. (Rank 0 lives 6 s:
+    three looks of the script at the ranks' processes.)"""
+    tag = f"PETRA_TEST_TAG={os.getpid()}.{tmp_path.name}"
+    holder = tmp_path / "holder"
+    trainer = tmp_path / "trainer"
+    trainer.write_text(f"""#!/bin/bash
+touch {tmp_path}/running.$PMI_RANK
+until [[ -e {tmp_path}/running.0 && -e {tmp_path}/running.1 ]]; do sleep 0.1; done
+if [[ {end!r} == crash && $PMI_RANK == 1 ]]; then setsid sleep 300 & echo $! >{holder}; fi
+if [[ {end!r} == crash && $PMI_RANK == 0 ]]; then sleep 6; kill -KILL $$; fi
+if [[ {end!r} != crash && $PMI_RANK == 1 ]]; then
+    echo "stopped on request at epoch 1, micro-batch 8: checkpoint complete, exit status 3" >&2
+fi
+sleep 300
+""")
+    trainer.chmod(0o755)
+    calls = tmp_path / "scontrol.calls"
+    path = fake_commands(tmp_path / "bin", scontrol=f'echo "$@" >>{calls}')
+    env = {"PATH": path, "SLURM_JOB_ID": "7", "SLURM_NTASKS": "2",
+           "CONFIG": "configs/quickstart.yaml", "OUT_DIR": str(tmp_path / "run"),
+           "LAUNCHER": "mpirun", "PYTHON": str(trainer),
+           "STUCK_GRACE_S": "2", tag.split("=")[0]: tag.split("=")[1]}
+    proc = subprocess.Popen(["bash", "slurm/revnet18_cifar10.sh"], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=90)
+        left = set(tagged_processes(tag)) - {int(holder.read_text())} if holder.exists() else \
+            set(tagged_processes(tag))
+    finally:
+        for pid in tagged_processes(tag):
+            os.kill(pid, signal.SIGKILL)
+    log = (tmp_path / "run" / "logs" / "train.log").read_text()
+    ended = "a rank's process ended" if end == "crash" else "the trainer's final line"
+    assert f"mpirun has not ended 2 s after {ended}" in log, out + log
+    assert not left, f"processes of the job left: {left}\n{log}"
+    if end == "crash":
+        assert proc.returncode == 137 and not calls.exists(), out + log
+    else:
+        assert proc.returncode == 0 and calls.read_text().split() == ["requeue", "7"], out + log
+
+
+CLUSTERS_MD = os.path.join(ROOT, "docs", "clusters.md")
+COMMON = [os.path.join(ROOT, "slurm", "common.sh"), os.path.join(ROOT, "slurm", "lib",
+                                                                 "launch_end.sh")]
+
+
+def doc_table(heading):
+    """The first table after `heading` in docs/clusters.md: {first cell: the row's other cells
+    joined}."""
+    lines = open(CLUSTERS_MD).read().split(heading, 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    table = itertools.takewhile(lambda line: line.startswith("|"), lines[start + 2:])
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in table]
+    return {c[0]: " | ".join(c[1:]) for c in cells}
+
+
+# A launch's end (what srun printed, its status, the environment) and a word that the row of the
+# exit status the job ends with must hold.
+ENDINGS = [
+    ([STALL_REPORT, "srun: error: n1: task 0: Exited with exit code 5"], 5, {}, "stall"),
+    ([STALL_REPORT, "srun: error: n1: task 0: Exited with exit code 5"], 5,
+     {"MAX_REQUEUES": "0"}, "MAX_REQUEUES"),
+    (["srun: error: n1: task 1: Exited with exit code 3"], 143, {}, "SIGUSR1"),
+    (["srun: error: n1: task 1: Exited with exit code 3"], 143, {"MAX_REQUEUES": "0"},
+     "MAX_REQUEUES"),
+    (["srun: error: n1: tasks 0-1: Exited with exit code 4"], 4, {}, "scancel -s TERM"),
+    (["srun: error: n2: task 1: Segmentation fault"], 139, {}, "crashed"),
+    (["srun: error: n2: task 1: Segmentation fault"], 5, {}, "crashed"),
+    (["srun: error: n1: task 0: Exited with exit code 1"], 1, {}, "error"),
+    (["srun: error: n1: task 0: Exited with exit code 2"], 2, {}, "config error"),
+]
+
+
+def test_the_documented_exit_statuses_are_the_scripts(tmp_path):
+    """docs/clusters.md's table of exit statuses against slurm/common.sh: each status the script
+    names (EXIT_*) has its row and each numbered row but 0-2 its name; each way a launch ends
+    ends the job with a status whose row (a number's, else "other") says so."""
+    rows = doc_table("### Exit statuses")
+    named = {int(v) for f in COMMON
+             for v in re.findall(r"^EXIT_[A-Z_]+=(\d+)", open(f).read(), re.M)}
+    assert named == {int(k) for k in rows if k.isdigit()} - {0, 1, 2}, (named, rows.keys())
+    assert "other" in rows
+    for lines, srun_status, env, word in ENDINGS:
+        proc, _, log = end_of_step(tmp_path, lines, srun_status, **env)
+        row = rows.get(str(proc.returncode), rows["other"])
+        assert word in row, (lines, env, proc.returncode, row, proc.stdout)
+        (tmp_path / "run" / "logs" / "stalls").unlink(missing_ok=True)
+
+
+def test_every_override_the_script_reads_is_documented():
+    """Each variable slurm/common.sh reads with a default, but SLURM's and the script's own
+    state, is a row of the overrides table in docs/clusters.md."""
+    own = {"PETRA_PID", "PETRA_LOG", "PETRA_SHRUNK", "CONFIG_DEFAULT"}
+    read = {name for f in COMMON
+            for name in re.findall(r"\$\{([A-Z][A-Z0-9_]*):[-=?]", open(f).read())}
+    overrides = {name for key in doc_table("Environment overrides (sbatch passes")
+                 for name in re.findall(r"`([A-Z][A-Z0-9_]*)", key)}
+    missing = {n for n in read if not n.startswith("SLURM_")} - own - overrides
+    assert not missing, f"not in docs/clusters.md's overrides table: {sorted(missing)}"
 
 
 def asked_to_requeue(calls):

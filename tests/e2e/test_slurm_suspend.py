@@ -1,4 +1,4 @@
-"""A job suspended and resumed on the one-node SLURM test cluster (tests/e2e/slurm_cluster.py):
+"""A job suspended and resumed on the one-node SLURM test cluster (tests/support/slurm_cluster.py):
 `scontrol suspend` stops every process of the job (SIGSTOP), `scontrol resume` continues them,
 as PreemptMode=SUSPEND does. The watchdogs must take the stop for what it is, not a hang."""
 import json
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-import slurm_cluster
+from tests.support import slurm_cluster
 from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.extended

@@ -3,6 +3,7 @@ interrupts: the vote value, the one-process trainer with a stand-in clock, and u
 where rank 0's clock must make every rank drain and checkpoint at the same point."""
 import itertools
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -10,11 +11,12 @@ import torch
 
 from petra_mpi.engines import stopping
 from petra_mpi import train
-from petra_mpi.run import trainer
+from petra_mpi.run import loaders, trainer
 from petra_mpi.config import load_config, validate
 from petra_mpi.engines.local import LocalEngine
 from petra_mpi.engines.evaluation import EvalTotals
-from petra_mpi.engines.stopping import CHECKPOINT_DUE, EXIT_REQUEUE, STOP, Interrupts, StopRequest, agree
+from petra_mpi.engines.stopping import (CHECKPOINT_DUE, EXIT_REQUEUE, EXIT_STOPPED, STOP,
+                                        STOP_TERM, Interrupts, StopRequest, agree)
 from tests.support.launch import mpirun
 from tests.support.paths import QUICK
 
@@ -46,6 +48,21 @@ def test_vote_value():
     stop.requested = True
     assert ticking.requested == silent.requested == STOP  # a stop outranks a due checkpoint
     assert Interrupts(StopRequest(), every_minutes=0, clock=Clock(1e9)).requested == 0
+    stop.term = True  # a SIGTERM: its vote outranks another rank's SIGUSR1 (the maximum)
+    assert ticking.requested == STOP_TERM > STOP
+
+
+def signalled(sig):
+    """A StopRequest that got `sig` through its real handler (the test process's handlers are
+    put back afterwards)."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    stop = StopRequest().install()
+    try:
+        signal.raise_signal(sig)
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    return stop
 
 
 def config(out_dir, *extra):
@@ -112,6 +129,20 @@ def test_stop_during_evaluation_resumes_into_it(tmp_path, monkeypatch, one_threa
     assert b[0]["val_count"] == 6 * 16
 
 
+def test_a_sigterm_stops_at_a_checkpoint_with_its_own_status(tmp_path, capsys, one_thread):
+    """SIGTERM (scancel -s TERM without -b, a preemption's grace time without a user signal)
+    drains and checkpoints as SIGUSR1 does, but ends with EXIT_STOPPED, not the requeue status:
+    a batch script must not requeue a cancelled job. SIGUSR1 still ends with EXIT_REQUEUE."""
+    assert train.run(config(tmp_path / "term"), None, stop=signalled(signal.SIGTERM)) == \
+        EXIT_STOPPED == 4
+    (stopped,) = events(tmp_path / "term", "stop")
+    assert stopped["exit_status"] == EXIT_STOPPED and events(tmp_path / "term", "checkpoint")
+    err = capsys.readouterr().err
+    assert "received SIGTERM" in err and "exit status 4 (not for a requeue" in err, err[-2000:]
+    assert train.run(config(tmp_path / "usr1"), None, stop=signalled(signal.SIGUSR1)) == \
+        EXIT_REQUEUE
+
+
 def test_evaluation_pieces_add_up():
     """Pieces of EVAL_CHECK_BATCHES batches sum to one whole evaluation."""
     calls = []
@@ -152,10 +183,10 @@ def test_ranks_agree_on_rank0_clock(tmp_path):
 
 def test_decode_cpu_warning():
     cfg = config("/tmp/unused")
-    assert "fewer than the 8" in trainer.decode_cpu_warning(cfg, 1, gpu_decode=False)
-    assert trainer.decode_cpu_warning(cfg, 8, gpu_decode=False) is None
-    assert trainer.decode_cpu_warning(cfg, 1, gpu_decode=True) is None  # nvJPEG decodes
+    assert "fewer than the 8" in loaders.decode_cpu_warning(cfg, 1, gpu_decode=False)
+    assert loaders.decode_cpu_warning(cfg, 8, gpu_decode=False) is None
+    assert loaders.decode_cpu_warning(cfg, 1, gpu_decode=True) is None  # nvJPEG decodes
     cfg.data.decode_workers = 2
-    assert trainer.decode_cpu_warning(cfg, 2, gpu_decode=False) is None
-    assert "--cpus-per-task=3" in trainer.decode_cpu_warning(
+    assert loaders.decode_cpu_warning(cfg, 2, gpu_decode=False) is None
+    assert "--cpus-per-task=3" in loaders.decode_cpu_warning(
         config("/tmp/unused", "--set", "data.decode_workers=3"), 2, gpu_decode=False)

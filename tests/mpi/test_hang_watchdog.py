@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.launch import mpirun
 from tests.support.paths import PROGRAMS, QUICK, ROOT
-from petra_mpi.comm.watchdog import EXIT_STALLED
+from petra_mpi.comm.watchdog import EXIT_STALLED, diagnose, read_rank_map, read_reports
 
 
 # What mpirun passes on: EXIT_STALLED, or, when a rank's exit made it kill the others before they
@@ -46,6 +46,40 @@ def test_a_stalled_rank_ends_the_job_and_every_rank_reports(tmp_path):
                          heads[r]), heads[r]
         assert heads[r].endswith(f"exit status {EXIT_STALLED}")
     assert "  waiting: receive activation from rank 1" in out  # rank 2's pending list
+    # read back as the batch scripts do: the chain ends at rank 1, on its host in the rank map
+    hosts = read_rank_map(out)
+    waits, named = read_reports(out)
+    assert sorted(hosts) == [0, 1, 2], out[-3000:]
+    assert diagnose(waits, {**hosts, **named}, len(hosts)) == (
+        [hosts[1]], f"rank 1 on {hosts[1]} stalled in its own work (it was not waiting on MPI)")
+
+
+@pytest.mark.extended  # an MPI run each: the default selection has the stalls above
+def test_a_rank_stuck_at_the_end_of_the_run_ends_the_job(tmp_path):
+    """The writing rank (1) never gets through writing the summary (a stalled file system): the
+    end of the run is watched as every collective is, so both ranks report and the job ends
+    (ENDED_BY_WATCHDOG) instead of holding its nodes until the time limit. (The program gives
+    the end no grace beyond run.watchdog_s=3.)"""
+    proc = mpirun(2, [PROGRAMS / "faulty_train.py", "stall-end", 1, 0,
+                      "configs/quickstart.yaml", "--set", f"run.out_dir={tmp_path}",
+                      "--set", "run.watchdog_s=3", *QUICK], timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode in ENDED_BY_WATCHDOG, out[-3000:]
+    heads = dict(re.findall(r"petra_mpi: watchdog: rank (\d) \(\S+, stage \d\): (.*)", out))
+    assert sorted(heads) == ["0", "1"], out[-3000:]
+    assert all("in the end of the run, a collective of every rank" in h for h in heads.values())
+
+
+@pytest.mark.extended
+def test_the_summary_is_written_before_any_rank_leaves(tmp_path):
+    """The writing rank (1) writes summary.json 2 s late: no rank may exit before it is written
+    (srun ends the others a minute after the first one leaves, and may end the writer with
+    them)."""
+    proc = mpirun(2, [PROGRAMS / "faulty_train.py", "late-summary", 1, 0,
+                      "configs/quickstart.yaml", "--set", f"run.out_dir={tmp_path}", *QUICK],
+                  timeout=120)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert [(tmp_path / f"summary_at_exit.{r}").read_text() for r in (0, 1)] == ["True"] * 2
 
 
 # extended: the default selection covers the watchdog's stall report with the stalled rank above

@@ -14,7 +14,7 @@ from petra_mpi.core.optim import LRSchedule
 from tests.support.launch import mpirun
 from tests.support.outputs import check_run_outputs
 from tests.support.paths import PROGRAMS, QUICK
-from equivalence import COMPRESSED, REVVIT, batches, eval_batches
+from equivalence import COMPRESSED, REVVIT, batches, eval_batches, optimizer_settings
 
 
 def flat(params):
@@ -22,13 +22,14 @@ def flat(params):
 
 
 def local_reference(J, method, k, n, short_eval=False, arch="revnet18",
-                    compression=NO_COMPRESSION, **flags):
+                    compression=NO_COMPRESSION, run_flags=(), **flags):
+    """run_flags: the run's flags, for its optimizer (equivalence.optimizer_settings)."""
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     try:
         stages = build_stages(arch, 4, 10, J, seed=0, compression=compression, **flags)
         workers = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), k,
-                                weight_decay=5e-4)
+                                weight_decay=5e-4, **optimizer_settings(method, run_flags))
         engine = LocalEngine(workers, method, compression=compression)
         engine.train_segment(batches(n), n)
         engine.train_segment(batches(n, seed=2), n)
@@ -47,8 +48,10 @@ RUNS = {
         "petra:1:short_eval",  # evaluation's last batch has 2 samples, not 4
         "petra:2:revvit", "petra:2:bf16",
         "petra:2:irevnet",  # the fully invertible net: every stage but the stem's rebuilds
-        "petra:2:compress:short_eval"],  # every compression format, stochastic rounding on
-    4: ["petra:1", "petra:2", "backprop:1", "delayed:2:stash", "delayed:1:buffer:compress"],
+        "petra:2:compress:short_eval",  # every compression format, stochastic rounding on
+        "petra:2:compensate"],  # every delay compensation at once
+    4: ["petra:1", "petra:2", "backprop:1", "delayed:2:stash", "delayed:1:buffer:compress",
+        "petra:1:compensate:adamw", "delayed:2:buffer:stash:compensate"],
 }
 
 
@@ -83,7 +86,7 @@ def test_invariant3_mpi_equals_local_bitwise(launched, J, run):
                                        arch=arch, buffer_inputs="buffer" in flags,
                                        stash_weights="stash" in flags,
                                        compression=COMPRESSED if "compress" in flags else
-                                       NO_COMPRESSION)
+                                       NO_COMPRESSION, run_flags=flags)
     initial = build_stages(arch, 4, 10, J, seed=0)
     moved = 0.0
     for r in range(J):
@@ -96,8 +99,11 @@ def test_invariant3_mpi_equals_local_bitwise(launched, J, run):
         moved = max(moved, max((p - q).abs().max().item() for p, q in
                                zip(want_p, initial[r].parameters())))
     assert moved > 1e-3  # it trained
-    if "compress" in flags:  # and the compression changed what it learnt (the test has teeth)
-        plain, _ = local_reference(J, method, k, N, buffer_inputs="buffer" in flags)
+    if "compress" in flags or "compensate" in flags:  # and it changed what was learnt (the
+        # test has teeth)
+        plain, _ = local_reference(J, method, k, N, buffer_inputs="buffer" in flags,
+                                   stash_weights="stash" in flags,
+                                   run_flags=[f for f in flags if f != "compensate"])
         assert not torch.equal(flat(plain[0].parameters()), flat(stages[0].parameters()))
     last = torch.load(out / f"rank{J - 1}.pt")["eval"]
     assert last == ref_eval

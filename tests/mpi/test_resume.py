@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from petra_mpi.run.checkpoint import complete_checkpoints
-from petra_mpi.engines.stopping import EXIT_REQUEUE
+from petra_mpi.engines.stopping import EXIT_REQUEUE, EXIT_STOPPED
 from tests.support.launch import mpirun
 from tests.support.paths import QUICK, ROOT
 
@@ -106,7 +106,7 @@ def test_sigterm_mid_segment_stops_drains_and_resumes(tmp_path):
     proc = launch(4, tmp_path)
     signal_once_training(proc, tmp_path, signal.SIGTERM)
     code, log = finish(proc)
-    assert code == EXIT_REQUEUE, log[-3000:]
+    assert code == EXIT_STOPPED, log[-3000:]  # checkpointed, not for a requeue
     assert len(complete_checkpoints(str(tmp_path))) >= 1
     code, log = finish(launch(4, tmp_path, "--set", "run.resume=auto"))
     assert code == 0, log[-3000:]
@@ -190,3 +190,21 @@ def test_cuda_rng_state_is_the_ranks_own_gpu_and_restores_with_fewer_visible():
     restore_cuda_rng(None, torch.device("cuda", 0), one)  # a CPU run's checkpoint
     restore_cuda_rng(saved, torch.device("cpu"), one)  # resumed on the CPU
     assert torch.equal(one.states[0], four.states[2])
+
+
+@pytest.mark.extended  # invariant 8's resume: the test above with every delay compensation on
+def test_resume_with_delay_compensation_equals_running_on(tmp_path):
+    rules = ["--set", "run.checkpoint_every_microbatches=8", "--set", "optim.delay_momentum=1",
+             "--set", "optim.delay_prediction=1", "--set", "optim.delay_spike=true",
+             "--set", "optim.delay_lr_epochs=2"]
+    stopped, straight, plain = tmp_path / "stopped", tmp_path / "straight", tmp_path / "plain"
+    stop_mid_epoch(3, stopped, *rules)
+    code, log = finish(launch(3, stopped, *rules, "--set", "run.resume=auto"))
+    assert code == 0 and "resumed from" in log, log[-3000:]
+    for out, extra in ((straight, rules), (plain, rules[:2])):
+        code, log = finish(launch(3, out, *extra))
+        assert code == 0, log[-3000:]
+    assert_same_states(final_state(stopped, 3), final_state(straight, 3))
+    # the rules changed the training (the comparison has teeth)
+    first = final_state(straight, 3)[0]["stage"]
+    assert any(not torch.equal(v, final_state(plain, 3)[0]["stage"][k]) for k, v in first.items())

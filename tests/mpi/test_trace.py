@@ -31,17 +31,30 @@ def spans_of(out_dir):
 
 
 def check_spans(spans, pids):
+    """Every rank's spans, each forward and backward at its tick of PETRA's schedule (one stage
+    per pid) and measured within that tick's plan span."""
     assert {e["pid"] for e in spans} == set(pids)
-    for e in spans:
-        assert e["dur"] >= 0 and e["ts"] >= 0, e
+    assert all(e["ts"] >= 0 for e in spans)
     kinds = Counter(e["cat"] for e in spans)
     for kind in ("forward", "backward", "step", "loss", "plan"):
         assert kinds[kind] > 0, kind
     forwards = Counter(e["pid"] for e in spans if e["cat"] == "forward")
     assert all(forwards[p] == MICROBATCHES for p in pids), forwards
+    J = len(pids)
+    plans = {(e["pid"], e["args"]["tick"]): e for e in spans if e["cat"] == "plan"}
+    assert len(plans) == kinds["plan"]  # one segment: one plan span per rank and tick
     for e in spans:
-        if e["cat"] in ("forward", "backward"):
-            assert 0 <= e["args"]["microbatch"] < MICROBATCHES and e["args"]["tick"] >= 0, e
+        if e["cat"] not in ("forward", "backward"):
+            continue
+        s, b, tick = e["pid"], e["args"]["microbatch"], e["args"]["tick"]
+        assert 0 <= b < MICROBATCHES, e
+        # design.md: stage s forwards micro-batch b at tick b + s and backwards it at tick
+        # b + 2(J - 1) - s (the last stage both at once)
+        assert tick == (b + s if e["cat"] == "forward" else b + 2 * (J - 1) - s), e
+        # the clock: a span takes time and lies within its tick's plan span (0.01 us: rounding)
+        plan = plans[(s, tick)]
+        assert e["dur"] > 0 and plan["ts"] <= e["ts"], (e, plan)
+        assert e["ts"] + e["dur"] <= plan["ts"] + plan["dur"] + 0.01, (e, plan)
 
 
 @pytest.mark.extended

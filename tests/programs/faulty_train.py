@@ -2,10 +2,13 @@
 tests): its forward of one micro-batch raises, sleeps far longer than any test's
 run.watchdog_s, or kills its own process with SIGKILL as an OOM killer would (fail, stall,
 kill), or it sleeps in its first stop vote at a drain instead of voting
-(stall-vote, MICROBATCH unused): the other ranks then wait inside that collective.
+(stall-vote, MICROBATCH unused): the other ranks then wait inside that collective. At the end
+of the run (MICROBATCH unused; RANK the writing rank): stall-end sleeps instead of writing the
+summary, with no grace beyond run.watchdog_s for the end; late-summary writes it 2 s late, and
+every rank writes to OUT_DIR/summary_at_exit.RANK whether summary.json was there as it left.
 
-Usage: mpirun -n J python tests/programs/faulty_train.py (fail|stall|kill|stall-vote) RANK
-       MICROBATCH CONFIG [--set ...]
+Usage: mpirun -n J python tests/programs/faulty_train.py
+       (fail|stall|kill|stall-vote|stall-end|late-summary) RANK MICROBATCH CONFIG [--set ...]
 """
 import os
 import signal
@@ -19,13 +22,30 @@ from petra_mpi.run import trainer
 from petra_mpi.core.worker import StageWorker
 
 fault, fault_rank, fault_b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-assert fault in ("fail", "stall", "kill", "stall-vote"), fault
+assert fault in ("fail", "stall", "kill", "stall-vote", "stall-end", "late-summary"), fault
+rank = MPI.COMM_WORLD.Get_rank()
+if fault in ("stall-end", "late-summary"):
+    write_summary, pause = trainer.write_summary, 3600 if fault == "stall-end" else 2
+
+    def late_summary(*args, **kwargs):
+        time.sleep(pause)
+        write_summary(*args, **kwargs)
+
+    if rank == fault_rank:
+        trainer.write_summary = late_summary
+    trainer.END_GRACE_S = 0.0
+if fault == "late-summary":
+    status = train.main(sys.argv[4:])
+    out_dir = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("run.out_dir="))
+    with open(os.path.join(out_dir, f"summary_at_exit.{rank}"), "w") as f:
+        f.write(str(os.path.exists(os.path.join(out_dir, "summary.json"))))
+    sys.exit(status)
 if MPI.COMM_WORLD.Get_rank() == fault_rank and fault == "stall-vote":
     def agree(world, interrupts):
         time.sleep(3600)
 
     trainer.agree = agree
-elif MPI.COMM_WORLD.Get_rank() == fault_rank:
+elif MPI.COMM_WORLD.Get_rank() == fault_rank and fault in ("fail", "stall", "kill"):
     original = StageWorker.forward
 
     def forward(self, b, x):

@@ -1,8 +1,9 @@
-"""Run under mpirun: train irevnet18 with a mixed kept-blocks plan (mixed_plan) with the MPI engine
-and save each rank's stage, for the MPI = local test in tests/unit/test_kept_blocks.py.
+"""Run under mpirun: train irevnet18 with each kept-blocks plan of PLANS with the MPI engine and
+save each rank's stage, for the MPI = local tests in tests/mpi/test_kept_blocks_mpi.py.
 
 Usage: mpirun -n J python tests/programs/kept_equivalence.py OUT_DIR N K
-Writes OUT_DIR/rank{r}.pt: parameters, buffers and the peak kept bytes."""
+Writes OUT_DIR/{plan}-rank{r}.pt: parameters, buffers, the plan, the peak kept bytes and the
+rank's streams (the bytes each outgoing one sent, None for an incoming one)."""
 import os
 import sys
 
@@ -27,8 +28,18 @@ def batches(n, batch=4, seed=1):
 def mixed_plan(stage) -> list[int]:
     """Block i of stage s keeps (i + s) mod (d_s + 1) of every d_s micro-batches where it can:
     some blocks keep none, some a few, some all (with 3 stages: [0, 1] and [1, 2, 0])."""
-    return [(i + stage.index) % (stage.window + 1) if stage.can_keep(i) else 0
+    return [(i + stage.index) % (stage.window + 1) if stage.can_keep else 0
             for i in range(len(stage.blocks))]
+
+
+def last_keeps_all(stage) -> list[int]:
+    """mixed_plan, but the last block of every stage with a delay keeps all d_s micro-batches:
+    such a stage never uses a rebuilt input, so its successor sends none."""
+    plan = mixed_plan(stage)
+    return plan[:-1] + [stage.window] if stage.window else plan
+
+
+PLANS = {"mixed": mixed_plan, "last_keeps_all": last_keeps_all}
 
 
 def schedule():
@@ -40,17 +51,22 @@ def main():
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     world = World.from_environment()
-    (stage,) = build_stages(ARCH, 4, 10, world.size, seed=0, only=world.rank, image_size=SIDE)
-    stage.set_kept(mixed_plan(stage))
-    (worker,) = build_workers([stage], schedule(), k, weight_decay=5e-4)
-    engine = MPIEngine(worker, "petra", world, torch.float32, (3, SIDE, SIDE), 4, NO_COMPRESSION)
-    engine.train_segment(batches(n) if world.rank == 0 else None, n)
-    engine.train_segment(batches(n, seed=2) if world.rank == 0 else None, n)
     os.makedirs(out, exist_ok=True)
-    torch.save({"params": [p.detach() for p in stage.parameters()],
-                "buffers": [b.detach() for b in stage.buffers()],
-                "kept": stage.kept, "peak_kept_bytes": stage.peak_kept_bytes},
-               os.path.join(out, f"rank{world.rank}.pt"))
+    for name, plan in PLANS.items():
+        (stage,) = build_stages(ARCH, 4, 10, world.size, seed=0, only=world.rank,
+                                image_size=SIDE)
+        stage.set_kept(plan(stage))  # before the engine opens its streams
+        (worker,) = build_workers([stage], schedule(), k, weight_decay=5e-4)
+        engine = MPIEngine(worker, "petra", world, torch.float32, (3, SIDE, SIDE), 4,
+                           NO_COMPRESSION)
+        engine.train_segment(batches(n) if world.rank == 0 else None, n)
+        engine.train_segment(batches(n, seed=2) if world.rank == 0 else None, n)
+        torch.save({"params": [p.detach() for p in stage.parameters()],
+                    "buffers": [b.detach() for b in stage.buffers()],
+                    "kept": stage.kept, "peak_kept_bytes": stage.peak_kept_bytes,
+                    "streams": {s: getattr(box, "sent_bytes", None)
+                                for s, box in engine.streams.items()}},
+                   os.path.join(out, f"{name}-rank{world.rank}.pt"))
 
 
 if __name__ == "__main__":

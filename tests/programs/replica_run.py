@@ -39,6 +39,22 @@ def build(arch_flags, J, dtype, **kw):
     return build_stages("revnet18", 4, 10, J, seed=0, dtype=dtype, **kw)
 
 
+def record_applied(worker) -> dict:
+    """Per parameter, the sum of the gradients the worker's optimizer steps apply (averaged over
+    k and over the replicas: what the step itself sees), recorded as each step begins."""
+    applied, optimizer = {}, worker.optimizer
+    step = optimizer.step
+
+    def recording_step():
+        if optimizer.pending:
+            for i, p in enumerate(worker.stage.parameters()):
+                applied[i] = applied.get(i, 0) + p.grad / optimizer.pending
+        step()
+
+    optimizer.step = recording_step
+    return applied
+
+
 def main():
     out, method, k, n, R = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
     flags = sys.argv[6:]
@@ -49,16 +65,10 @@ def main():
     world.split(world.size // R)
     J = world.stages
     stages = build(flags, J, dtype, only=world.stage)
-    applied = {}
-
-    def on_update(worker):  # the step's gradient: averaged over k and over the replicas
-        for i, p in enumerate(worker.stage.parameters()):
-            applied[i] = applied.get(i, 0) + p.grad / worker.optimizer.pending
-
     lr0 = "lr0" in flags
     (worker,) = build_workers(stages, schedule(lr0), k, momentum=0.0 if lr0 else 0.9,
-                              weight_decay=0.0 if lr0 else 5e-4,
-                              on_update=on_update if lr0 else None)
+                              weight_decay=0.0 if lr0 else 5e-4)
+    applied = record_applied(worker) if lr0 else {}
     engine = MPIEngine(worker, method, world, dtype, (3, 16, 16), 4)
     if "noreduce" in flags:
         worker.average_with(None)

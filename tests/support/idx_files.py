@@ -1,14 +1,10 @@
 """Small MNIST-format (IDX) releases written by the tests, and the IDX packer run in-process."""
-import contextlib
 import gzip
-import importlib
-import io
 import os
-import signal
 
 import numpy as np
 
-from petra_mpi.prep.common import run_cli
+from tests.support.launch import run_packer
 
 
 def idx_bytes(array):
@@ -43,13 +39,4 @@ def make_set(folder, n_train=120, n_val=40, side=28, gz=True, prefix="", test="t
 
 def pack(*args):
     """`python -m petra_mpi.prep.idx ARGS` in this process: (exit status, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    sigterm = signal.getsignal(signal.SIGTERM)  # run_cli installs its own; keep pytest's
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            run_cli(importlib.import_module("petra_mpi.prep.idx").main, [str(a) for a in args])
-    except SystemExit as e:
-        status = e.code
-    finally:
-        signal.signal(signal.SIGTERM, sigterm)
-    return status, out.getvalue(), err.getvalue()
+    return run_packer("idx", *args)

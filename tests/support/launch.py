@@ -1,4 +1,8 @@
-"""Real launches of the project's commands, each under a timeout."""
+"""Real launches of the project's commands, each under a timeout, and a packer's command line
+run in the test's own process."""
+import contextlib
+import importlib
+import io
 import os
 import queue
 import signal
@@ -62,3 +66,20 @@ def start_and_interrupt(cmd, sig, group=False, sigint_ignored=False):
     err = proc.stderr.read()
     proc.wait(timeout=60)
     return proc.returncode, err, kids
+
+
+def run_packer(module, *args):
+    """`python -m petra_mpi.prep.MODULE ARGS` in this process (no interpreter start-up per
+    call): (exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    sigterm = signal.getsignal(signal.SIGTERM)  # run_cli installs its own; keep pytest's
+    from petra_mpi.prep.common import run_cli
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            run_cli(importlib.import_module(f"petra_mpi.prep.{module}").main,
+                    [str(a) for a in args])
+    except SystemExit as e:
+        status = e.code
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    return status, out.getvalue(), err.getvalue()

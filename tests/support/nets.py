@@ -6,7 +6,8 @@ from petra_mpi.comm.compress import NO_COMPRESSION
 from petra_mpi.engines.build import build_stages, build_workers
 from petra_mpi.engines.local import LocalEngine
 from petra_mpi.core.optim import LRSchedule
-from petra_mpi.core.schedule import updates_after
+from petra_mpi.core.schedule import Kind, updates_after
+from petra_mpi.core.worker import WorkerHooks
 
 
 def make_batches(n, batch=4, size=8, dtype=torch.float64, seed=1, classes=10):
@@ -20,30 +21,46 @@ def flat_params(stages):
 
 
 def run_engine(arch, J, k, batches, method="petra", lr=0.0, dtype=torch.float64, width=4,
-               momentum=0.9, weight_decay=0.0, on_update=None, compression=NO_COMPRESSION,
+               momentum=0.9, weight_decay=0.0, hooks=(), compression=NO_COMPRESSION,
                **stage_kw):
     """Train one segment on `batches` with the local engine (its messages and buffers compressed
-    as `compression` says); returns the stages."""
+    as `compression` says; hooks: WorkerHooks of every worker); returns the stages."""
     stages = build_stages(arch, width, 10, J, seed=0, dtype=dtype, compression=compression,
                           **stage_kw)
     workers = build_workers(stages, LRSchedule(lr, 10**6), k, momentum=momentum,
-                            weight_decay=weight_decay, on_update=on_update)
+                            weight_decay=weight_decay, hooks=hooks)
     LocalEngine(workers, method, compression=compression).train_segment(iter(batches),
                                                                         len(batches))
     return stages
 
 
-def applied_gradients(arch, J, k, batches, method="petra", dtype=torch.float64, **kw):
-    """Sum over the run of the averaged gradient each optimizer step applied, in network order."""
-    sums = {}
+class AppliedGradients(WorkerHooks):
+    """Sums, per parameter, the averaged gradient each optimizer step applies: before a step
+    action a stage holds the gradients the step averages (one replica: nothing changes them in
+    between)."""
 
-    def on_update(worker):
+    def __init__(self):
+        self.sums = {}  # (stage, parameter index) -> sum
+
+    def before(self, worker, action, x=None, labels=None):
+        if action.kind is not Kind.STEP:
+            return
         for i, p in enumerate(worker.stage.parameters()):
             g = p.grad / worker.optimizer.pending
-            sums[(worker.index, i)] = sums.get((worker.index, i), 0) + g
+            self.sums[(worker.index, i)] = self.sums.get((worker.index, i), 0) + g
 
-    stages = run_engine(arch, J, k, batches, method, lr=0.0, dtype=dtype, on_update=on_update, **kw)
-    return [sums[key] for key in sorted(sums)], stages
+
+def in_flight(stage) -> int:
+    """How many micro-batches `stage` still holds something of: FIFO inputs, stashed weights or
+    kept graphs (the longest of its queues); 0 after a drain."""
+    return max((len(q) for q in stage.fifos + stage.stashes + stage.graphs), default=0)
+
+
+def applied_gradients(arch, J, k, batches, method="petra", dtype=torch.float64, **kw):
+    """Sum over the run of the averaged gradient each optimizer step applied, in network order."""
+    applied = AppliedGradients()
+    stages = run_engine(arch, J, k, batches, method, lr=0.0, dtype=dtype, hooks=[applied], **kw)
+    return [applied.sums[key] for key in sorted(applied.sums)], stages
 
 
 def end_to_end_gradients(arch, k, batches, dtype=torch.float64, width=4, **stage_kw):

@@ -107,3 +107,50 @@ def test_resume_passes_over_a_damaged_newest_checkpoint_and_says_so(tmp_path, mo
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     (resumed,) = [r for r in records if r["event"] == "resume"]
     assert resumed["from"] == older and resumed["position"] == 8
+
+
+def test_a_damaged_checkpoint_is_set_aside_and_never_kept_over_a_good_one(tmp_path, monkeypatch,
+                                                                        capsys):
+    """The newest checkpoint (end of the epoch) is damaged; the run resumed from the previous
+    one (micro-batch 8) with run.keep_checkpoints=1 stops at its next drain. Its checkpoint
+    sorts before the damaged one by name: the damaged one must be out of the way (renamed
+    .corrupt), so that pruning keeps the new one, and the next run resumes from it."""
+    from petra_mpi.config import load_config, validate
+    from petra_mpi.engines.stopping import EXIT_REQUEUE, StopRequest
+    from petra_mpi.train import run
+
+    status, err = train_here(monkeypatch, capsys, tmp_path)  # keeps b8 and e1 b0
+    assert status == 0, err[-3000:]
+    older, newest = complete_checkpoints(str(tmp_path))
+    stage_file = Path(newest) / "stage1.pt"
+    stage_file.write_bytes(bytes(stage_file.stat().st_size))
+    args = [*EVERY_4, "--set", f"run.out_dir={tmp_path}", "--set", "run.keep_checkpoints=1"]
+    cfg = load_config(ROOT / "configs/quickstart.yaml", [a for a in args if a != "--set"])
+    validate(cfg, 1)
+    stop = StopRequest()
+    stop.requested = True  # as a SIGUSR1 at start: the first drain checkpoints and stops
+    assert run(cfg, None, stop=stop) == EXIT_REQUEUE
+    err = capsys.readouterr().err
+    (kept,) = complete_checkpoints(str(tmp_path))
+    assert os.path.basename(older) < os.path.basename(kept) < os.path.basename(newest), kept
+    assert checkpoints(tmp_path) == [os.path.basename(kept), "ckpt-e00001-b00000000.corrupt"]
+    assert f"set aside as {newest}.corrupt; resuming from" in err, err[-3000:]
+    status, err = train_here(monkeypatch, capsys, tmp_path)
+    assert status == 0 and f"resumed from {kept}" in err, err[-3000:]
+
+
+@pytest.mark.extended  # two runs; tests/mpi/test_hang_watchdog.py has the summary's order
+def test_a_finished_run_whose_summary_was_lost_writes_it_again(tmp_path, monkeypatch, capsys):
+    """summary.json comes last; a run whose writer was ended before writing it (a launcher's
+    kill) is finished all the same by its checkpoints: the same command again trains nothing and
+    writes the summary, with the run's history."""
+    status, err = train_here(monkeypatch, capsys, tmp_path)
+    assert status == 0, err[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    (tmp_path / "summary.json").unlink()
+    records = (tmp_path / "metrics.jsonl").read_text()
+    status, err = train_here(monkeypatch, capsys, tmp_path)
+    assert status == 0 and "already finished, nothing to do" in err, err[-3000:]
+    again = json.loads((tmp_path / "summary.json").read_text())
+    assert again["history"] == summary["history"] and again["val_acc"] == summary["val_acc"]
+    assert (tmp_path / "metrics.jsonl").read_text() == records  # nothing trained

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.support.nets import applied_gradients, make_batches, max_relative_error
-from petra_mpi.comm.compress import Codec, Compression, Packed
+from petra_mpi.comm.compress import Codec, Compression, NonFiniteError, Packed
 from petra_mpi.config import ConfigError, load_config
 from petra_mpi.engines.build import build_stages
 from petra_mpi.comm.transport import CHANNELS_LAST, CONTIGUOUS, from_wire, to_wire
@@ -246,6 +246,34 @@ def test_a_nonfinite_value_stops_an_int8_message(fmt, bad):
         buffers.pack(x)
 
 
+def test_an_fp16_overflow_stops_a_message():
+    """fp16 ends at 65504: a larger value would arrive as inf. Packing it is the clear
+    non-finite error, naming what was sent and fp16's range; bf16, which has float32's range,
+    carries it."""
+    x = activation()
+    x[0, 1, 2, 3] = 1e5
+    codec = Compression(forward="fp16").codec("forward", stage=1)
+    with pytest.raises(NonFiniteError, match="in the activations stage 1 sends in fp16, whose "
+                                             "largest value is 65504"):
+        codec.roundtrip(x)
+    assert torch.isfinite(Codec("bf16").roundtrip(x)).all()
+
+
+@pytest.mark.parametrize("fmt,bad", [("fp16", 1e5), ("int8", float("inf")),
+                                     ("int8_channel", float("nan"))])
+def test_a_buffer_that_would_decode_non_finite_stops_the_backward_that_takes_it(fmt, bad):
+    """Stage 0 of RevNet18 keeps its (non-reversible) stem's input for the backward, packed in
+    `fmt`: one value that would decode to inf or NaN (an fp16 overflow, an inf or NaN under an
+    int8 scale). The buffer is checked when the backward takes it (on a GPU from a host copy
+    made at the push: no wait there): the backward raises the clear error before it uses it."""
+    (stage, _) = build_stages("revnet18", 4, 10, 2, compression=Compression(buffers=fmt))
+    x = torch.randn(2, 3, 32, 32)
+    x[1, 2, 3, 4] = bad
+    y = stage.forward(x, b=0)
+    with pytest.raises(NonFiniteError, match=f"in the input stage 0 keeps for its backward"):
+        stage.backward(y, torch.randn_like(y), b=0)
+
+
 def test_a_nonfinite_gradient_stops_the_run_before_any_stage_uses_it(tmp_path, monkeypatch,
                                                                       capsys):
     """A real run in one process with int8 gradients, where the last stage's input gradient of
@@ -258,10 +286,10 @@ def test_a_nonfinite_gradient_stops_the_run_before_any_stage_uses_it(tmp_path, m
     workers, at_injection = [], []
     begin, forward_backward = StageWorker.begin_segment, StageWorker.forward_backward
 
-    def begin_segment(self, n):
+    def begin_segment(self):
         if self not in workers:
             workers.append(self)
-        begin(self, n)
+        begin(self)
 
     def poisoned(self, b, x, labels):
         loss, logits, grad_x = forward_backward(self, b, x, labels)

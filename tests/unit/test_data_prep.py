@@ -24,8 +24,9 @@ from PIL import Image
 from tests.support.launch import start_and_interrupt
 from tests.support.paths import ROOT
 from tests.support.verify_files import assert_one_problem
-from petra_mpi.prep.common import PrepError, run_cli
-from petra_mpi.prep.imagenet import encode, ordered_map, read_val_labels
+from petra_mpi.prep.common import PrepError, ordered_map, run_cli
+from petra_mpi.prep.imagenet import read_val_labels
+from petra_mpi.prep.pictures import encode
 from petra_mpi.prep.verify import verify
 from tests.support.upstream_formats import (CLASSES, TARGET, make_cifar10, make_cifar100, make_imagenet,
                               smooth_image, to_planes)
@@ -597,7 +598,8 @@ def test_verify_cli_and_jpeg_violations(tmp_path):
     assert proc.returncode == 2 and "cannot open" in proc.stderr
 
 
-@pytest.mark.parametrize("module", ["cifar", "imagenet32", "imagenet", "synthetic", "verify"])
+@pytest.mark.parametrize("module", ["cifar", "imagenet32", "imagenet", "synthetic", "verify",
+                                    "folder", "parquet"])
 def test_help(module):
     proc = run(module, "--help")
     assert proc.returncode == 0 and "usage:" in proc.stdout

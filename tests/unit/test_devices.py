@@ -47,7 +47,7 @@ def test_launcher_local_rank_names_its_source():
 def test_pick_device_cpu_and_bind_early_cpu():
     from petra_mpi.config import Config
     from petra_mpi.comm.devices import bind_early
-    from petra_mpi.run.trainer import pick_device
+    from petra_mpi.run.placement import pick_device
     cfg = Config()
     cfg.run.device = "cpu"
     assert pick_device(cfg, 3) == torch.device("cpu")

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.nets import (applied_gradients, end_to_end_gradients, flat_params, make_batches,
-                     max_relative_error, run_engine)
+from tests.support.nets import (applied_gradients, end_to_end_gradients, flat_params, in_flight,
+                                make_batches, max_relative_error, run_engine)
 from petra_mpi.engines.build import build_stages
 from petra_mpi.models import build_blocks, frozen_bn_stats, num_blocks
 from petra_mpi.core.optim import LRSchedule, StageOptimizer
@@ -29,7 +29,7 @@ def test_invariant1_lr0_gradient_equals_end_to_end_float64(arch, J, k):
     # against its own scale).
     floor = 1e-6 if arch == "irevnet18" else 0.0
     assert max_relative_error(got, want, floor) < 1e-10  # float64: the rebuild is exact to rounding
-    assert all(s.in_flight() == 0 for s in stages), "drain left micro-batches in flight"
+    assert all(in_flight(s) == 0 for s in stages), "drain left micro-batches in flight"
 
 
 def test_invariant1_float32_and_revnet50():

@@ -1,8 +1,7 @@
 """Kept blocks under a memory budget (docs/design.md §1, invariant 7): budget 0 is PETRA, a block
 keeping every micro-batch trains as `delayed` with buffer_inputs and stash_weights, a mixed plan
-as the per-micro-batch mixture of the two rules, the planner's bytes are the measured peak, and
-the config key's errors are one clear line, and the MPI engine follows the local one bitwise
-(mpirun -n 3, extended)."""
+as the per-micro-batch mixture of the two rules, the planner's bytes are what the graphs hold, and
+the config key's errors are one clear line (under mpirun: tests/mpi/test_kept_blocks_mpi.py)."""
 import dataclasses
 
 import pytest
@@ -12,18 +11,17 @@ from petra_mpi.config import ConfigError, load_config
 from petra_mpi.engines.build import build_stages, build_workers
 from petra_mpi.engines.local import LocalEngine
 from petra_mpi.core.blockcost import BlockCosts
-from petra_mpi.core.memory_plan import (balance_with_plan, budget_bytes, choose, kept_bytes,
-                                        measured_units, plan_blocks, plan_stages, probe_sizes,
-                                        split_for_budget, stage_units)
+from petra_mpi.core.memory_plan import (balance_with_plan, budget_bytes, choose, measured_units,
+                                        plan_blocks, plan_stages, probe_kept, split_for_budget,
+                                        stage_kept_bytes, stage_units)
 from petra_mpi.models import build_blocks, frozen_bn_stats
 from petra_mpi.models.blocks import Head
 from petra_mpi.core.optim import LRSchedule
 from petra_mpi.core.partition import balanced_partition, resolve_partition, split_blocks
 from petra_mpi.core.schedule import delay
 from petra_mpi.core.stages import Stage
-from tests.support.launch import mpirun
-from tests.support.nets import make_batches
-from tests.support.paths import PROGRAMS, ROOT
+from tests.support.nets import in_flight, make_batches
+from tests.support.paths import ROOT
 
 # Three stages of reversible blocks (irevnet18's first coupling blocks and its first invertible
 # downsampling, all with batch norm) and a head: every block before the last stage can keep, so
@@ -65,7 +63,7 @@ def train(stages, method="petra", k=2, lr=0.2, channels=8):
     engine = LocalEngine(workers, method)
     engine.train_segment(iter(batches(channels=channels)), N)
     engine.train_segment(iter(batches(seed=2, channels=channels)), N)
-    assert all(s.in_flight() == 0 and s.kept_bytes == 0 for s in stages)
+    assert all(in_flight(s) == 0 and s.kept_bytes == 0 for s in stages)
     return stages
 
 
@@ -186,6 +184,25 @@ def test_mixed_plan_is_the_per_microbatch_mixture():
     assert differs(got, state(train(tiny_stages(ALL_KEPT)))) > 1e-6
 
 
+def test_a_stage_whose_last_block_keeps_everything_wants_no_rebuilt_input():
+    """Where a stage's last block keeps every micro-batch in flight, each backward starts from
+    the kept graph: the rebuilt input its successor would send is unused, so the stage does not
+    ask for it (both engines send ỹ only where needs_rebuilt_input), and its backward without
+    it is the same."""
+    assert [s.needs_rebuilt_input for s in tiny_stages()[:-1]] == [True, True]
+    assert [s.needs_rebuilt_input for s in tiny_stages(MIXED)[:-1]] == [True, True]
+    assert [s.needs_rebuilt_input for s in tiny_stages(ALL_KEPT)[:-1]] == [False, False]
+    assert tiny_stages([[0, 1], [0, 2], [0]])[1].needs_rebuilt_input is False
+    results = []
+    for rebuilt in (True, False):
+        stage = tiny_stages(ALL_KEPT)[1]
+        x, _ = batches(1)[0]
+        y = stage(x, 0)
+        x_, grad_x = stage.backward(y if rebuilt else None, torch.ones_like(y), 0)
+        results.append([x_, grad_x, *(p.grad for p in stage.parameters())])
+    assert_same(*results, exact=True)
+
+
 def test_batch_norm_statistics_update_once_per_microbatch_in_the_backward():
     stages = tiny_stages(MIXED)
     bns = [m for m in stages[0].modules() if isinstance(m, torch.nn.BatchNorm2d)]
@@ -198,25 +215,67 @@ def test_batch_norm_statistics_update_once_per_microbatch_in_the_backward():
     assert_same(state(stages), before, exact=True)
 
 
-def test_predicted_kept_bytes_are_the_measured_peak():
-    stages = tiny_stages(MIXED)
-    x = batches(1)[0][0]
-    sizes = [[z or 0 for z in zs] for zs in kept_bytes(tiny_stages(), x)]
-    train(stages)
-    for s, stage in enumerate(stages):
-        assert stage.peak_kept_bytes == sum(k * z for k, z in zip(MIXED[s], sizes[s]))
-    assert stages[0].peak_kept_bytes > 0 and stages[1].peak_kept_bytes > 0
-    # the planner's probe on 2 and 3 samples, extended to the batch of 4, gives the same bytes
-    planned = probe_sizes(tiny_stages(), lambda n: batches(1, batch=n)[0][0], len(x))
-    assert [[z or 0 for z in zs] for zs in planned] == sizes
+def held_by_graphs(stage):
+    """What a stage's kept graphs hold, counted apart from the stage's own bookkeeping: from each
+    graph's output edge, every autograd node's saved tensors (its _saved_* attributes) and leaves
+    (AccumulateGrad.variable), with the input, stashed weights and batch-norm statistics the
+    graph holds itself; each storage once, less the stage's parameters and buffers. Returns
+    (bytes held, of which saved activations: saved storages that are none of those leaves)."""
+    own = {t.untyped_storage().data_ptr() for t in (*stage.parameters(), *stage.buffers())}
+    saved, leaves = {}, {}
+
+    def add(into, t):
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in own:
+            into[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    for graph in (g for q in stage.graphs for g in q):
+        nodes, seen = [graph.edge.node], set()
+        while nodes:
+            node = nodes.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            nodes += [n for n, _ in node.next_functions]
+            for name in (n for n in dir(node) if n.startswith("_saved_")):
+                value = getattr(node, name)
+                for t in value if isinstance(value, (tuple, list)) else (value,):
+                    add(saved, t)
+            add(leaves, getattr(node, "variable", None))
+        for t in (graph.input, *graph.weights, *(t for _, *ts in graph.batch_norms for t in ts)):
+            add(leaves, t)
+    activations = sum(n for ptr, n in saved.items() if ptr not in leaves)
+    return sum({**saved, **leaves}.values()), activations
 
 
-def test_kept_bytes_include_input_weights_and_saved_activations():
-    (stage, *_) = tiny_stages()
-    x = batches(1)[0][0]
-    (first, _), _ = stage.kept_bytes_per_microbatch(x)
-    weights = sum(p.numel() * 8 for p in stage.blocks[0].parameters())
-    assert first >= x.numel() * 8 + weights
+def at_the_peak(stages, channels=8):
+    """Forward d_s micro-batches through each stage, no backward: every stage holds what it
+    holds at its peak, one micro-batch of every b mod d_s."""
+    xs = [x for x, _ in batches(max(s.window for s in stages), channels=channels)]
+    for stage in stages[:-1]:
+        xs = [stage(x, b) for b, x in enumerate(xs[:stage.window])]
+    return stages
+
+
+@pytest.mark.parametrize("revnet", [False, True])
+def test_predicted_kept_bytes_are_what_the_graphs_hold(revnet):
+    """The planner's bytes (probed on 2 and 3 samples, extended to the batch of 4) against an
+    independent count of what the kept graphs hold at the peak (held_by_graphs), which must
+    include the saved activations; the stage's own count and its peak in training agree.
+    RevNet18 whole: the stem keeps 3 of 4 micro-batches and the next block 1, and the stem's
+    saved (in-place) ReLU output is that block's input: held once, not twice."""
+    plan, channels = (REVNET_MIXED, 3) if revnet else (MIXED, 8)
+    sizes, shared = probe_kept(tiny_stages(revnet=revnet),
+                               lambda n: batches(1, batch=n, channels=channels)[0][0], 4)
+    predicted = [stage_kept_bytes(k, z, g) for k, z, g in zip(plan, sizes, shared)]
+    stages = at_the_peak(tiny_stages(plan, revnet=revnet), channels)
+    for s, stage in enumerate(stages[:-1]):
+        held, activations = held_by_graphs(stage)
+        assert activations > 0 and held > activations
+        assert stage.kept_bytes == held == predicted[s] > 0, s
+    if revnet:  # the stem shares with the next block
+        assert shared[0] == {(0, 1): 4 * 8 * 8 * 8 * 8}  # the stem's output, float64
+        assert predicted[0] == sum(k * z for k, z in zip(plan[0], sizes[0])) - shared[0][(0, 1)]
+    stages = train(tiny_stages(plan, revnet=revnet), channels=channels)
+    assert [s.peak_kept_bytes for s in stages] == predicted
 
 
 def test_plan_rule_bounds():
@@ -231,6 +290,18 @@ def test_plan_rule_bounds():
     (stashing, *_) = tiny_stages(stash_weights=True)
     with pytest.raises(ValueError, match="the last stage and weight stashing keep no graphs"):
         stashing.set_kept([1, 0])
+
+
+def test_the_planner_counts_a_shared_storage_once():
+    """Two blocks whose graphs of one micro-batch share 40 bytes (shared): keeping both for both
+    of the d_s = 2 micro-batches holds 2 (100 + 100 - 40) = 320 bytes, which a budget of 320
+    allows, and the plan says so; keeping one block's micro-batch alone holds its 100."""
+    units, sizes, shared = [[1.0, 1.0], [0.1]], [[100, 100], [None]], [{(0, 1): 40}, {}]
+    plan = choose(units, sizes, [2, 0], [320, None], shared)
+    assert plan.kept[0] == [2, 2] and plan.kept_bytes[0] == 320
+    assert choose(units, sizes, [2, 0], [319, None], shared).kept[0] in ([2, 1], [1, 2])
+    assert stage_kept_bytes([2, 1], sizes[0], shared[0]) == 160 + 100
+    assert stage_kept_bytes([2, 2], sizes[0]) == 400  # without the sharing
 
 
 def test_planner_minimises_the_slowest_stage_under_the_budget():
@@ -327,7 +398,7 @@ def test_the_split_is_balanced_with_the_plans_costs():
 
 
 def test_a_measured_split_is_balanced_with_the_plans_costs_too():
-    """model.balance: measure with a budget (trainer.choose_partition): the measured balance is
+    """model.balance: measure with a budget (layout.choose_layout): the measured balance is
     redone with the plan's costs. Measured costs the test fixes: every block 1 forward + 3
     backward outside the last stage, 3 in it. PETRA's split then leaves stage 0 the faster one;
     without a limit stage 0 keeps its reversible blocks, costs less per block, takes more of
@@ -386,37 +457,6 @@ def test_budget_fraction_is_of_the_device_memory():
     assert budget_bytes("auto") is None and budget_bytes(0) == 0 and budget_bytes(123) == 123
 
 
-@pytest.mark.extended  # mpirun -n 3
-def test_mpi_equals_local_bitwise_with_a_mixed_plan(tmp_path):
-    from kept_equivalence import ARCH, SIDE, batches as mpi_batches, mixed_plan, schedule
-    n, k = 6, 2
-    proc = mpirun(3, [PROGRAMS / "kept_equivalence.py", tmp_path, n, k], timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    def local(plan):
-        stages = build_stages(ARCH, 4, 10, 3, seed=0, image_size=SIDE)
-        for s in stages:
-            s.set_kept(plan(s))
-        engine = LocalEngine(build_workers(stages, schedule(), k, weight_decay=5e-4), "petra")
-        engine.train_segment(mpi_batches(n), n)
-        engine.train_segment(mpi_batches(n, seed=2), n)
-        return stages
-    try:
-        stages, petra = local(mixed_plan), local(lambda s: None)
-    finally:
-        torch.use_deterministic_algorithms(False)
-    assert differs(state(stages), state(petra)) > 1e-6  # the plan changes what it learns
-    assert [s.kept for s in stages] == [[0, 1], [1, 2, 0], [0] * 5]  # a mixed plan
-    for r, stage in enumerate(stages):
-        got = torch.load(tmp_path / f"rank{r}.pt")
-        assert got["kept"] == stage.kept and got["peak_kept_bytes"] == stage.peak_kept_bytes
-        want = [*stage.parameters(), *stage.buffers()]
-        assert len(got["params"]) + len(got["buffers"]) == len(want)
-        for g, w in zip(got["params"] + got["buffers"], want):
-            assert torch.equal(g, w), f"rank {r} differs from the local engine"
-
-
 def test_dry_run_prints_the_plan(capsys):
     from petra_mpi.run.dryrun import report
     cfg = load_config(QUICKSTART, ["model.memory_budget=auto", "model.balance=estimate",
@@ -449,39 +489,3 @@ def test_build_stages_applies_the_budget_on_every_rank_alike():
         (own,) = build_stages("revnet18", 4, 10, 4, only=r, **kw)
         assert own.kept == plan.kept[r]
 
-
-@pytest.mark.extended  # mpirun -n 3, two short runs
-def test_a_measured_run_with_a_budget_trains_its_plan_and_resumes_it(tmp_path):
-    """model.balance: measure under a budget (trainer.choose_partition): rank 0 times the
-    blocks, redoes the balance with the plan in measured units and sends split and plan to
-    every rank; the manifest records the plan, and a resumed run trains that plan again (a
-    second timing could come out otherwise)."""
-    import json
-
-    from petra_mpi.run.checkpoint import complete_checkpoints
-    from tests.support.paths import QUICK
-    args = ["-m", "petra_mpi.train", "configs/quickstart.yaml", *QUICK,
-            "--set", f"run.out_dir={tmp_path}", "--set", "model.balance=measure",
-            "--set", "model.memory_budget=auto", "--set", "run.threads=1"]
-    first = mpirun(3, args, timeout=300)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "stages balanced by measured cost" in first.stderr
-    def last_manifest():
-        last = complete_checkpoints(str(tmp_path))[-1]
-        with open(f"{last}/manifest.json") as f:
-            return last, json.load(f)
-    first_ckpt, manifest = last_manifest()
-    split, kept = manifest["partition"], manifest["kept"]
-    assert sum(split) == 10 and [len(k) for k in kept] == split
-    # at most d_s of every d_s micro-batches, nothing in the last stage (whether a block keeps
-    # depends on the timings: a stage that is not the slowest keeps nothing)
-    assert all(0 <= k <= delay(3, s) for s, ks in enumerate(kept) for k in ks)
-    assert not any(kept[-1])
-    # resumed with the checkpoint's split and plan, not a new measurement
-    again = mpirun(3, args + ["--set", "train.epochs=2", "--set", "run.resume=auto"],
-                   timeout=300)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "stages balanced by measured cost" not in again.stderr
-    last_ckpt, resumed = last_manifest()
-    assert last_ckpt != first_ckpt  # written by the resumed run
-    assert (resumed["partition"], resumed["kept"]) == (split, kept)

@@ -5,14 +5,14 @@ import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "petra_mpi"
 LAYERS = [  # bottom to top
-    {"config", "archs"},                  # settings: no torch
+    {"config", "archs", "files"},         # settings, writing a file atomically: no torch
     {"models", "data", "comm"},           # networks, datasets, talking between ranks
     {"core"},                             # the algorithm: schedule, stages, worker, optimizer
     {"engines"},                          # running the schedule: one process or one rank per stage
     {"run"},                              # a training run: trainer, checkpoints, logs, dry run
     {"perf", "prep"},                     # performance model, emulation, benchmarks; packers
-    {"train", "evaluate", "export", "generate", "schedule", "watchdog", "elastic", "plot",
-     "bench", "__init__"},                # the commands users run
+    {"train", "evaluate", "export", "generate", "predict", "schedule", "watchdog", "elastic",
+     "plot", "bench", "__init__"},        # the commands users run
 ]
 
 

@@ -1,8 +1,6 @@
 """The causal language models (models/lm.py) on the PETRA engine: causality, the coupling's
 rebuild with depth in fp32 and bf16, reversible against autograd gradients, PETRA at J = 1
 against reversible backprop, and docs/design.md §1 invariant 1 for the reversible LM."""
-import json
-import math
 import subprocess
 import sys
 
@@ -10,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.launch import mpirun
 from tests.support.paths import ROOT
-from tests.support.nets import applied_gradients, end_to_end_gradients, flat_params, max_relative_error
+from tests.support.token_runs import pack_token_file, tiny_lm_run
+from tests.support.nets import (applied_gradients, end_to_end_gradients, flat_params, in_flight,
+                                max_relative_error)
 from petra_mpi.config import ConfigError, load_config
 from petra_mpi.engines.build import build_stages, build_workers
 from petra_mpi.engines.local import LocalEngine
@@ -124,7 +123,7 @@ def test_invariant1_lr0_gradient_equals_end_to_end_float64(J, k):
     want = end_to_end_gradients("revlm", k, batches, width=8, **TINY)
     assert len(got) == len(want)
     assert max_relative_error(got, want) < 1e-10
-    assert all(s.in_flight() == 0 for s in stages)
+    assert all(in_flight(s) == 0 for s in stages)
 
 
 def test_invariant1_detects_a_wrong_gradient():
@@ -200,63 +199,9 @@ def test_config_keys(tmp_path):
 
 # ---- end to end through the train command ------------------------------------------------------
 
-def tiny_lm_run(tmp_path, token_file, out, *sets):
-    """The train command's arguments for a tiny revlm on `token_file` (2 stages, 2 epochs of 6
-    micro-batches, k = 2, AdamW), one torch thread per rank."""
-    return ["-m", "petra_mpi.train", str(ROOT / "configs/lm/shakespeare_cpu.yaml"),
-            "--set", f"data.path={token_file}", "--set", f"run.out_dir={out}",
-            "--set", "run.threads=1", "--set", "run.progress=false", "--set", "model.width=16",
-            "--set", "model.heads=2", "--set", "model.depth=2", "--set", "model.context=16",
-            "--set", "model.stages=2", "--set", "data.batch_size=4", "--set", "train.epochs=2",
-            "--set", "train.limit_batches=6", "--set", "train.limit_eval_batches=3",
-            "--set", "train.accumulation=2", "--set", "data.prefetch=0", *sets]
-
-
 @pytest.fixture
 def token_file(tmp_path):
-    text = tmp_path / "text.txt"
-    g = torch.Generator().manual_seed(0)
-    words = ["the", "king", "queen", "doth", "speak", "and", "thou", "art", "\n"]
-    text.write_text(" ".join(words[i] for i in torch.randint(0, 9, (3000,), generator=g)))
-    out = tmp_path / "text.h5"
-    subprocess.run([sys.executable, "-m", "petra_mpi.prep.text", "--source", str(text), "--out",
-                    str(out)], check=True, capture_output=True, cwd=ROOT, timeout=60)
-    return out
-
-
-def final_stages(out):
-    ckpt = sorted((out / "checkpoints").glob("ckpt-e00002-*"))[-1]
-    return [torch.load(p, weights_only=False)["stage"] for p in sorted(ckpt.glob("stage*.pt"))]
-
-
-@pytest.mark.extended  # two runs of the train command, one under mpirun: ~16 s on 2 cores
-def test_train_command_mpi_equals_local_bitwise(tmp_path, token_file):
-    """The train command on a token file, in one process and under mpirun -n 2: the same
-    parameters bit for bit, the same metrics, and the evaluation in nats per token and bits per
-    byte."""
-    local, mpi = tmp_path / "local", tmp_path / "mpi"
-    r = subprocess.run([sys.executable, *tiny_lm_run(tmp_path, token_file, local)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stderr.count(" tok/s") == 2 and " img/s" not in r.stderr  # the epoch lines
-    r = mpirun(2, tiny_lm_run(tmp_path, token_file, mpi), timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    want, got = final_stages(local), final_stages(mpi)
-    assert len(want) == len(got) == 2
-    for w, g in zip(want, got):
-        assert w.keys() == g.keys()
-        assert all(torch.equal(w[k], g[k]) for k in w), "mpirun differs from one process"
-
-    def records(out, event):
-        lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        return [{k: v for k, v in x.items() if "loss" in k or "bpb" in k}
-                for x in lines if x["event"] == event]
-    evals = records(local, "eval")
-    assert records(mpi, "eval") == evals and records(mpi, "train") == records(local, "train")
-    assert len(evals) == 2 and evals[1]["val_loss"] < evals[0]["val_loss"]  # it learns
-    assert evals[1]["val_bpb"] == pytest.approx(evals[1]["val_loss"] / math.log(2))
-    summary = json.loads((local / "summary.json").read_text())
-    assert summary["tokens_per_s"] == summary["images_per_s"] > 0
+    return pack_token_file(tmp_path)
 
 
 @pytest.mark.extended  # three starts of the train command: ~15 s
@@ -268,8 +213,7 @@ def test_train_command_refuses_mismatched_data(tmp_path, token_file):
               "holds images but model.arch is revlm"),
              (("--set", "model.context=2000"), "fewer than model.context 2000 + 1")]
     for sets, message in cases:
-        r = subprocess.run([sys.executable, *tiny_lm_run(tmp_path, token_file, tmp_path / "x",
-                                                         *sets)],
+        r = subprocess.run([sys.executable, *tiny_lm_run(token_file, tmp_path / "x", *sets)],
                            capture_output=True, text=True, cwd=ROOT, timeout=120)
         assert r.returncode != 0
         assert message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
@@ -307,6 +251,73 @@ def test_generate_from_an_export(tmp_path):
     assert run("--top-k", "1", "--seed", "3")[1] == run("--temperature", "0")[1]
     status, out, err = run("--prompt", "JULIET:")
     assert status == 2 and not out and err.count("\n") == 1 and "outside the vocabulary" in err
+
+
+class RecordingLM(torch.nn.Module):
+    """A stand-in language model that records every window it is given and returns logits that
+    depend on the position: row t of a window favours token window[t] + 1 (mod the vocabulary)
+    by `peak`, over a slope that makes the temperature matter. Its output is (B·T, V), as the
+    real models' is."""
+
+    def __init__(self, peak):
+        super().__init__()
+        self.peak, self.windows = peak, []
+
+    def row(self, token):
+        logits = torch.linspace(0.0, 3.0, VOCAB)
+        logits[(token + 1) % VOCAB] += self.peak
+        return logits
+
+    def forward(self, window):
+        assert window.dtype == torch.long and window.shape[0] == 1
+        self.windows.append(window[0].tolist())
+        return torch.stack([self.row(t) for t in window[0].tolist()])
+
+
+def test_generate_samples_the_last_position_of_the_last_context_tokens():
+    """sample(): each draw sees the last model.context ids (the prompt longer than the context
+    included), takes the last position's logits, divides them by the temperature and draws from
+    their softmax with the given generator (the test redraws the same way)."""
+    from petra_mpi.generate import sample
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]  # longer than the context of 4
+    context, n = 4, 12
+    greedy = RecordingLM(peak=10.0)
+    ids = sample(greedy, prompt, n, context, temperature=0)
+    assert ids[:len(prompt)] == prompt
+    assert ids[len(prompt):] == [(prompt[-1] + 1 + i) % VOCAB for i in range(n)]
+    assert greedy.windows == [ids[:len(prompt) + i][-context:] for i in range(n)]
+    assert all(len(w) == context for w in greedy.windows)
+    # a prompt shorter than the context: the whole of it, growing up to the context
+    short = RecordingLM(peak=10.0)
+    ids = sample(short, [7], 5, context, temperature=0)
+    assert [len(w) for w in short.windows] == [1, 2, 3, 4, 4] and short.windows[-1] == ids[-5:-1]
+    # drawn: logits / temperature, from the last position, with the caller's generator
+    for temperature in (0.5, 3.0):
+        drawn = RecordingLM(peak=1.0)
+        ids = sample(drawn, prompt, 40, context, temperature,
+                     generator=torch.Generator().manual_seed(5))
+        g, want = torch.Generator().manual_seed(5), list(prompt)
+        for _ in range(40):
+            p = (drawn.row(want[-1]) / temperature).softmax(-1)
+            want.append(int(torch.multinomial(p, 1, generator=g)))
+        assert ids == want, temperature
+        assert drawn.windows == [ids[:len(prompt) + i][-context:] for i in range(40)]
+
+
+def test_torch_export_of_a_language_model(tmp_path):
+    """export --format torch.export on a language model: a program over token ids with any
+    batch and any window up to the context, computing the plain module's logits."""
+    from petra_mpi.export import load_model, write_torch_export
+    from petra_mpi.models import build_network
+    network = dict(arch="revlm", width=8, num_classes=VOCAB, depth=2, heads=2, context=CONTEXT)
+    torch.manual_seed(0)
+    saved = {"network": network, "state_dict": build_network(**network).state_dict()}
+    write_torch_export(saved, str(tmp_path / "model.pt2"))
+    program = torch.export.load(str(tmp_path / "model.pt2")).module()
+    plain = load_model(saved)
+    for shape in ((3, CONTEXT), (1, 3), (2, 1)):
+        ids = torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(program(ids), plain(ids)), shape
 
 
 # ---- tokens in the dry run and the throughput figures ------------------------------------------

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.support.paths import ROOT
-from tests.support.nets import (applied_gradients, end_to_end_gradients, flat_params, make_batches,
-                     max_relative_error)
+from tests.support.nets import (applied_gradients, end_to_end_gradients, flat_params, in_flight,
+                                make_batches, max_relative_error)
 from petra_mpi.config import ConfigError, load_config, num_stages
 from petra_mpi.engines.build import build_stages, build_workers
 from petra_mpi.engines.local import LocalEngine
@@ -79,7 +79,7 @@ def test_invariant1_lr0_gradient_equals_end_to_end_float64(arch, J, k):
     want = end_to_end_gradients(arch, k, batches, width=8, **TINY)
     assert len(got) == len(want)
     assert max_relative_error(got, want) < 1e-10
-    assert all(s.in_flight() == 0 for s in stages)
+    assert all(in_flight(s) == 0 for s in stages)
 
 
 def plain_training(arch, k, batches, schedule, optimizer):

@@ -3,8 +3,7 @@ from collections import Counter
 
 import pytest
 
-from petra_mpi.core.schedule import (Action, Kind, backward_microbatch, delay, forward_microbatch,
-                                main, num_ticks, schedule_for, updates_after)
+from petra_mpi.core.schedule import Action, Kind, delay, main, num_ticks, schedule_for, updates_after
 
 
 @pytest.mark.parametrize("J", list(range(1, 19)))
@@ -12,14 +11,15 @@ from petra_mpi.core.schedule import (Action, Kind, backward_microbatch, delay, f
 def test_petra_every_microbatch_once_per_stage_with_the_design_delays(J, n):
     seen_f, seen_b = Counter(), Counter()
     fwd_tick, bwd_tick = {}, {}
+    schedule = schedule_for("petra", J)
     for t in range(num_ticks("petra", J, n)):
         for s in range(J):
-            b = forward_microbatch("petra", J, s, t, n)
+            b = schedule.forward_microbatch(s, t, n)
             if b is not None:
                 seen_f[(s, b)] += 1
                 fwd_tick[(s, b)] = t
                 assert t == b + s
-            b = backward_microbatch("petra", J, s, t, n)
+            b = schedule.backward_microbatch(s, t, n)
             if b is not None:
                 seen_b[(s, b)] += 1
                 bwd_tick[(s, b)] = t
@@ -42,10 +42,11 @@ def test_backprop_one_stage_busy_at_a_time(J):
     n = 4
     busy = Counter()
     order = []
+    schedule = schedule_for("backprop", J)
     for t in range(num_ticks("backprop", J, n)):
         for s in range(J):
-            f = forward_microbatch("backprop", J, s, t, n)
-            b = backward_microbatch("backprop", J, s, t, n) if s < J - 1 else None
+            f = schedule.forward_microbatch(s, t, n)
+            b = schedule.backward_microbatch(s, t, n) if s < J - 1 else None
             if f is not None:
                 busy[t] += 1
                 order.append(("f", s, f))

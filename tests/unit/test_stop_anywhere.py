@@ -15,7 +15,7 @@ from petra_mpi.core.optim import LRSchedule
 from petra_mpi.core.schedule import schedule_for
 
 CHECK = 8    # stopping.STOP_CHECK_TICKS, restated: the test pins the rule
-MARGIN = 3   # schedule.STOP_MARGIN
+MARGIN = 3   # stopping.STOP_MARGIN
 
 
 def expected_length(schedule, n, fired):

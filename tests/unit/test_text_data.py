@@ -62,6 +62,41 @@ def test_bad_input_one_line_nothing_left(tmp_path, case, text, args, message):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]  # no output, no temporary
 
 
+def test_a_folder_skips_hidden_and_empty_files_with_a_note(tmp_path):
+    """A folder as a repository or a Mac leaves it: an empty .gitkeep, a .DS_Store, a .git
+    folder. Only the text is packed, each skip is named; a folder of nothing else fails."""
+    folder = tmp_path / "texts"
+    (folder / ".git").mkdir(parents=True)
+    (folder / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (folder / ".gitkeep").write_bytes(b"")
+    (folder / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1" * 20)
+    (folder / "a.txt").write_text(TEXT * 10)
+    (folder / "b.txt").write_text(TEXT * 10)
+    (folder / "empty.txt").write_bytes(b"")
+    out = tmp_path / "text.h5"
+
+    def pack_folder():
+        return subprocess.run([sys.executable, "-m", "petra_mpi.prep.text", "--source",
+                               str(folder), "--out", str(out), "--val-fraction", "0.25"],
+                              capture_output=True, text=True, cwd=ROOT, timeout=60)
+    r = pack_folder()
+    assert r.returncode == 0, r.stderr
+    with h5py.File(out, "r") as f:
+        packed = bytes(f["train/tokens"][()]) + bytes(f["val/tokens"][()])
+    assert packed == (TEXT * 20).encode()  # a.txt then b.txt, nothing else
+    (note,) = [line for line in r.stdout.splitlines() if line.startswith("note: skipped")]
+    for name, why in ((".git", "a hidden folder"), (".DS_Store", "a hidden file"),
+                      (".gitkeep", "a hidden file"), ("empty.txt", "the file is empty")):
+        assert f"{folder / name} ({why})" in note
+    for name in ("a.txt", "b.txt"):
+        (folder / name).unlink()
+    out.unlink()
+    r = pack_folder()
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "no text to pack" in r.stderr and "empty.txt: the file is empty" in r.stderr
+    assert not out.exists()
+
+
 def test_undecodable_bytes_are_fine_as_bytes(tmp_path):
     r, _ = pack(tmp_path, text=b"abc\xff\xfedef" * 10)
     assert r.returncode == 0, r.stderr

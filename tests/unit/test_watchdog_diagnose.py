@@ -7,8 +7,10 @@ import json
 import subprocess
 import sys
 
+from tests.support.outputs import printed_rank_map
 from tests.support.paths import ROOT
-from petra_mpi.comm.watchdog import OWN_WORK, Watchdog, diagnose, read_reports
+from petra_mpi.comm.watchdog import (NO_RANK_MAP, OWN_WORK, Watchdog, diagnose, read_reports,
+                                     startup_report)
 
 HOSTS = ["n1", "n1", "n2", "n2", "n3", "n3"]  # 6 ranks, 2 a node
 
@@ -90,17 +92,50 @@ def test_no_reports_no_diagnosis_and_a_cycle_blames_no_rank():
         [], "every rank reported waiting on another: no rank stands out")
 
 
-def test_the_command_reads_the_launch_part_of_the_log_and_the_placement(tmp_path):
-    """Hosts of silent ranks come from the run's placement (metrics.jsonl); --log-from skips an
-    earlier launch's reports."""
-    (tmp_path / "logs").mkdir()
-    earlier = report(2, 3)
-    (tmp_path / "logs" / "train.log").write_text(earlier + report(0, 1))
-    placement = [{"rank": r, "host": f"h{r}", "stage": r, "replica": 0} for r in range(2)]
-    (tmp_path / "metrics.jsonl").write_text(
+def diagnose_run(run_dir, earlier: str, launch: str, placement_hosts):
+    """`python -m petra_mpi.watchdog --diagnose` on a run directory whose log holds an earlier
+    launch's part, then this launch's, and whose metrics.jsonl has the earlier launch's start
+    record (placement_hosts): its two output lines."""
+    (run_dir / "logs").mkdir()
+    (run_dir / "logs" / "train.log").write_text(earlier + launch)
+    placement = [{"rank": r, "host": h, "stage": r, "replica": 0}
+                 for r, h in enumerate(placement_hosts)]
+    (run_dir / "metrics.jsonl").write_text(
         json.dumps({"event": "start", "placement": placement}) + "\n")
     out = subprocess.run([sys.executable, "-m", "petra_mpi.watchdog", "--diagnose",
-                          str(tmp_path), "--log-from", str(len(earlier.encode()))],
+                          str(run_dir), "--log-from", str(len(earlier.encode()))],
                          capture_output=True, text=True, cwd=ROOT, timeout=60, check=True)
-    assert out.stdout.splitlines() == [
+    return out.stdout.splitlines()
+
+
+def test_the_command_reads_the_launch_part_of_the_log_and_its_rank_map(tmp_path):
+    """Hosts of silent ranks come from this launch's rank map; --log-from skips an earlier
+    launch's reports and its map."""
+    earlier = printed_rank_map(["old0", "old1"]) + report(2, 3)
+    launch = printed_rank_map(["n0", "n1"]) + report(0, 1)
+    assert diagnose_run(tmp_path, earlier, launch, ["old0", "old1"]) == [
         "n1", "rank 1 on n1 is lost or stalled: rank 1 did not report"]
+
+
+def test_a_hang_before_this_launch_printed_its_rank_map_blames_no_host(tmp_path):
+    """The job was requeued onto other nodes and hangs in MPI's start, before rank 0 prints the
+    rank map: ranks 0 and 1 (on n5) report, rank 2 does not. The only map in the run directory
+    is the previous job's (metrics.jsonl, the earlier part of the log): its host of rank 2 is
+    not where rank 2 ran now, so no host is blamed, and the diagnosis says why."""
+    earlier = printed_rank_map(["old0", "old1", "old2"]) + "epoch 1/2: train loss 2.3\n"
+    launch = "".join(startup_report(f"rank {r} (n5)", 600, "starting MPI") + "\n"
+                     for r in (0, 1))
+    avoid, line = diagnose_run(tmp_path, earlier, launch, ["old0", "old1", "old2"])
+    assert avoid == "" and line.endswith(NO_RANK_MAP), line
+    assert "old2" not in line
+
+
+def test_a_start_up_hang_after_the_rank_map_blames_the_silent_rank_on_its_host(tmp_path):
+    """The same hang later in the start-up, after this launch's rank map: rank 2 is on n6."""
+    earlier = printed_rank_map(["old0", "old1", "old2"])
+    launch = printed_rank_map(["n5", "n5", "n6"]) + "".join(
+        startup_report(f"rank {r} (n5)", 600, "opening the data (data/x.h5)") + "\n"
+        for r in (0, 1))
+    assert diagnose_run(tmp_path, earlier, launch, ["old0", "old1", "old2"]) == [
+        "n6", "rank 2 on n6: lost or stalled (no report; the others' reports name no rank they "
+              "waited on)"]

@@ -178,6 +178,7 @@ class Emulation:
         # per rank in held bytes, None: unlimited, and the run it comes from)
         self.plans = {}
         self.block_kept_bytes = None  # per stage, per block: bytes of one kept micro-batch
+        self.block_shared = None  # per stage: what its blocks' kept graphs share
 
     def build_petra(self):
         a, r, J, bc = self.a, self.world.rank, self.world.size, self.petra_bc
@@ -263,7 +264,8 @@ class Emulation:
         """One step (pipelining) or segment (ours) of a run: the micro-batches it did."""
         if method in PETRA_METHODS:  # its kept plan (none: PETRA as in the paper)
             r, plan = self.world.rank, self.plans.get(name)
-            self.stage.set_kept(*((plan[0].kept[r], self.block_kept_bytes[r]) if plan else ()))
+            self.stage.set_kept(*((plan[0].kept[r], self.block_kept_bytes[r],
+                                   self.block_shared[r]) if plan else ()))
         if method == "petra":
             return self.petra_run("petra", self.segment_of[m], m)
         if method == "backprop":
@@ -348,17 +350,17 @@ def add_budget_runs(em, peaks) -> list:
     sizes = None
     if em.world.rank == 0:
         sizes = kept_sizes(em.profile.arch, a.width, a.batch, em.sizes)
-    em.block_kept_bytes = em.comm.bcast(sizes, root=0)
+    em.block_kept_bytes, em.block_shared = em.comm.bcast(sizes, root=0)
     fifo = fifo_bytes(em.shapes, em.sizes, a.batch)
     new = []
     for name, method, m in sources:
         budget = em.comm.allgather(peaks[name])
         plan = kept_plan(em.profile, em.sizes, em.block_kept_bytes,
-                         [max(0, b - f) for b, f in zip(budget, fifo)])
+                         [max(0, b - f) for b, f in zip(budget, fifo)], em.block_shared)
         new.append((f"petra @{name}", "petra", m))
         em.plans[new[-1][0]] = (plan, budget, name)
     if unlimited:
-        plan = kept_plan(em.profile, em.sizes, em.block_kept_bytes, [None] * J)
+        plan = kept_plan(em.profile, em.sizes, em.block_kept_bytes, [None] * J, em.block_shared)
         new.append((f"petra {UNLIMITED}", "petra", em.ms[0]))
         em.plans[new[-1][0]] = (plan, None, UNLIMITED)
     em.runs += new
@@ -502,14 +504,17 @@ class Prediction:
         family = "ours" if method in PETRA_METHODS else "pipelining"
         costs = self.costs_of(name, method)
         framework = frameworks[family][0]
-        predicted = count * a.batch / perfmodel.simulate(
-            self.em.orders_of(name, method, m, self.zb_orders), costs, self.link, framework)
+        orders = self.em.orders_of(name, method, m, self.zb_orders)
+        predicted = count * a.batch / perfmodel.simulate(orders, costs, self.link, framework)
+        # the model's account of the zero-cost run, to set beside the measured zero_cost_s: the
+        # framework's costs are fitted to make the two agree
+        zero_model = perfmodel.simulate(orders, [_zero(c) for c in costs], self.link, framework)
         row = {"name": name, "method": method, "m": m, "microbatches": count,
                "images_per_s": count * a.batch / wall, "predicted_images_per_s": predicted,
                "model_error": predicted / (count * a.batch / wall) - 1,
                "busy_fraction": measured["busy"][name], "cpu_fraction": measured["cpu"][name],
                "peak_held_bytes": measured["peak_bytes"][name],
-               "zero_cost_s": measured["zero"][name],
+               "zero_cost_s": measured["zero"][name], "zero_cost_model_s": zero_model,
                "walls_s": [v[1] for v in results]}
         if method == "petra":
             # the model's steady rate: what 4J more micro-batches add to the segment

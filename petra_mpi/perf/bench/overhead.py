@@ -104,7 +104,7 @@ def build(a, device, lm):
     workers = build_workers(build_stages(a.arch, a.width, classes, J, seed=0, **kw),
                             constant_lr())
     for w in workers:
-        w.begin_segment(10**9)
+        w.begin_segment()
     (whole,) = build_stages(a.arch, a.width, classes, 1, seed=0, **kw)
     batch = random_batch(a.batch, classes, torch.Generator().manual_seed(0),
                          a.context if lm else 0)

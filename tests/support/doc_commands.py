@@ -20,9 +20,9 @@ Kinds:
   suite     the test suite itself (running it from here would recurse)
 """
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.paths import ROOT
+
 DOCS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 
 # Appended to every documented training command the test runs: the override set that

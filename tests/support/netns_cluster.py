@@ -17,7 +17,7 @@ import re
 import subprocess
 import time
 
-import slurm_cluster
+from tests.support import slurm_cluster
 
 # Ranks on different nodes talk over TCP on eth0. MPICH's OFI netmod with the tcp provider: with
 # UCX (MPICH's default netmod here) ranks in different namespaces would use shared memory (UCX
