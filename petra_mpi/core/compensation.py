@@ -59,8 +59,10 @@ class DelayCompensation:
 
     @classmethod
     def from_config(cls, optim, steps_per_epoch: int):
+        lr_steps = (max(1, math.ceil(optim.delay_lr_epochs * steps_per_epoch))
+                    if optim.delay_lr_epochs else 0)  # (on stays on, however short)
         return cls(optim.delay_momentum, optim.delay_momentum_lr, optim.delay_prediction,
-                   optim.delay_spike, round(optim.delay_lr_epochs * steps_per_epoch))
+                   optim.delay_spike, lr_steps)
 
 
 NO_COMPENSATION = DelayCompensation()

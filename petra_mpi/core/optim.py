@@ -130,7 +130,10 @@ class StageOptimizer:
 
     @property
     def prediction_horizon(self) -> float:
-        """Steps ahead that weight prediction extrapolates the forward's weights (0: off)."""
+        """Steps ahead that weight prediction extrapolates the forward's weights (0: off, and
+        for SGD without momentum, which has no velocity to follow)."""
+        if self.name == "sgd" and not self.momentum:
+            return 0.0
         return self.compensation.prediction * self.delay
 
     @contextlib.contextmanager

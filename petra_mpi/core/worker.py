@@ -69,11 +69,14 @@ class StageWorker:
             h.after(self, Action(kind, self.index, b), x)
 
     def forward(self, b, x):
-        self._before(Kind.FORWARD, b, x)
-        # weight prediction (if on): the forward sees the weights its gradient will meet
-        with self.tracer.span(FORWARD, b), self.optimizer.predicted_weights():
-            y = self.stage(x, b)  # b: which micro-batches a kept block keeps
-        self._after(Kind.FORWARD, b)
+        self.settle()  # a pending step first: the prediction starts from the stepped weights
+        # weight prediction (if on): the forward, and its hooks, see the weights its gradient
+        # will meet
+        with self.optimizer.predicted_weights():
+            self._before(Kind.FORWARD, b, x)
+            with self.tracer.span(FORWARD, b):
+                y = self.stage(x, b)  # b: which micro-batches a kept block keeps
+            self._after(Kind.FORWARD, b)
         return y
 
     def backward(self, b, y, grad_y):

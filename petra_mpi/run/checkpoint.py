@@ -340,10 +340,13 @@ def resume_readable(path: str, load, fallback: bool = True, comm=None):
         if older is None:
             raise UnreadableCheckpoint(f"cannot resume from {path}: {errors[0]}" +
                                        ("; no earlier complete checkpoint" if fallback else ""))
-        if first:
-            print(f"petra_mpi: checkpoint {path} cannot be read ({errors[0]}): set aside as "
-                  f"{set_aside(path)}; resuming from the previous complete checkpoint {older}",
-                  file=sys.stderr, flush=True)
+        if first:  # (a rename that fails only warns: the other ranks go on to the next read)
+            try:
+                aside = f"set aside as {set_aside(path)}"
+            except OSError as e:
+                aside = f"left in place, could not be set aside ({e})"
+            print(f"petra_mpi: checkpoint {path} cannot be read ({errors[0]}): {aside}; resuming "
+                  f"from the previous complete checkpoint {older}", file=sys.stderr, flush=True)
         path = older
 
 

@@ -10,7 +10,8 @@ import torch
 from ..archs import LM_ARCHS
 from ..config import model_kwargs
 from ..comm.compress import Codec
-from ..core.compensation import DelayCompensation, delay_steps, lr_factor, momentum_by_delay
+from ..core.compensation import DelayCompensation, delay_steps
+from ..core.optim import LRSchedule, StageOptimizer
 from ..engines.build import build_stages
 from ..core.schedule import delay
 
@@ -182,24 +183,22 @@ def print_kept_plan(cfg, num_stages: int, device, dtype, partition, side, petra_
 
 
 def print_delays(cfg, num_stages: int):
-    """Each stage's delay and what delay compensation (optim.delay_*) makes of it."""
-    k, optim = cfg.train.accumulation, cfg.optim
-    sgd = optim.name == "sgd"
-    mu = optim.momentum if sgd else optim.betas[0]
+    """Each stage's delay and what delay compensation (optim.delay_*) makes of it, as each
+    stage's optimizer sees it (built on a stand-in parameter, at a learning rate of 1)."""
+    optim = cfg.optim
     comp = DelayCompensation.from_config(optim, steps_per_epoch=1)
     print(f"delays (D = d_s / k optimizer steps) and delay compensation "
           f"({'on' if comp.active else 'off'}; optim.delay_*):")
-    print(f"{'stage':>5} {'d_s':>4} {'D':>6} {'momentum' if sgd else 'beta1':>8} "
+    print(f"{'stage':>5} {'d_s':>4} {'D':>6} {'momentum' if optim.name == 'sgd' else 'beta1':>8} "
           f"{'predicts (steps)':>16} {'lr factor at start':>18}")
     for s in range(num_stages):
         d = delay(num_stages, s)
-        D = delay_steps(cfg.train.method, d, k)
-        momentum = momentum_by_delay(mu, D, optim.delay_momentum, sgd and optim.nesterov)
-        lr = lr_factor(D, 0, 1 if optim.delay_lr_epochs else 0)  # (1 / D at step 0 when on)
-        if sgd and mu < 1 and optim.delay_momentum_lr:  # each gradient keeps its weight
-            lr *= (1 - momentum) / (1 - mu)
-        print(f"{s:>5} {d:>4} {D:>6.2f} {momentum:>8.3f} {optim.delay_prediction * D:>16.2f} "
-              f"{lr:>18.3f}")
+        opt = StageOptimizer(torch.nn.Linear(1, 1), LRSchedule(1.0, 10**9), optim.momentum,
+                             optim.nesterov, name=optim.name, betas=optim.betas,
+                             delay=delay_steps(cfg.train.method, d, cfg.train.accumulation),
+                             compensation=comp)
+        print(f"{s:>5} {d:>4} {opt.delay:>6.2f} {opt.momentum:>8.3f} "
+              f"{opt.prediction_horizon:>16.2f} {opt.lr(0):>18.3f}")
     if optim.delay_spike:
         print("spike compensation: a gradient D steps late gets the momentum it missed at once")
 

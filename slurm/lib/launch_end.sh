@@ -7,7 +7,7 @@
 # status is that of a rank it killed after the first one ended (srun: 143 or 137; mpirun: 9).
 # The trainer's final line (a finished run, a checkpointed stop) says how the run ended, though a
 # process that could not exit afterwards had to be killed. Else srun names the first rank to end:
-# its exit code is the run's (3 a checkpointed stop, 5 a watchdog), and a rank ended by a signal
+# its exit code is the run's (3 a checkpointed stop for a requeue, 4 one on SIGTERM, 5 a watchdog), and a rank ended by a signal
 # (a segfault, an OOM kill) before any watchdog reported is a crash, not a stall: PETRA_CRASH
 # holds srun's line ("n2: task 3: Segmentation fault"); one the start-up watcher had to SIGKILL
 # after its report is a stall. mpirun names nobody: a watchdog's report says the run stalled.

@@ -167,14 +167,44 @@ def train(method="petra", k=2, compensation=NO_COMPENSATION, optimizer="sgd", n=
     return stages, workers
 
 
-def test_off_is_todays_update_bitwise():
-    """Compensation off (the default) trains as before the rules existed: each stage's step is
-    torch's own SGD step on the same gradients, and nothing swaps the weights."""
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_off_is_torchs_own_step_bitwise(name):
+    """Compensation off, on a stage with a delay: every step is exactly what torch's SGD (or
+    AdamW) does with the same groups and learning rates, and the forward's weights are the
+    parameters themselves."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    twin = copy.deepcopy(net)
+    schedule = LRSchedule(0.1, 3, warmup_epochs=1, milestones=(2,))
+    ours = StageOptimizer(net, schedule, 0.9, True, 0.01, name=name, betas=(0.8, 0.99), delay=4.5,
+                          compensation=DelayCompensation())
+    decay = [twin[0].weight, twin[2].weight]
+    groups = [{"params": decay, "weight_decay": 0.01},
+              {"params": [twin[0].bias, twin[2].bias], "weight_decay": 0.0}]
+    theirs = (torch.optim.SGD(groups, lr=0.0, momentum=0.9, nesterov=True) if name == "sgd"
+              else torch.optim.AdamW(groups, lr=0.0, betas=(0.8, 0.99)))
+    for step in range(8):
+        x = torch.randn(8, 4)
+        before = [p.data_ptr() for p in net.parameters()]
+        with ours.predicted_weights():
+            assert [p.data_ptr() for p in net.parameters()] == before
+        for m in (net, twin):
+            m(x).square().mean().backward()
+        ours.accumulated()
+        ours.step()
+        for group in theirs.param_groups:
+            group["lr"] = schedule(step)
+        theirs.step()
+        theirs.zero_grad(set_to_none=True)
+        for p, q in zip(net.parameters(), twin.parameters()):
+            assert torch.equal(p, q), step
+    assert ours.prediction_scratch is None and ours.momentum == (0.9 if name == "sgd" else 0.8)
+
+
+def test_off_is_the_default_and_nothing_without_delay_changes():
     stages, workers = train(compensation=DelayCompensation())
     default, _ = train()
     assert all(torch.equal(a, b) for a, b in zip(state(stages), state(default)))
-    for w in workers:
-        assert w.optimizer.momentum == 0.9 and w.optimizer.prediction_scratch is None
     # and with every rule on but no delay (backprop), nothing changes either
     backprop, _ = train("backprop", compensation=EVERY_RULE)
     plain, _ = train("backprop")
