@@ -213,7 +213,7 @@ def test_off_is_the_default_and_nothing_without_delay_changes():
     assert not all(torch.equal(a, b) for a, b in zip(state(compensated), state(default)))
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("optimizer", ["sgd", pytest.param("adamw", marks=pytest.mark.extended)])
 def test_kept_blocks_keeping_everything_follow_delayed_under_every_rule(optimizer):
     """Invariant 7 with compensation on: a plan keeping every micro-batch trains exactly as
     `delayed` with both buffers, both under weight prediction (the kept graph and the stash hold

@@ -304,6 +304,7 @@ def test_generate_samples_the_last_position_of_the_last_context_tokens():
         assert drawn.windows == [ids[:len(prompt) + i][-context:] for i in range(40)]
 
 
+@pytest.mark.extended  # torch.export traces the whole model: ~5 s
 def test_torch_export_of_a_language_model(tmp_path):
     """export --format torch.export on a language model: a program over token ids with any
     batch and any window up to the context, computing the plain module's logits."""
