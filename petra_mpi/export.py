@@ -86,7 +86,7 @@ def preprocessing_of(data: dict) -> dict | None:
     the class names (None where the file has none). None for token files, and where the data
     cannot be read here (predict then asks for it)."""
     from .data import open_split
-    from .data.source import open_readonly
+    from .data.hdf5 import open_readonly
     try:
         src = open_split(data["path"], "val", seed=data["synthetic_seed"],
                          synthetic_sizes=(data["synthetic_train"], data["synthetic_val"]))

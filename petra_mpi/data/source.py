@@ -30,10 +30,12 @@ import threading
 import h5py
 import numpy as np
 
+from .hdf5 import open_readonly
 from .schema import SCHEMA_VERSION, SPLITS
 from .stats import ChannelStats
 from .synthetic import NUM_CLASSES as SYNTHETIC_CLASSES
 from .synthetic import make_synthetic
+from .text import TokenSource, is_token_file
 
 IN_MEMORY_BYTES = 512 << 20  # splits up to this size are loaded whole (CIFAR, ImageNet32 val)
 
@@ -53,8 +55,7 @@ def open_split(path, split, *, synthetic_sizes=(50_000, 10_000), seed=0, in_memo
                                         seed if split == "train" else seed + 1)
         return ArraySource(images, labels, num_classes=SYNTHETIC_CLASSES, mean=mean, std=std,
                            name=f"synthetic/{split}")
-    from .text import TokenSource, is_token_file  # token files of the language models
-    if is_token_file(path):
+    if is_token_file(path):  # token files of the language models
         return TokenSource(path, split)
     return H5Source(path, split, in_memory=in_memory)
 
@@ -75,27 +76,6 @@ def channel_stats(images):
     """Per-channel mean and std of uint8 NHWC images on a 0-1 scale, as two 3-tuples."""
     mean, std = ChannelStats().update(images).mean_std()
     return tuple(mean), tuple(std)
-
-
-def open_readonly(path, **kwargs):
-    """h5py.File(path, "r") without HDF5's file lock. A read-only open still takes a lock, which
-    fails ("unable to lock file") where the file system has no flock (Lustre mounted without
-    it, Cray DVS, some NFS) and conflicts with a writer's lock; readers here never need it."""
-    return open_unlocked(path, "r", **kwargs)
-
-
-def open_unlocked(path, mode, **kwargs):
-    """h5py.File(path, mode) without HDF5's file lock (the packers write each file from one
-    process, under a name of their own). h5py before 3.5, or built against HDF5 before 1.12.1 /
-    1.10.7, cannot switch the lock per file and refuses `locking=`: those open as the
-    environment says, HDF5_USE_FILE_LOCKING=FALSE in the batch scripts (HDF5 reads it once, when
-    the library starts, so it must be set before Python starts)."""
-    try:
-        return h5py.File(path, mode, locking=False, **kwargs)
-    except (TypeError, ValueError) as e:
-        if "locking" not in str(e):
-            raise
-    return h5py.File(path, mode, **kwargs)
 
 
 def missing_virtual_sources(f, path):

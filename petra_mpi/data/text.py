@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from .source import open_readonly
+from .hdf5 import open_readonly
 
 
 class TokenSource:

@@ -20,7 +20,7 @@ import numpy as np
 from .. import files
 from ..data.schema import SCHEMA_VERSION, SPLITS  # noqa: F401 (the packers' schema)
 from ..data.stats import ChannelStats  # noqa: F401 (the packers' statistics)
-from ..data.source import open_unlocked
+from ..data.hdf5 import open_unlocked
 from ..run.metrics import Progress  # noqa: F401 (the packers' progress line)
 
 

@@ -15,7 +15,7 @@ import time
 import h5py
 import numpy as np
 
-from ..data.source import open_readonly
+from ..data.hdf5 import open_readonly
 
 from .common import (SPLITS, ChannelStats, JpegWriter, PrepError, Progress, atomic_h5,
                      print_summary, write_root_attrs)

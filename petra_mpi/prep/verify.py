@@ -19,7 +19,8 @@ import h5py
 import numpy as np
 from PIL import Image
 
-from ..data.source import missing_virtual_sources, open_readonly
+from ..data.hdf5 import open_readonly
+from ..data.source import missing_virtual_sources
 
 from .common import (SCHEMA_VERSION, SPLITS, ChannelStats, PrepError, describe,
                               run_cli)
