@@ -28,14 +28,16 @@ def train(out, *sets):
 
 @pytest.mark.extended  # four short runs of the train command
 def test_a_lowered_budget_plans_afresh_and_the_same_budget_resumes_the_plan(tmp_path):
-    # 3 stages balanced by measured cost (model.balance's default) under no limit, resumed
-    # under budget 0: PETRA, said in the resume line and its record
+    # 3 stages split and planned by the cost estimate (timings would make the plan depend on the
+    # machine's load) under no limit, resumed under budget 0: PETRA, said in the resume line and
+    # its record
     out = tmp_path / "lowered"
-    _, first, kept_bytes, _ = train(out, "model.stages=3", "model.memory_budget=auto")
+    _, first, kept_bytes, _ = train(out, "model.stages=3", "model.balance=estimate",
+                                    "model.memory_budget=auto")
     assert first["memory_budget"] == "auto" and any(map(any, first["kept"]))
     assert any(kept_bytes)
-    err, resumed, kept_bytes, records = train(out, "model.stages=3", "model.memory_budget=0",
-                                              "train.epochs=2")
+    err, resumed, kept_bytes, records = train(out, "model.stages=3", "model.balance=estimate",
+                                              "model.memory_budget=0", "train.epochs=2")
     assert resumed["memory_budget"] == 0 and resumed["kept"] is None
     assert kept_bytes == [0, 0, 0]  # what the resumed run's stages kept: nothing
     said = (f"kept blocks {first['kept']} -> none (PETRA) (model.memory_budget auto -> 0, "
@@ -43,13 +45,16 @@ def test_a_lowered_budget_plans_afresh_and_the_same_budget_resumes_the_plan(tmp_
     assert said in err
     (resume,) = [r for r in records if r["event"] == "resume"]
     assert any(c.startswith(said) for c in resume["layout_changes"])
-    # one block per stage (a fixed split): its plan is made in the blocks' measured times and
-    # recorded; resumed under the same budget, trained again without timing the blocks again
+    # one block per stage (a fixed split): its plan is made in the blocks' measured times (on a
+    # loaded machine keeping may not pay, and the plan keeps nothing: what it keeps is the
+    # timings' business) and recorded; resumed under the same budget, trained again without
+    # timing the blocks again
     out = tmp_path / "fixed"
     err, first, kept_bytes, _ = train(out, "model.memory_budget=auto")
-    assert "blocks timed for the kept plan" in err and any(kept_bytes)
+    assert "blocks timed for the kept plan" in err
     assert first["partition"] == [1] * 10 and first["memory_budget"] == "auto"
-    assert len(first["kept"]) == 10 and any(map(any, first["kept"]))
+    assert len(first["kept"]) == 10
+    assert any(kept_bytes) == any(map(any, first["kept"]))  # the run trained its plan
     err, resumed, _, records = train(out, "model.memory_budget=auto", "train.epochs=2")
     assert "blocks timed" not in err and resumed["kept"] == first["kept"]
     (resume,) = [r for r in records if r["event"] == "resume"]
