@@ -99,6 +99,7 @@ def test_wall_time_checkpoints_in_one_process(tmp_path, monkeypatch, one_thread)
     assert json.loads((tmp_path / "summary.json").read_text())["epochs"] == 2
 
 
+@pytest.mark.extended  # a resume under mpirun is tests/mpi/test_resume.py's default test
 def test_stop_during_evaluation_resumes_into_it(tmp_path, monkeypatch, one_thread):
     """A stop request during the first evaluation ends it after its first piece; the resumed run
     evaluates that epoch and goes on, ending where an uninterrupted run ends."""
@@ -168,6 +169,7 @@ def test_evaluation_pieces_add_up():
     assert totals.loss_sum == pytest.approx(whole.loss_sum, rel=1e-12)
 
 
+@pytest.mark.extended  # the default selection checks cadence in one process
 def test_ranks_agree_on_rank0_clock(tmp_path):
     """Under mpirun with a cadence of 60 ns (every vote finds a checkpoint due): only rank 0 keeps
     the clock, and every rank drains and checkpoints at the same points (else they would hang

@@ -100,6 +100,7 @@ def test_a_rank_lost_before_a_stop_vote_ends_the_job(tmp_path):
 
 # ------------------------------------------------------------------ waits the watchdog allows for
 
+@pytest.mark.extended  # a stalled rank is the default selection's watchdog test
 def test_replicas_wait_for_replica_0s_evaluation_within_its_grace(tmp_path):
     """Two replicas of one stage: replica 0 evaluates 200 batches in one piece while replica 1,
     which does not evaluate, waits for it in the next stop vote, far longer than

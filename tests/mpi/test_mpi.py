@@ -248,6 +248,7 @@ def test_channels_last_through_mpi():
     assert "layout ok" in proc.stdout
 
 
+@pytest.mark.extended  # invariant 3 is the launches above
 def test_sleeping_waits_train_bitwise_alike(tmp_path):
     """PETRA_MPI_POLL_SLEEP (the waits of `bench emulate`: test the request and sleep, instead of
     MPI's Wait) changes who holds the core, nothing else: the same parameters as the local

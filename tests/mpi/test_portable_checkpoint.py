@@ -185,7 +185,7 @@ def two_by_two(tmp_path_factory):
 
 
 @pytest.mark.parametrize("ranks,sets,layout", [
-    (1, ["model.stages=1"], (1, 1)),                    # J 2 -> 1, R 2 -> 1, one process
+    pytest.param(1, ["model.stages=1"], (1, 1), marks=pytest.mark.extended),  # J 2 -> 1, R 2 -> 1
     pytest.param(3, ["model.stages=3"], (3, 1), marks=pytest.mark.extended),  # J 2 -> 3, R 2 -> 1
     pytest.param(2, ["model.stages=1"], (1, 2), marks=pytest.mark.extended),  # J 2 -> 1, R stays 2
     pytest.param(4, ["model.partition=[1, 2, 3, 4]"], (4, 1),  # J 2 -> 4 on a given split, R 2 -> 1

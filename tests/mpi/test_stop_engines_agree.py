@@ -36,6 +36,7 @@ def check_same_as_local(out_dir, J, run):
         assert (out_dir / run / "checkpoint" / f"stage{s}.pt").exists()
 
 
+@pytest.mark.extended  # the stop vote under mpirun is tests/mpi/test_stop.py's default test
 def test_a_stop_leaves_the_state_of_the_single_process_engine(tmp_path):
     proc = mpirun(3, [PROGRAMS / "stop_anywhere.py", tmp_path, *RUNS], timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

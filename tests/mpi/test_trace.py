@@ -76,6 +76,7 @@ def test_traced_mpi_run_has_every_rank_and_kind_and_plots(tmp_path):
     check_png(tmp_path / "timeline.png")
 
 
+@pytest.mark.extended  # the other traced runs are the default selection's
 def test_traced_compressed_mpi_run_counts_the_bytes_sent(tmp_path):
     """With int8 activations and bf16 gradients the messages' sizes are the compressed ones, the
     plan spans carry the bytes each rank sent per tick, and the run log says what is in force."""
