@@ -186,7 +186,10 @@ petra_layout() {
 petra_forward() {
     PETRA_SIGNAL+=" $1"
     petra_say "batch shell got SIG$1: sending SIGUSR1 to the launcher (pid ${PETRA_PID:-none})"
-    if [[ -n ${PETRA_PID:-} ]]; then kill -s USR1 "$PETRA_PID" 2>/dev/null; fi
+    if [[ -n ${PETRA_PID:-} ]]; then
+        kill -s USR1 "$PETRA_PID" 2>/dev/null
+        if [[ $1 == TERM ]]; then petra_name_stall; fi
+    fi
 }
 
 # Requeue the job after a stop on SIGUSR1 (time limit, scancel -s USR1), unless a SIGTERM reached
@@ -286,6 +289,7 @@ petra_launch() {
     # so wait again until the launcher has really exited. The launcher may exit while a trap runs,
     # after the interrupted `wait`: the last `wait` then reaps its real status (bash keeps it).
     PETRA_LOGGED=$(stat -c %s "$PETRA_LOG" 2>/dev/null || echo 0)  # where this launch's part starts
+    PETRA_STALL_NAMED="" PETRA_STALL_AVOID=""
     "${launch[@]}" "${trainer[@]}" >>"$PETRA_LOG" 2>&1 &
     PETRA_PID=$!  # (setsid runs mpirun in this process: the shell's child is mpirun itself)
     local reaper=""

@@ -113,10 +113,8 @@ petra_end_tree() {
 petra_stalled() {
     petra_say "a rank stopped making progress (exit $EXIT_STALLED, see 'watchdog' in $PETRA_LOG);" \
               "the run resumes from its last complete checkpoint"
-    local avoid="" why=""
-    { read -r avoid; read -r why; } < <("$PYTHON" -m petra_mpi.watchdog --diagnose "$OUT_DIR" \
-                                          --log-from "$PETRA_LOGGED")
-    if [[ -n $why ]]; then petra_say "watchdog reports: $why"; fi
+    petra_name_stall
+    local avoid=$PETRA_STALL_AVOID
     if [[ $PETRA_SIGNAL == *TERM* ]]; then
         petra_say "SLURM is ending this job (node failure or cancel): not requeueing it here"
         exit "$EXIT_STALLED"
@@ -136,6 +134,20 @@ petra_stalled() {
         exit 0
     fi
     exit "$EXIT_STALLED"
+}
+
+# Name the rank the chain of the watchdog reports ends at ("watchdog reports: ..."), once per
+# launch; its node in PETRA_STALL_AVOID. Also called from the SIGTERM trap while the launcher still
+# runs: a node failure ends the job with SIGTERM and SIGKILL KillWait later, and srun, waiting on
+# the lost node's tasks, may outlive that, so the line is written as soon as the SIGTERM comes.
+petra_name_stall() {
+    [[ -z $PETRA_STALL_NAMED ]] || return 0
+    petra_log_from "$PETRA_LOGGED" | grep -q "$PETRA_REPORT" || return 0
+    PETRA_STALL_NAMED=1
+    local why=""
+    { read -r PETRA_STALL_AVOID; read -r why; } < <(
+        "$PYTHON" -m petra_mpi.watchdog --diagnose "$OUT_DIR" --log-from "$PETRA_LOGGED")
+    if [[ -n $why ]]; then petra_say "watchdog reports: $why"; fi
 }
 
 # Whether one more requeue after a stall is within the budget: STALL_RESTARTS (default 2) restarts
