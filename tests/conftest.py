@@ -13,13 +13,6 @@ from pathlib import Path
 import pytest
 
 KINDS = ("unit", "mpi", "e2e")
-# Modules whose outcome hangs on wall-clock timers (watchdogs, progress intervals, wall-time
-# checkpoints, a batch script's grace periods) or on the machine's free cores, and those that
-# start SLURM clusters: marked `alone`, run with no other test beside them (.ci/run runs the
-# extended tests that are not `alone` two at a time).
-ALONE = {"test_slurm.py", "test_slurm_suspend.py", "test_multinode.py", "test_elastic.py",
-         "test_train_cli.py", "test_user_messages.py", "test_gpu.py", "test_checkpoint_cadence.py",
-         "test_hang_watchdog.py", "test_resume.py", "test_watchdog.py", "test_data_prep.py"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: `slow` must already imply `extended`
@@ -30,5 +23,3 @@ def pytest_collection_modifyitems(items):
             item.add_marker(kind)
         if item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.extended)
-        if Path(item.fspath).name in ALONE:
-            item.add_marker(pytest.mark.alone)

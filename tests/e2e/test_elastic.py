@@ -133,7 +133,7 @@ def test_resubmitted_on_one_node_fewer_the_run_resumes_on_the_layout_that_fits(t
     on 4 stages from its checkpoint and finishes."""
     out = tmp_path / "run"
     extra = ("--set run.device=cpu --set model.stages=6 --set train.epochs=2 "
-             "--set data.synthetic_train=6400 --set data.synthetic_val=128 --set model.width=4 "
+             "--set data.synthetic_train=3200 --set data.synthetic_val=128 --set model.width=4 "
              "--set run.progress=false --set model.balance=estimate")
     env = {"ELASTIC_NODES": "2-3", "GPUS_PER_NODE": "2", "CONFIG": "configs/quickstart.yaml",
            "OUT_DIR": str(out), "EXTRA_ARGS": extra, "LAUNCHER": "srun", "SRUN_MPI": "pmi2"}

@@ -63,9 +63,9 @@ def cifar(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cifar_long(tmp_path_factory):
-    """1000 training images: epochs of a few seconds, long enough to land a node's death inside
+    """600 training images: epochs of several seconds, long enough to land a node's death inside
     one."""
-    return packed_cifar10(tmp_path_factory.mktemp("cifar_long"), 200)
+    return packed_cifar10(tmp_path_factory.mktemp("cifar_long"), 120)
 
 
 def submit(cluster, tmp_path, out, trainer_args):
@@ -185,7 +185,7 @@ def test_a_lost_node_ends_with_one_clear_line_requeues_and_resumes(nodes, cifar_
     Rank 3, on n2, ends through its watchdog with a line naming rank 4 on n3; the last complete
     checkpoint stays intact; SLURM requeues the job (a node failure of a --requeue job); once the
     node is back the job resumes from that checkpoint and finishes, with the same parameters as
-    an uninterrupted run from that checkpoint."""
+    an uninterrupted run from that checkpoint (compared after the kill)."""
     out = tmp_path / "run"
     args = shrink(cifar_long, "train.epochs=4", "run.watchdog_s=5", "run.keep_checkpoints=20",
                   "run.progress=true")
@@ -238,11 +238,14 @@ def test_a_lost_node_ends_with_one_clear_line_requeues_and_resumes(nodes, cifar_
     (resume,) = [r for r in records(out) if r["event"] == "resume"]
     assert resume["from"] == last and resume["layout_changes"] == []
 
+    name, files = final_files(out)
+    assert name == "ckpt-e00004-b00000000"
+    if how == "unplugged":  # what follows the requeue does not depend on how the node was lost:
+        return              # the resumed run is compared once, after the kill
     reference = tmp_path / "uninterrupted"
     one_node_run(reference, args + ["--set", f"run.resume={kept / Path(last).name}"])
-    name, files = final_files(out)
     ref_name, ref_files = final_files(reference)
-    assert name == ref_name == "ckpt-e00004-b00000000"
+    assert ref_name == name
     assert_bitwise_equal(files, ref_files)
 
 

@@ -526,6 +526,19 @@ def test_synthetic_matches_make_synthetic(tmp_path):
     assert "OK" in proc.stdout
 
 
+def test_synthetic_packs_a_smaller_side_and_refuses_one_too_small(tmp_path):
+    """--size 16: the same generator at that side (the bf16 learning test trains on it)."""
+    out = tmp_path / "s16.h5"
+    assert_ok(run("synthetic", "--out", out, "--train", 16, "--val", 8, "--size", 16))
+    from petra_mpi.data.synthetic import make_synthetic
+    with h5py.File(out, "r") as f:
+        assert f["train/images"].shape == (16, 16, 16, 3)
+        np.testing.assert_array_equal(f["train/images"][:], make_synthetic(16, 0, 16)[0])
+    proc = run("synthetic", "--out", tmp_path / "s4.h5", "--train", 16, "--val", 8, "--size", 4)
+    assert proc.returncode != 0 and "--size must be at least 8, not 4" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "s4.h5").exists()
+
+
 def _break_labels(f):
     f["train/labels"][5] = int(f.attrs["num_classes"])
 
