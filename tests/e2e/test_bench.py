@@ -51,13 +51,17 @@ def test_bench_scaling_under_mpirun_2(tmp_path):
     assert all(v["measured"] > 0 and v["predicted"] > 0 for v in out["validation"])
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_bench_pipeline_reports_compute_time_per_rank(precision):
+@pytest.mark.parametrize("precision,allocator", [("fp32", "glibc-keep"), ("bf16", None)])
+def test_bench_pipeline_reports_compute_time_per_rank(precision, allocator):
+    """(fp32: under `--allocator glibc-keep`, each rank started again before MPI with glibc's
+    thresholds raised; the JSON says which allocator ran.)"""
+    chosen = ["--allocator", allocator] if allocator else []
     proc = mpirun(2, ["-m", "petra_mpi.bench", "pipeline", "--width", "4", "--batch", "4",
-                      "--microbatches", "6", "--rounds", "1", "--precision", precision],
+                      "--microbatches", "6", "--rounds", "1", "--precision", precision, *chosen],
                   timeout=600)
     out = last_json(proc)
     assert (out["device"], out["transport"], out["precision"]) == ("cpu", "cpu", precision)
+    assert out["allocator"] == (allocator or "glibc")
     for method in ("petra", "backprop"):
         compute = out[f"{method}_compute_ms_per_tick"]
         assert len(compute) == 2 and all(0 < c <= out[f"{method}_wall_ms_per_tick"] for c in compute)
@@ -182,6 +186,11 @@ def test_bench_peers_runs_every_contender():
         peaks = record["peak_activation_bytes"][name]
         assert len(peaks) == 2 and min(peaks) > 0, (name, peaks)
     assert record["petra_vs_1f1b"] > 0 and record["petra_vs_1f1b_checkpointed"] > 0
+    # the table gives each contender's fullest rank first (what a cluster sizes its GPUs for)
+    for name in ran:
+        row = next(ln.split() for ln in proc.stdout.splitlines() if ln.split()[:1] == [name])
+        assert float(row[2]) == pytest.approx(max(record["peak_activation_bytes"][name]) / 2**20,
+                                              abs=0.006), row
     # PETRA with kept blocks: at a budget of 1F1B's peak less its own, its kept graphs
     # (activations, stashed weights, inputs) stay within the budget, so it holds at most what
     # 1F1B holds where it keeps anything; only stage 0 has micro-batches in flight at J = 2,

@@ -50,6 +50,7 @@ KINDS = {
     'mpirun -n 2 python -m petra_mpi.bench pipeline': ("bench", None),
     'mpirun -n 10 python -m petra_mpi.bench emulate': ("site", None),
     'mpirun -n 2 python -m petra_mpi.bench peers': ("bench", None),
+    'mpirun -n 2 python -m petra_mpi.bench peers --allocator jemalloc': ("bench", None),
     'mpirun -n 2 python -m petra_mpi.bench peers --model revlm --batch 12 --accumulation 1 --rounds 3':
         ("bench", None),
     'mpirun -n 2 python -m petra_mpi.bench replicas': ("bench", None),

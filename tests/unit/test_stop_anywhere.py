@@ -93,9 +93,10 @@ def test_a_stop_anywhere_leaves_the_state_of_a_shorter_segment(tmp_path, method,
 
 @pytest.mark.extended
 @pytest.mark.parametrize("method", ["petra", "delayed", "backprop"])
-@pytest.mark.parametrize("J", [1, 2, 3, 4])
-@pytest.mark.parametrize("k", [1, 3])  # (k = 2: the test above, every 7th tick)
+@pytest.mark.parametrize("J,k", [(1, 3), (2, 1), (2, 3), (3, 3), (4, 1), (4, 3)])
 def test_a_stop_at_every_tick(tmp_path, method, J, k):
+    """Every J to 4 with a step over 3 micro-batches, and one update per micro-batch at an even
+    and at the deepest J (k = 2: the test above, every 7th tick)."""
     check_stops(tmp_path, method, J, k, range)
 
 

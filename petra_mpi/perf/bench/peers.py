@@ -608,10 +608,12 @@ def report(a, r):
           f"and drain included), k = {a.accumulation}; pipelining: {plain}, {M} micro-batches "
           f"per step, {max(1, round(a.microbatches / M))} step(s) per timed segment; blocks per "
           f"stage: {net} {r['partition']}, {plain} {r['pt_partition']}")
-    print(f"{'contender':<18} {unit:>9}  peak activation MiB per rank")
+    # a cluster sizes every GPU for the rank that holds most: the fullest rank first
+    print(f"{'contender':<18} {unit:>9}  {'fullest':>8}  peak activation MiB per rank")
     for name, speed in speeds.items():
-        per_rank = " ".join(f"{b / mib:8.2f}" for b in r["peak_activation_bytes"][name])
-        print(f"{name:<18} {speed:>9.1f}  {per_rank}")
+        held = r["peak_activation_bytes"][name]
+        per_rank = " ".join(f"{b / mib:8.2f}" for b in held)
+        print(f"{name:<18} {speed:>9.1f}  {max(held) / mib:8.2f}  {per_rank}")
     for name, why in r.get("skipped", {}).items():
         print(f"{name:<18} did not run: {why}")
     for name, k in r["kept"].items():
