@@ -39,9 +39,9 @@ def library_path(name) -> str:
     raise AllocatorError(f"{name}: {soname} not found (Debian/Ubuntu: apt-get install {package})")
 
 
-def environment(name, env=None) -> dict:
-    """The environment that runs a program with allocator `name`."""
-    env = dict(os.environ if env is None else env)
+def environment(name) -> dict:
+    """This process's environment, changed to run a program with allocator `name`."""
+    env = dict(os.environ)
     if name not in CHOICES:
         raise AllocatorError(f"unknown allocator {name!r}; choose one of {', '.join(CHOICES)}")
     if name == "glibc-keep":
