@@ -41,8 +41,9 @@ def run_cli(main, argv=None):
     spec = getattr(sys.modules[main.__module__], "__spec__", None)
     prog = spec.name if spec else main.__module__
     _interrupt_signals.clear()
-    signal.signal(signal.SIGINT, _raise_interrupt)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, _on_interrupt)
+    signal.signal(signal.SIGTERM, _on_interrupt)
+    signal.signal(signal.SIGALRM, _retry_interrupt)
     try:
         status = main(argv)
         check_interrupt()  # a signal whose exception something swallowed still counts
@@ -56,15 +57,39 @@ def run_cli(main, argv=None):
     raise SystemExit(status or 0)
 
 
-# The signals received since run_cli started. The handler raises KeyboardInterrupt wherever the
-# main thread happens to be, and an exception raised inside a finalizer (__del__, a weakref or
-# garbage-collector callback) is printed and dropped by Python: the record lets the commit of the
-# output (atomic_path) and run_cli refuse to finish after an interrupt all the same.
+# The signals received since run_cli started. The handler raises KeyboardInterrupt where the main
+# thread is, unless that is inside an import (see _raise_when_safe); an exception raised inside a
+# finalizer (__del__, a weakref or garbage-collector callback) is printed and dropped by Python all
+# the same, so the record lets the commit of the output (atomic_path) and run_cli refuse to finish
+# after an interrupt whatever happened to the exception.
 _interrupt_signals = []
+_RETRY_S = 0.02
+_IMPORT_MACHINERY = "<frozen importlib._bootstrap"  # and _bootstrap_external
 
 
-def _raise_interrupt(signum, frame):
+def _on_interrupt(signum, frame):
     _interrupt_signals.append(signum)
+    _raise_when_safe(frame)
+
+
+def _retry_interrupt(signum, frame):
+    if _interrupt_signals:  # a stray SIGALRM before any interrupt is not one
+        _raise_when_safe(frame)
+
+
+def _raise_when_safe(frame):
+    """Raise KeyboardInterrupt now, or, while an import runs, again in _RETRY_S from wherever the
+    main thread is then. An exception raised inside an import can be lost: a C extension's module
+    initialisation (numpy.random's, for one, run lazily by the first np.random call) drops errors
+    from the Python code it runs, and one raised in the import lock's weakref callback is printed
+    and ignored. The packer then ran to its end before stopping, and CPython, having seen the
+    KeyboardInterrupt inside that code, ended the process by SIGINT instead of exit status 130."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_IMPORT_MACHINERY) or frame.f_code.co_name == "__del__":
+            signal.setitimer(signal.ITIMER_REAL, _RETRY_S)
+            return
+        frame = frame.f_back
+    signal.setitimer(signal.ITIMER_REAL, 0)
     raise KeyboardInterrupt
 
 

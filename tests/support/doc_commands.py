@@ -7,8 +7,9 @@ code span holding `python -m`, `mpirun`, `sbatch` or `bash`. `KINDS` classifies 
 text; tests/e2e/test_docs.py runs the ones that run here and fails on any command not in it.
 
 Kinds:
-  run       runs here in seconds: the default selection runs it, shortened by SHORTEN
-  long      runs here but takes minutes (training runs, export, evaluate): the extended selection
+  run       runs here in seconds (training runs shortened by SHORTEN)
+  long      runs here but takes minutes (training runs, export, evaluate); the extended selection
+            runs both kinds, in document order
   bench     a benchmark as documented (minutes to an hour each here): tests/e2e/test_bench.py
             runs every bench, shortened, and checks its report
   usage     a synopsis with placeholders (CONFIG.yaml, RUN_DIR, [options], SEED): not a command

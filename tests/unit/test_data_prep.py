@@ -1,10 +1,8 @@
 """Tests of the offline packers (petra_mpi/prep/): real fixture files in the upstream formats, packed
 through the command lines (in this process, but for the interruption tests), read back with h5py."""
-import contextlib
 import functools
 import hashlib
 import http.server
-import importlib
 import io
 import multiprocessing
 import os
@@ -21,10 +19,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.support.launch import start_and_interrupt
+from tests.support.launch import run_packer, start_and_interrupt
 from tests.support.paths import ROOT
 from tests.support.verify_files import assert_one_problem
-from petra_mpi.prep.common import PrepError, ordered_map, run_cli
+from petra_mpi.prep.common import PrepError, ordered_map
 from petra_mpi.prep.imagenet import read_val_labels
 from petra_mpi.prep.pictures import encode
 from petra_mpi.prep.verify import verify
@@ -37,18 +35,9 @@ REPO = str(ROOT)
 def run(module, *args):
     """`python -m petra_mpi.prep.MODULE ARGS` run in this process (no interpreter start-up per call):
     its exit status and what it printed, as subprocess.run would give them."""
-    argv = [str(a) for a in args]
-    out, err = io.StringIO(), io.StringIO()
-    sigterm = signal.getsignal(signal.SIGTERM)  # run_cli installs its own; keep pytest's
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            run_cli(importlib.import_module(f"petra_mpi.prep.{module}").main, argv)
-    except SystemExit as e:
-        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        signal.signal(signal.SIGTERM, sigterm)
-    return subprocess.CompletedProcess([sys.executable, "-m", f"petra_mpi.prep.{module}", *argv],
-                                       status, out.getvalue(), err.getvalue())
+    status, out, err = run_packer(module, *args)
+    return subprocess.CompletedProcess([sys.executable, "-m", f"petra_mpi.prep.{module}",
+                                        *map(str, args)], status, out, err)
 
 
 def assert_ok(proc):
@@ -436,6 +425,43 @@ def test_interrupt_swallowed_on_the_way_still_stops_the_commit(tmp_path, monkeyp
         with common.atomic_h5(out) as f:
             f["a"] = np.arange(3)
     assert os.listdir(tmp_path) == []
+
+
+# A command whose main imports a module that gets Ctrl-C during its import and drops every
+# exception there, as a C extension's module initialisation does (numpy.random's, run by the
+# first np.random call, is one). After the import it works for 10 s, then returns.
+_IMPORT_INTERRUPTED = """
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+from petra_mpi.prep.common import run_cli
+def main(argv):
+    import dropping
+    print("imported", flush=True)
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        sum(range(1000))
+    print("worked to the end", flush=True)
+run_cli(main)
+"""
+_DROPPING = """
+import os, signal
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+    sum(range(1000))
+except BaseException:
+    pass
+"""
+
+
+def test_ctrl_c_during_an_import_that_drops_it_still_stops_at_once(tmp_path):
+    """The interrupt waits for the import to end, then stops the command: exit status 130 (not
+    death by SIGINT), before the work after the import is done, without a traceback."""
+    (tmp_path / "dropping.py").write_text(_DROPPING)
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_INTERRUPTED, str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 130, (proc.returncode, proc.stderr)
+    assert proc.stdout == "imported\n" and "interrupted" in proc.stderr, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
 
 
 FINISHED = multiprocessing.Value("i", 0)  # items the pool workers have finished (fork-shared)
