@@ -82,8 +82,9 @@ def _raise_when_safe(frame):
     main thread is then. An exception raised inside an import can be lost: a C extension's module
     initialisation (numpy.random's, for one, run lazily by the first np.random call) drops errors
     from the Python code it runs, and one raised in the import lock's weakref callback is printed
-    and ignored. The packer then ran to its end before stopping, and CPython, having seen the
-    KeyboardInterrupt inside that code, ended the process by SIGINT instead of exit status 130."""
+    and ignored. The packer then ran on to its end before stopping, and CPython may end such a
+    process by SIGINT instead of exit status 130 (a KeyboardInterrupt that escaped code a C
+    extension ran through PyRun_String marks the interpreter as interrupted)."""
     while frame is not None:
         if frame.f_code.co_filename.startswith(_IMPORT_MACHINERY) or frame.f_code.co_name == "__del__":
             signal.setitimer(signal.ITIMER_REAL, _RETRY_S)
