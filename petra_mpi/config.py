@@ -43,6 +43,11 @@ class RunConfig:
     still cancels to float32 rounding); needs run.dtype float32."""
     threads: Annotated[int, AtLeast(0)] = 0
     """torch CPU threads per rank; 0 gives each rank its share of the node's cores."""
+    keep_freed_memory: bool = True
+    """glibc's malloc keeps the memory it frees instead of returning it to the OS and faulting it
+    back in at the next micro-batch (mallopt; as `bench --allocator glibc-keep`): kept blocks'
+    graphs, allocated in one tick and freed ticks later, cost what they should (docs/design.md).
+    Nothing changes under another allocator (LD_PRELOAD) or MALLOC_* variables of your own."""
     progress: bool = True
     """Progress bar on the rank that computes the loss (one line per epoch when off)."""
     progress_interval_s: Annotated[float, AtLeast(0)] = 30.0
@@ -124,6 +129,12 @@ class ModelConfig:
     micro-batches instead of rebuilding them (faster backward, more memory; docs/design.md §1):
     bytes (an int), a fraction of the device's memory (a float, e.g. 0.5), or `auto` (no limit);
     0: none kept (PETRA). `--dry-run` prints the plan."""
+    rebuild_last_stage: bool = False
+    """petra: the last stage holds no autograd graph between its forward and its backward but
+    rebuilds its reversible blocks' inputs and recomputes its buffered blocks' forward in the
+    backward, as the other stages do: one more forward per micro-batch on the last stage, which
+    then holds only its buffered blocks' inputs of one micro-batch instead of the graph of its
+    whole part (docs/design.md §1). `--dry-run` prints both."""
 
 
 @dataclass
@@ -409,6 +420,9 @@ def validate(cfg: Config, world_size: int | None = None):
          f"auto, got {budget!r}")
     need(budget == 0 or cfg.train.method == "petra", "model.memory_budget",
          f"kept blocks belong to method petra, not {cfg.train.method}: set it to 0")
+    need(not cfg.model.rebuild_last_stage or cfg.train.method == "petra",
+         "model.rebuild_last_stage", f"belongs to method petra (the paper's baselines keep the "
+         f"last stage's graph), not {cfg.train.method}: set it to false")
     if cfg.train.method != "delayed":
         need(not (cfg.train.buffer_inputs or cfg.train.stash_weights), "train.buffer_inputs",
              "buffer_inputs and stash_weights belong to method delayed")

@@ -51,7 +51,11 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
     process); `stop` is set by SIGUSR1/SIGTERM; `profile` (with dry_run) measures the blocks'
     costs. Returns the exit status."""
     from .run.trainer import run as train_run
-    return train_run(cfg, world, dry_run, stop, profile)
+    status = train_run(cfg, world, dry_run, stop, profile)
+    if dry_run and (world is None or world.rank == 0):
+        from .perf import allocator  # the blocks were timed under it (run.keep_freed_memory)
+        print(f"C allocator: {allocator.current()}")
+    return status
 
 
 def main(argv=None) -> int:
@@ -75,6 +79,9 @@ def main(argv=None) -> int:
     cfg = checked_config(args, rank, size)  # MPI's world size: a launcher not known above
     if cfg is None:
         return 2
+    if cfg.run.keep_freed_memory:  # before the first tensor: block timing included
+        from .perf.allocator import keep_freed_memory
+        keep_freed_memory()
     startup_step("loading torch")
     from .run.checkpoint import CheckpointError
     from .comm.compress import NonFiniteError

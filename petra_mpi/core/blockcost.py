@@ -19,7 +19,7 @@ leaves a gradient behind in the model that trains.
 import copy
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,11 @@ class BlockCosts:
                 out.append(sum(self.forward[b] + self.backward[b] for b in blocks))
             i += n
         return out
+
+    def with_rebuilt_last(self) -> "BlockCosts":
+        """The costs when the last stage rebuilds instead of keeping its graph
+        (model.rebuild_last_stage): each block there costs what it costs in a middle stage."""
+        return replace(self, last=[f + b for f, b in zip(self.forward, self.backward)])
 
     def to_dict(self):
         return {"forward": self.forward, "backward": self.backward, "last": self.last,
@@ -158,10 +163,11 @@ def measure_block_costs(blocks, input_shape, batch_size, num_classes, *, device=
 
 def measured_partition(arch, width, num_classes, num_stages, input_shape, batch_size, *,
                        imagenet_stem=False, device="cpu", dtype=torch.float32, precision="fp32",
-                       time_kept=False, **model_kw):
+                       time_kept=False, rebuild_last=False, **model_kw):
     """(blocks per stage minimising the slowest stage by measured cost, the BlockCosts);
     model_kw: the transformers' depth, heads and patch; precision as run.precision; time_kept
-    as measure_block_costs."""
+    as measure_block_costs; rebuild_last: the split for a last stage that rebuilds
+    (model.rebuild_last_stage; the costs returned are still those measured)."""
     from ..models import build_blocks, set_precision
     from .partition import resolve_partition
     blocks = build_blocks(arch, width, num_classes, imagenet_stem, image_size=input_shape[-1],
@@ -169,7 +175,8 @@ def measured_partition(arch, width, num_classes, num_stages, input_shape, batch_
     set_precision(blocks, precision)
     costs = measure_block_costs(blocks, input_shape, batch_size, num_classes, device=device,
                                 dtype=dtype, time_kept=time_kept)
-    return resolve_partition(blocks, num_stages, costs=costs), costs
+    split_costs = costs.with_rebuilt_last() if rebuild_last else costs
+    return resolve_partition(blocks, num_stages, costs=split_costs), costs
 
 
 def measured_partition_for(cfg, num_stages, input_shape, device, dtype, fixed=None):
@@ -187,7 +194,8 @@ def measured_partition_for(cfg, num_stages, input_shape, device, dtype, fixed=No
     sizes, costs = measured_partition(num_stages=num_stages, input_shape=input_shape,
                                       batch_size=cfg.data.batch_size, device=device,
                                       dtype=dtype, precision=cfg.run.precision,
-                                      time_kept=bool(cfg.model.memory_budget), **net)
+                                      time_kept=bool(cfg.model.memory_budget),
+                                      rebuild_last=cfg.model.rebuild_last_stage, **net)
     fixed = fixed or cfg.model.partition
     if not cfg.model.memory_budget:
         return sizes, costs, list(fixed or sizes), None

@@ -24,7 +24,10 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch.autograd.graph import saved_tensors_hooks
 
+from ..models import frozen_bn_stats
 from .partition import block_costs, resolve_partition, split_blocks
 from .schedule import delay
 
@@ -273,3 +276,37 @@ def kept_bytes(stages, x) -> list[tuple]:
                 shared[blocks] = shared.get(blocks, 0) + nbytes
         out.append(([None if h is None else sum(h.values()) for h in held], shared))
     return out
+
+
+def last_stage_graph_bytes(stage, x, batch: int) -> int:
+    """Bytes the graph of the last stage `stage` holds for a micro-batch of `batch` samples
+    between its forward and its backward (model.rebuild_last_stage off): the distinct storages
+    autograd saves for its forward and loss, less its parameters and buffers, measured on 2 and 3
+    copies of the one-sample input x and extended as an affine function of the batch (as
+    probe_kept). Rebuilding, the stage holds its buffered blocks' inputs of one micro-batch
+    instead (Stage.forward's FIFO entries). Nothing is kept or updated."""
+    two, three = (_saved_bytes(stage, torch.cat([x] * n)) for n in (2, 3))
+    return two + (batch - 2) * (three - two)
+
+
+def _saved_bytes(stage, x) -> int:
+    own = {t.untyped_storage().data_ptr() for t in (*stage.parameters(), *stage.buffers())}
+    held = {}  # data_ptr -> bytes; every saved tensor lives until the end: no address reused
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own:
+            held[storage.data_ptr()] = storage.nbytes()
+        return t
+    was_training = stage.training
+    stage.train()  # batch statistics, as training runs it
+    try:
+        with torch.enable_grad(), frozen_bn_stats(), saved_tensors_hooks(pack, lambda t: t):
+            logits = x
+            for block in stage.blocks:
+                logits = block(logits)
+            loss = F.cross_entropy(logits, torch.zeros(len(logits), dtype=torch.long))
+    finally:
+        stage.train(was_training)
+    del loss
+    return sum(held.values())

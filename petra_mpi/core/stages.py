@@ -7,7 +7,8 @@ since the coupling rule is the block's business (RevNet: models/blocks.py, RevVi
 a buffered block pops its input from a
 FIFO and recomputes its forward; one vector-Jacobian product per block gives the input gradient and
 accumulates the parameter gradients into .grad. The last stage does forward, loss and backward at
-once (no delay, so nothing is kept).
+once (no delay, so nothing is kept), with the graph of its whole part or, with rebuild_last, by
+the rules above (last_stage.py).
 
 Switches for the delayed-gradient baselines (paper Table 4):
 - buffer_inputs: reversible blocks keep their input in the FIFO too, instead of rebuilding it.
@@ -34,13 +35,12 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 from torch.func import functional_call
-import torch.nn.functional as F
 from torch import nn
 
 from ..comm.compress import Codec, nbytes
 from ..models import frozen_bn_stats, recorded_bn_stats
+from .last_stage import LossAtOnce
 from .schedule import delay
-from .trace import BACKWARD, FORWARD, LOSS, NULL_TRACER
 
 
 class PollsBetweenBlocks:
@@ -58,12 +58,14 @@ class PollsBetweenBlocks:
             self.between_blocks = previous
 
 
-class Stage(PollsBetweenBlocks, nn.Module):
+class Stage(PollsBetweenBlocks, LossAtOnce, nn.Module):
     def __init__(self, blocks, index: int, num_stages: int, *, buffer_inputs: bool = False,
-                 stash_weights: bool = False, kept=None, partition=None, buffer_codec=None):
+                 stash_weights: bool = False, kept=None, partition=None, buffer_codec=None,
+                 rebuild_last: bool = False):
         """partition: blocks per stage of the whole split (a checkpoint records where this
         stage's blocks sit in the network); buffer_codec: how the FIFOs keep their inputs
-        (comm.buffers: packed at the push, unpacked at the pop; as they are by default)."""
+        (comm.buffers: packed at the push, unpacked at the pop; as they are by default);
+        rebuild_last: the last stage rebuilds instead of keeping its graph (set_rebuild_last)."""
         super().__init__()
         self.partition = list(partition) if partition is not None else None
         self.buffer_codec = buffer_codec if buffer_codec is not None else Codec("none")
@@ -80,6 +82,7 @@ class Stage(PollsBetweenBlocks, nn.Module):
         self.kept_held = HeldStorages()  # what the kept graphs hold, each storage once
         self.peak_kept_bytes = 0
         self.set_kept(kept)
+        self.set_rebuild_last(rebuild_last)
 
     @property
     def kept_bytes(self) -> int:
@@ -224,21 +227,6 @@ class Stage(PollsBetweenBlocks, nn.Module):
                 out = block(x_leaf)
             out.backward(grad_y)
         return x, x_leaf.grad
-
-    def forward_backward_loss(self, x, labels, tracer=NULL_TRACER, b=-1):
-        """Last stage: forward, cross-entropy loss and backward at once. Returns (loss, logits, δx).
-        The tracer (trace.py) times the three parts as spans of micro-batch b."""
-        x_leaf = x.detach().requires_grad_(not self.is_first)
-        with torch.enable_grad():
-            with tracer.span(FORWARD, b):
-                logits = x_leaf
-                for block in self.blocks:
-                    logits = block(logits)
-            with tracer.span(LOSS, b):
-                loss = F.cross_entropy(logits, labels)
-        with tracer.span(BACKWARD, b):
-            loss.backward()
-        return loss.detach(), logits.detach(), x_leaf.grad
 
     @torch.no_grad()
     def evaluate(self, x):

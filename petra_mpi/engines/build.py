@@ -21,7 +21,7 @@ def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, se
                  device="cpu", dtype=torch.float32, only: int | None = None,
                  model_kw: dict | None = None, precision: str = "fp32",
                  compression=None, replica: int = 0, kept=None, memory_budget=0,
-                 batch_size: int = 1) -> list[Stage]:
+                 batch_size: int = 1, rebuild_last_stage: bool = False) -> list[Stage]:
     """All stages (or just stage `only`), with weights that depend on the seed alone: every rank
     builds the whole net from the same seed and keeps its own part. `model_kw`: depth, heads and
     patch of revvit/vit (config.model_kwargs). precision: fp32, or bf16 (autocast inside each
@@ -31,7 +31,9 @@ def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, se
     belong to: stochastic rounding draws differently in every replica, as their messages do).
     kept: per stage of the whole split, the kept plan of its blocks (Stage.set_kept; None:
     PETRA); else, with a memory_budget (model.memory_budget) other than 0, memory_plan.plan_split's
-    plan for micro-batches of `batch_size` samples, the same on every rank."""
+    plan for micro-batches of `batch_size` samples, the same on every rank.
+    rebuild_last_stage (model.rebuild_last_stage): the last stage holds no graph but rebuilds
+    and recomputes in its backward (Stage.set_rebuild_last)."""
     torch.manual_seed(seed)
     blocks = build_blocks(arch, width, num_classes, imagenet_stem, image_size=image_size,
                           **(model_kw or {}))
@@ -47,7 +49,7 @@ def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, se
             continue
         stage = Stage(stage_blocks, s, num_stages, buffer_inputs=buffer_inputs,
                       stash_weights=stash_weights, kept=kept[s] if kept else None,
-                      partition=sizes,
+                      partition=sizes, rebuild_last=rebuild_last_stage and s == num_stages - 1,
                       buffer_codec=(None if compression is None
                                     else compression.codec("buffers", s, replica)))
         stages.append(to_device(stage, device, dtype))

@@ -144,6 +144,28 @@ def balanced_profile(arch) -> Profile:
                    notes={"table5_ms": PAPER_TABLE5_MS[arch]})
 
 
+def estimated_profile(arch, batch, image_size=224, width=64, num_classes=1000,
+                      imagenet_stem=True, reference="revnet34") -> Profile:
+    """Costs of a network or an input size Table 5 does not give (RevNet-50, ImageNet): Table 5's
+    reversible-backprop time of `reference` (micro-batches of 256 CIFAR-10 images, width 64, every
+    stage's work in series: a middle stage 4 forwards' worth, the last 3) over the partitioner's
+    cost estimate of that work (partition.block_costs) gives the paper's seconds per unit of the
+    estimate and sample; every block of `arch` at `image_size` then works its own estimate at that
+    rate for `batch` samples. Within a block as balanced_profile: forward 1, rebuild 1 (the last
+    block none), backward 2."""
+    ref = estimated_block_costs(build_blocks(reference, 64, 10), 32)
+    units = [4.0] * (len(ref) - 1) + [3.0]
+    rate = (PAPER_TABLE5_MS[reference]["backprop"] / 1e3
+            / (256 * sum(u * e for u, e in zip(units, ref))))
+    estimate = estimated_block_costs(build_blocks(arch, width, num_classes, imagenet_stem),
+                                     image_size)
+    forward = [rate * batch * e for e in estimate]
+    return Profile(arch, forward, forward[:-1] + [0.0], [2 * f for f in forward],
+                   source=f"Table 5's {reference} rate x the cost estimate of {arch} at "
+                          f"{image_size} px, batch {batch}",
+                   notes={"seconds_per_unit_sample": rate, "reference": reference})
+
+
 # ---------------------------------------------------------------------------------------------
 # Shapes and held bytes of the real network, from one batch-1 probe
 
@@ -155,9 +177,10 @@ class BlockShapes:
     saved: list        # bytes autograd saves per sample in a forward with graph (plain training)
 
 
-def probe_shapes(arch, width, num_classes=10) -> BlockShapes:
-    blocks = build_blocks(arch, width, num_classes)
-    x = torch.zeros(2, 3, 32, 32)  # 2 samples: batch norm needs more than one in training
+def probe_shapes(arch, width, num_classes=10, image_size=32, imagenet_stem=False) -> BlockShapes:
+    blocks = build_blocks(arch, width, num_classes, imagenet_stem)
+    # 2 samples: batch norm needs more than one in training
+    x = torch.zeros(2, 3, image_size, image_size)
     inputs, outputs, saved = [], [], []
     for block in blocks:
         storages = {}
@@ -262,6 +285,11 @@ class WaitingStage(PollsBetweenBlocks, nn.Module):
 
     def reset_peak(self):
         self.peak_held_bytes = self.held
+
+    def steady_held_bytes(self) -> int:
+        """What the stage holds once its d_s micro-batches are in flight (backward first, then
+        forward, in every tick of a segment longer than d_s): the peak its forwards count."""
+        return sum(self._holds(b) for b in range(self.window))
 
     def _keeps(self, i, b) -> bool:
         return bool(self.kept[i]) and b is not None and b % self.window < self.kept[i]
@@ -401,15 +429,17 @@ class WaitingPlainStage(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # Kept blocks (model.memory_budget): the plan training would make, with the profile's costs
 
-def kept_sizes(arch, width, batch, sizes, num_classes=10) -> tuple[list[list], list[dict]]:
+def kept_sizes(arch, width, batch, sizes, num_classes=10, image_size=32,
+               imagenet_stem=False) -> tuple[list[list], list[dict]]:
     """Per stage of the split `sizes`: per block, the bytes one kept micro-batch of `batch`
     samples holds (saved activations, stashed weights, input; None: the block cannot keep), and
     the storages its blocks share, measured on the real stages as training's planner measures
     them (memory_plan.probe_kept)."""
     from ..engines.build import build_stages
     from ..core.memory_plan import probe_kept
-    stages = build_stages(arch, width, num_classes, len(sizes), partition=sizes)
-    return probe_kept(stages, lambda n: torch.zeros(n, 3, 32, 32), batch)
+    stages = build_stages(arch, width, num_classes, len(sizes), partition=sizes,
+                          imagenet_stem=imagenet_stem)
+    return probe_kept(stages, lambda n: torch.zeros(n, 3, image_size, image_size), batch)
 
 
 def kept_plan(profile: Profile, sizes, block_bytes, budgets, shared=None):

@@ -70,14 +70,21 @@ class Framework:
 NO_FRAMEWORK = Framework()
 
 
-def simulate(orders, costs, link: Link, framework: Framework = NO_FRAMEWORK) -> float:
+def simulate(orders, costs, link: Link, framework: Framework = NO_FRAMEWORK,
+             busy_links=False) -> float:
     """Makespan of ranks running `orders[s]`: lists of (op, b) with op in forward, backward,
     forward_backward, step (schedule.Kind's names), backward_input, backward_weight; forward b
     on stage s needs forward b of s-1, backward (or backward_input) b needs the backward,
     forward_backward or backward_input b of s+1; the last stage's backward b (1F1B, zero bubble)
-    needs its own forward b; backward_weight b needs its own backward_input b."""
+    needs its own forward b; backward_weight b needs its own backward_input b.
+    busy_links: a link carries one message at a time in each direction (a message leaves when
+    its operation ends and the wire is free, holds it bytes / bandwidth and arrives latency
+    later), so a pipeline whose messages outlast its compute runs at the link's pace; without
+    it every message takes latency + bytes / bandwidth however many are under way."""
     J = len(orders)
     done = {}     # (stage, op, b) -> end time
+    arrivals = {} if busy_links else None  # (stage, op, b) -> when its message arrives
+    wires = {}    # (from, to) -> when the wire is free
     free = [0.0] * J
     position = [0] * J
     remaining = sum(len(o) for o in orders)
@@ -86,7 +93,8 @@ def simulate(orders, costs, link: Link, framework: Framework = NO_FRAMEWORK) -> 
         for s in range(J):
             while position[s] < len(orders[s]):
                 op, b = orders[s][position[s]]
-                ready = _ready_time(s, op, b, J, done, costs, link, framework.per_message)
+                ready = _ready_time(s, op, b, J, done, costs, link, framework.per_message,
+                                    arrivals)
                 if ready is None:
                     break
                 start = max(free[s], ready)
@@ -96,6 +104,8 @@ def simulate(orders, costs, link: Link, framework: Framework = NO_FRAMEWORK) -> 
                         "backward_input": c.backward - c.weight, "backward_weight": c.weight}[op]
                 cost += framework.per_op if op != STEP else 0.0
                 free[s] = done[(s, op, b)] = start + cost
+                if busy_links:
+                    _put_on_wire(s, op, b, J, done, costs, link, wires, arrivals)
                 position[s] += 1
                 remaining -= 1
                 progressed = True
@@ -104,20 +114,41 @@ def simulate(orders, costs, link: Link, framework: Framework = NO_FRAMEWORK) -> 
     return max(free)
 
 
-def _ready_time(s, op, b, J, done, costs, link, extra=0.0):
+def _put_on_wire(s, op, b, J, done, costs, link, wires, arrivals):
+    """The arrival of the message (s, op, b) sends, if it sends one, on a busy link. Each
+    direction of a link has one sender, whose operations end in order: its wire carries its
+    messages in that order."""
+    if op == FORWARD and s < J - 1:
+        to, nbytes = s + 1, costs[s].out_bytes
+    elif op in (BACKWARD, FORWARD_BACKWARD, "backward_input") and s > 0:
+        to, nbytes = s - 1, costs[s].down_bytes
+    else:
+        return
+    leaves = max(done[(s, op, b)], wires.get((s, to), 0.0))
+    wires[(s, to)] = leaves + nbytes / link.bandwidth
+    arrivals[(s, op, b)] = wires[(s, to)] + link.latency
+
+
+def _ready_time(s, op, b, J, done, costs, link, extra=0.0, arrivals=None):
     """When the input of (s, op, b) is there, or None if its producer has not run yet; a message
-    takes `extra` seconds of the framework's own beside the link's."""
+    takes `extra` seconds of the framework's own beside the link's (`arrivals`: busy links'
+    arrival times, simulate's busy_links)."""
+    def arrival(key, nbytes):
+        end = done.get(key)
+        if end is None:
+            return None
+        return (arrivals[key] if arrivals is not None else end + link.seconds(nbytes)) + extra
+
     if op == STEP:
         return 0.0
     if op in (FORWARD, FORWARD_BACKWARD) and s > 0:
-        end = done.get((s - 1, FORWARD, b))
-        return None if end is None else end + link.seconds(costs[s - 1].out_bytes) + extra
+        return arrival((s - 1, FORWARD, b), costs[s - 1].out_bytes)
     if op in (BACKWARD, "backward_input"):
         if s == J - 1:  # 1F1B's and zero bubble's last stage: its own forward
             return done.get((s, FORWARD, b))
-        end = next((done[(s + 1, o, b)] for o in (BACKWARD, FORWARD_BACKWARD, "backward_input")
-                    if (s + 1, o, b) in done), None)
-        return None if end is None else end + link.seconds(costs[s + 1].down_bytes) + extra
+        sender = next(((s + 1, o, b) for o in (BACKWARD, FORWARD_BACKWARD, "backward_input")
+                       if (s + 1, o, b) in done), None)
+        return None if sender is None else arrival(sender, costs[s + 1].down_bytes)
     if op == "backward_weight":
         return done.get((s, "backward_input", b))
     return 0.0
@@ -152,6 +183,51 @@ def one_f_one_b_order(J, m):
 def gpipe_order(J, m):
     return [[(FORWARD, b) for b in range(m)] + [(BACKWARD, b) for b in range(m)] +
             [(STEP, m)] for _ in range(J)]
+
+
+def zero_bubble_order(J, m):
+    """Zero bubble (ZB-H1, torch's ScheduleInterleavedZeroBubble with one stage per rank) for
+    one step of m micro-batches: 1F1B's order with each backward split into its input part,
+    sent down at once, and its weight part, which stage s runs s micro-batches late (after the
+    input part of micro-batch b + s), the rest at the end, where 1F1B's drain idles."""
+    orders = []
+    for s in range(J):
+        warmup = min(J - 1 - s, m)
+        order = [(FORWARD, b) for b in range(warmup)]
+        weights = 0
+        for b in range(m):
+            if warmup + b < m:
+                order.append((FORWARD, warmup + b))
+            order.append(("backward_input", b))
+            if b >= s:
+                order.append(("backward_weight", weights))
+                weights += 1
+        order += [("backward_weight", b) for b in range(weights, m)] + [(STEP, m)]
+        orders.append(order)
+    return orders
+
+
+def peak_in_flight(order, release=BACKWARD) -> int:
+    """The most micro-batches of one rank's `order` between their forward and their `release`
+    operation: what its activations are held for (1F1B: until the backward; zero bubble:
+    until backward_weight, which still needs them)."""
+    held = peak = 0
+    for op, _ in order:
+        if op == FORWARD:
+            held += 1
+            peak = max(peak, held)
+        elif op == release:
+            held -= 1
+    return peak
+
+
+def ring_allreduce_seconds(nbytes, members, link: Link) -> float:
+    """A ring all-reduce of nbytes among `members` ranks over `link`: a reduce-scatter and an
+    all-gather of members - 1 rounds each, every round moving nbytes / members over every
+    link at once: 2 (members - 1) / members x nbytes / bandwidth + 2 (members - 1) latencies."""
+    if members <= 1:
+        return 0.0
+    return 2 * (members - 1) * (link.latency + nbytes / members / link.bandwidth)
 
 
 def predict_images_per_s(method, costs, link, n, batch, k=1, framework=NO_FRAMEWORK):

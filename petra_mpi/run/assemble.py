@@ -58,7 +58,8 @@ def build_run_engine(cfg, world, placement, partition, input_shape, microbatches
                                compression=compression,
                                replica=placement.replica if world else r,
                                kept=kept, memory_budget=cfg.model.memory_budget,
-                               batch_size=cfg.data.batch_size)
+                               batch_size=cfg.data.batch_size,
+                               rebuild_last_stage=cfg.model.rebuild_last_stage)
     steps_per_epoch = -(-microbatches_per_epoch // cfg.train.accumulation)
     schedule = run_lr_schedule(cfg, steps_per_epoch, R)
     # Collective (a Barrier fixes the common time origin); NULL_TRACERs when run.trace is off.

@@ -10,7 +10,8 @@ from ..core import trace
 def describe_run(cfg, placement, partition, microbatches_per_epoch, steps_per_epoch, peak_lr,
                  image_size, kept=None):
     """(identity, layout, manifest head) of a run; kept: its kept plan (layout.choose_layout;
-    None: PETRA), recorded with model.memory_budget, under which a resumed run trains it again."""
+    None: PETRA), recorded with model.memory_budget, under which a resumed run trains it again,
+    and model.rebuild_last_stage (a resumed run follows its own, and says when it changed)."""
     # What a checkpoint must share with this run: the model, the data and the recipe (the
     # sampler position and the learning-rate schedule depend on the batch size, k, the seed).
     identity = {"arch": cfg.model.arch, "width": cfg.model.width,
@@ -22,7 +23,8 @@ def describe_run(cfg, placement, partition, microbatches_per_epoch, steps_per_ep
                 "lr_schedule": cfg.optim.schedule, **model_kwargs(cfg)}
     # What it may differ in: reported at start-up when it does.
     layout = {"stages": placement.J, "partition": partition, "kept": kept,
-              "memory_budget": cfg.model.memory_budget, "replicas": placement.R,
+              "memory_budget": cfg.model.memory_budget,
+              "rebuild_last_stage": cfg.model.rebuild_last_stage, "replicas": placement.R,
               "microbatches_per_epoch": microbatches_per_epoch,
               "steps_per_epoch": steps_per_epoch, "peak_lr": peak_lr,
               "device": placement.device.type, "dtype": cfg.run.dtype,

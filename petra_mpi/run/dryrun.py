@@ -11,6 +11,7 @@ from ..archs import LM_ARCHS
 from ..config import model_kwargs
 from ..comm.compress import Codec
 from ..core.compensation import DelayCompensation, delay_steps
+from ..core.memory_plan import last_stage_graph_bytes
 from ..core.optim import LRSchedule, StageOptimizer
 from ..engines.build import build_stages
 from ..core.schedule import delay
@@ -40,7 +41,9 @@ def stage_table(cfg, num_stages: int, dtype=torch.float32, partition=None,
     `partition`: blocks per stage (default model.partition, else the estimate); `side`: of the
     input images (default: input_side). Stage s holds delay(J, s) micro-batches' inputs (or
     weights) at its peak, its backward running before its forward within a tick; the paper's
-    Table 3 counts one more (`as_the_paper_counts`)."""
+    Table 3 counts one more (`as_the_paper_counts`). The last stage holds the graph of its whole
+    part for one micro-batch (`graph_bytes`), or with model.rebuild_last_stage its buffered
+    blocks' inputs of one micro-batch (`input_fifo_bytes`); its row gives both (`last_stage`)."""
     side = side or input_side(cfg)[0]
     stages = build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, num_stages,
                           seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
@@ -57,18 +60,23 @@ def stage_table(cfg, num_stages: int, dtype=torch.float32, partition=None,
     buffer_codec = Codec(cfg.comm.buffers)
     fifo_itemsize = buffer_codec.code_dtype.itemsize if buffer_codec.active else itemsize
     for stage in stages:
+        rebuilds = stage.is_last and cfg.model.rebuild_last_stage
+        graph = (last_stage_graph_bytes(stage, x, batch) if stage.is_last else 0)
         stage.eval()
         in_shape = tuple(x.shape[1:])
         fifo = 0
         with torch.no_grad():
             for block, buffered in zip(stage.blocks, stage.buffered):
-                if buffered and not stage.is_last:  # token ids are kept as they are
+                if buffered:  # token ids are kept as they are
                     fifo += x.numel() * batch * (fifo_itemsize if x.is_floating_point()
                                                  else x.element_size())
                 x = block(x)
         params = sum(p.numel() for p in stage.parameters()) * itemsize
-        in_flight = (1 if cfg.train.method == "backprop" else
+        in_flight = (1 if cfg.train.method == "backprop" or rebuilds else
                      delay(num_stages, stage.index) + (1 if as_the_paper_counts else 0))
+        if stage.is_last:
+            last = {"graph_bytes": graph, "rebuilt_bytes": fifo, "rebuilds": rebuilds}
+            fifo, graph = (fifo, 0) if rebuilds else (0, graph)
         rows.append({
             "stage": stage.index, "blocks": len(stage.blocks),
             "kind": "+".join("rev" if not b else "buf" for b in stage.buffered),
@@ -82,6 +90,8 @@ def stage_table(cfg, num_stages: int, dtype=torch.float32, partition=None,
             "input_fifo_bytes": fifo * in_flight,
             "stash_bytes": params * in_flight if cfg.train.stash_weights and not stage.is_last
             else 0,
+            "graph_bytes": graph,
+            **({"last_stage": last} if stage.is_last else {}),
         })
     return rows
 
@@ -182,6 +192,21 @@ def print_kept_plan(cfg, num_stages: int, device, dtype, partition, side, petra_
           f"micro-batch")
 
 
+def print_last_stage(last: dict):
+    """What the last stage holds for its micro-batch, with its graph and rebuilt
+    (model.rebuild_last_stage), and what rebuilding costs."""
+    mib = 2 ** 20
+    graph, rebuilt = last["graph_bytes"] / mib, last["rebuilt_bytes"] / mib
+    if last["rebuilds"]:
+        print(f"last stage: rebuilds (no graph), model.rebuild_last_stage: holds {rebuilt:.2f} "
+              f"MiB of buffered inputs instead of its graph's {graph:.2f} MiB, for one more "
+              f"forward per micro-batch (4 forwards' worth per block instead of 3)")
+    else:
+        print(f"last stage: keeps the graph of its micro-batch ({graph:.2f} MiB); "
+              f"model.rebuild_last_stage would hold {rebuilt:.2f} MiB instead, for one more "
+              f"forward per micro-batch (4 forwards' worth per block instead of 3)")
+
+
 def print_delays(cfg, num_stages: int):
     """Each stage's delay and what delay compensation (optim.delay_*) makes of it, as each
     stage's optimizer sees it (built on a stand-in parameter, at a learning rate of 1)."""
@@ -221,16 +246,19 @@ def report(cfg, num_stages: int, world=None, device="cpu", dtype=torch.float32,
           f"{cfg.train.method}, batch {cfg.data.batch_size} (config {cfg.source}), "
           f"{batch_input(cfg, side)} ({where})")
     print(f"{'stage':>5} {'blocks':>6} {'kind':<14} {'input':<16} {'output':<16} "
-          f"{'params MiB':>10} {'optim MiB':>9} {'FIFO MiB':>9} {'stash MiB':>9} {'total MiB':>9}")
+          f"{'params MiB':>10} {'optim MiB':>9} {'FIFO MiB':>9} {'stash MiB':>9} {'graph MiB':>9} "
+          f"{'total MiB':>9}")
     total = 0
     for r in rows:
-        t = r["param_bytes"] + r["optimizer_bytes"] + r["input_fifo_bytes"] + r["stash_bytes"]
+        t = (r["param_bytes"] + r["optimizer_bytes"] + r["input_fifo_bytes"] + r["stash_bytes"]
+             + r["graph_bytes"])
         total += t
         print(f"{r['stage']:>5} {r['blocks']:>6} {r['kind']:<14} {str(r['input']):<16} "
               f"{str(r['output']):<16} {r['param_bytes'] / mib:>10.2f} "
               f"{r['optimizer_bytes'] / mib:>9.2f} {r['input_fifo_bytes'] / mib:>9.2f} "
-              f"{r['stash_bytes'] / mib:>9.2f} {t / mib:>9.2f}")
+              f"{r['stash_bytes'] / mib:>9.2f} {r['graph_bytes'] / mib:>9.2f} {t / mib:>9.2f}")
     print(f"total estimated memory (without activations of the running op): {total / mib:.1f} MiB")
+    print_last_stage(rows[-1]["last_stage"])
     if cfg.model.memory_budget:
         print_kept_plan(cfg, num_stages, device, dtype, partition, side, petra_split, units)
     if cfg.train.method != "backprop" and num_stages > 1:

@@ -101,6 +101,11 @@ def layout_changes(old, new) -> list[str]:
         changes.append(f"kept blocks {describe_kept(old['kept'])} -> "
                        f"{describe_kept(new['kept'])} ({budget}planned afresh: a kept "
                        f"micro-batch is differentiated with the weights of its forward)")
+    rebuilds = [bool(d.get("rebuild_last_stage")) for d in (old, new)]  # absent: an earlier run
+    if rebuilds[0] != rebuilds[1]:
+        changes.append(f"model.rebuild_last_stage {str(rebuilds[0]).lower()} -> "
+                       f"{str(rebuilds[1]).lower()} (the last stage's memory and time change; "
+                       f"its gradients only by the rounding of its rebuilt inputs)")
     if old["replicas"] != new["replicas"]:
         changes.append(f"replicas {old['replicas']} -> {new['replicas']} (effective batch, peak "
                        f"lr {old['peak_lr']:g} -> {new['peak_lr']:g} and batch-norm batches "

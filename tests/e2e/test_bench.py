@@ -160,51 +160,88 @@ def test_bench_peers_on_the_language_model():
         assert [len(k) for k in kept["plan"]] == kept["partition"], name
 
 
-def test_bench_peers_runs_every_contender():
+def test_bench_peers_runs_every_contender(tmp_path):
     # the splits given, not measured: what each contender holds, and so PETRA's kept budget,
     # depends on them
+    figure = tmp_path / "waterfall.png"
     proc = mpirun(2, ["-m", "petra_mpi.bench", "peers", "--width", "4", "--batch", "8",
                       "--microbatches", "6", "--accumulation", "2", "--rounds", "1",
-                      "--threads", "1", "--partition", "3,7", "--pt-partition", "2,8"],
-                  timeout=600)
+                      "--threads", "1", "--partition", "3,7", "--pt-partition", "2,8",
+                      "--waterfall", str(figure)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert f"waterfall: {figure}" in proc.stdout.splitlines()
+    assert figure.stat().st_size > 10_000
+    # where the time goes: the model at isolated block costs, then what the run added, on the
+    # rank that computes most; the steps add up to that rank's measured time, for ours and for
+    # every pipeline the model runs (not zero bubble)
+    falls = record["waterfall"]
+    assert set(falls) == {n for n in record["images_per_s"] if not n.startswith("zero_bubble")}
+    for name, w in falls.items():
+        assert w["model_s"] > 0 and w["microbatches"] == 6, name
+        assert sum(w["steps_s"].values()) == pytest.approx(w["wall_s"]), name
+        busiest = max(w["per_rank"], key=lambda r: r["compute_s"])
+        assert w["per_rank"][w["rank"]] == busiest and busiest["wall_s"] == w["wall_s"], name
+        for r in w["per_rank"]:
+            assert 0 < r["compute_s"] < r["wall_s"] and 0 <= r["wait_s"] < r["wall_s"], name
     assert record["bench"] == "peers" and record["ranks"] == 2
     # one update per K micro-batches for every contender: a pipelining step runs max(K, J)
     assert record["accumulation"] == 2 and record["pt_microbatches"] == 2
+    # the pipelines on PETRA's own net take its split when the splits are given
     assert record["partition"] == [3, 7] and record["pt_partition"] == [2, 8]
-    names = {"petra", "backprop", "petra_budget_1f1b", "petra_unlimited", "gpipe", "1f1b",
-             "1f1b_checkpointed"}
+    assert record["pt_partition_rev"] == [3, 7]
+    ours = {"petra", "backprop", "petra_budget_1f1b", "petra_unlimited"}
+    pipelines = {"gpipe", "1f1b", "1f1b_checkpointed"}
+    names = ours | pipelines | {p + "_rev" for p in pipelines}
     ran = set(record["images_per_s"])
     assert names <= ran
-    assert ran - names <= {"zero_bubble"}
-    assert ("zero_bubble" in ran) != ("zero_bubble" in record.get("skipped", {}))
+    assert ran - names <= {"zero_bubble", "zero_bubble_rev"}
+    for zb in ("zero_bubble", "zero_bubble_rev"):
+        assert (zb in ran) != (zb in record.get("skipped", {}))
+    # which net each contender trains: ours and the *_rev pipelines the reversible one
+    assert {n for n in ran if record["net"][n] == "revnet18"} == ours | {
+        n for n in ran if n.endswith("_rev")}
+    assert {n for n in ran if record["net"][n] == "resnet18"} == {
+        n for n in ran if n not in ours and not n.endswith("_rev")}
+    # FLOPs per micro-batch: PETRA does more than autograd on the same net (stage 0 rebuilds
+    # its reversible blocks and recomputes its stem)
+    flops = record["flops_per_microbatch"]
+    autograd = flops["revnet18"]["forward"] + flops["revnet18"]["backward"]
+    assert flops["revnet18"]["forward"] > 0 and flops["resnet18"]["forward"] > 0
+    assert autograd < flops["petra"] < 2 * autograd
     # every contender holds something for backward on every rank (the checkpointed one still
     # keeps its block inputs)
     for name in ran:
         assert record["images_per_s"][name] > 0, name
         peaks = record["peak_activation_bytes"][name]
         assert len(peaks) == 2 and min(peaks) > 0, (name, peaks)
-    assert record["petra_vs_1f1b"] > 0 and record["petra_vs_1f1b_checkpointed"] > 0
+    # ours also in steady state (6 micro-batches, k = 2: stage 0's forwards 2 to 4)
+    assert set(record["steady_images_per_s"]) == ours
+    for rival in ("1f1b", "1f1b_checkpointed", "1f1b_rev", "1f1b_checkpointed_rev"):
+        for key in (f"petra_vs_{rival}", f"steady_petra_vs_{rival}"):
+            assert record[key] > 0, key
+    assert record["steady_petra_vs_1f1b_rev"] == pytest.approx(
+        record["steady_images_per_s"]["petra"] / record["images_per_s"]["1f1b_rev"])
     # the table gives each contender's fullest rank first (what a cluster sizes its GPUs for)
     for name in ran:
         row = next(ln.split() for ln in proc.stdout.splitlines() if ln.split()[:1] == [name])
-        assert float(row[2]) == pytest.approx(max(record["peak_activation_bytes"][name]) / 2**20,
-                                              abs=0.006), row
-    # PETRA with kept blocks: at a budget of 1F1B's peak less its own, its kept graphs
-    # (activations, stashed weights, inputs) stay within the budget, so it holds at most what
-    # 1F1B holds where it keeps anything; only stage 0 has micro-batches in flight at J = 2,
-    # and there the budget holds a kept micro-batch of block 1
+        assert float(row[-3]) == pytest.approx(
+            max(record["peak_activation_bytes"][name]) / 2**20, abs=0.006), row
+    # PETRA with kept blocks: at a budget of 1F1B's peak on the same net less its own, its kept
+    # graphs (activations, stashed weights, inputs) stay within the budget, so it holds at most
+    # what 1F1B holds where it keeps anything; only stage 0 has micro-batches in flight at
+    # J = 2, and there the budget holds a kept micro-batch of block 1
     peaks, kept = record["peak_activation_bytes"], record["peak_kept_bytes"]
+    assert record["kept"]["petra_budget_1f1b"]["budget_from"] == "1f1b_rev"
     budget = record["kept"]["petra_budget_1f1b"]["budget_bytes"]
-    assert budget == [max(0, f - p) for f, p in zip(peaks["1f1b"], peaks["petra"])]
+    assert budget == [max(0, f - p) for f, p in zip(peaks["1f1b_rev"], peaks["petra"])]
     assert kept["petra_budget_1f1b"] == record["kept"]["petra_budget_1f1b"]["planned_kept_bytes"]
     assert kept["petra_budget_1f1b"][0] > 0 and kept["petra_budget_1f1b"][1] == 0
     for r in range(2):
         assert kept["petra_budget_1f1b"][r] <= budget[r]
-        assert peaks["petra_budget_1f1b"][r] <= max(peaks["1f1b"][r], peaks["petra"][r])
+        assert peaks["petra_budget_1f1b"][r] <= max(peaks["1f1b_rev"][r], peaks["petra"][r])
         assert peaks["petra_budget_1f1b"][r] <= peaks["petra"][r] + kept["petra_budget_1f1b"][r]
-    assert peaks["petra_budget_1f1b"][0] <= peaks["1f1b"][0]
+    assert peaks["petra_budget_1f1b"][0] <= peaks["1f1b_rev"][0]
     # without a limit it keeps at least as much, and the planner's time is at most PETRA's
     unlimited = record["kept"]["petra_unlimited"]
     assert unlimited["budget_bytes"] is None and unlimited["planned_relative_time"] <= 1

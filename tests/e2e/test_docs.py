@@ -55,6 +55,9 @@ KINDS = {
         ("bench", None),
     'mpirun -n 2 python -m petra_mpi.bench replicas': ("bench", None),
     'python -m petra_mpi.bench memory': ("bench", None),
+    'python -m petra_mpi.bench project': ("run", r'^\{"bench": "project", "arch": "revnet50"'),
+    'python -m petra_mpi.bench project --arch revnet34 --costs paper --width 8 --batch 16 --image-size 32 --num-classes 10 --microbatches 36 --replicas 1 --gbits 32.25 --latency-us 609':
+        ("run", r"^  petra @1f1b .* 188 images/s"),
     'python -m petra_mpi.plot': ("usage", None),  # the program named in prose
     # docs/benchmarks.md
     'python -m petra_mpi.export runs/quickstart --out model.pt':
@@ -206,6 +209,7 @@ KINDS = {
         ("usage", None),
     'mpirun -n J python -m petra_mpi.bench peers [--model revnet18|revlm] [--width 32] [--batch 64]':
         ("usage", None),
+    'python -m petra_mpi.bench peers --plot RUN.txt --waterfall FILE.png': ("usage", None),
     'mpirun -n J python -m petra_mpi.bench pipeline': ("usage", None),
     '[mpirun -n P] python -m petra_mpi.bench scaling': ("usage", None),
     'mpirun -n J python -m petra_mpi.bench emulate': ("usage", None),

@@ -59,3 +59,23 @@ def test_a_lowered_budget_plans_afresh_and_the_same_budget_resumes_the_plan(tmp_
     assert "blocks timed" not in err and resumed["kept"] == first["kept"]
     (resume,) = [r for r in records if r["event"] == "resume"]
     assert resume["layout_changes"] == []
+
+
+@pytest.mark.extended  # two short runs of the train command
+def test_rebuild_last_stage_is_recorded_and_may_change_on_resume(tmp_path):
+    """model.rebuild_last_stage goes with the layout: recorded in every checkpoint, and a run
+    resumed with it switched on follows its own config (its last stage buffers its inputs) and
+    says so; the split is the checkpoint's."""
+    out = tmp_path / "rebuild"
+    _, first, _, _ = train(out, "model.stages=3", "model.balance=estimate")
+    assert first["rebuild_last_stage"] is False
+    err, resumed, _, records = train(out, "model.stages=3", "model.balance=estimate",
+                                     "model.rebuild_last_stage=true", "train.epochs=2")
+    assert resumed["rebuild_last_stage"] is True and resumed["partition"] == first["partition"]
+    with open(out / "summary.json") as f:
+        fifo = [m["input_fifo_peak_bytes"] for m in json.load(f)["memory"]]
+    assert fifo[-1] > 0  # the last stage rebuilt (quickstart's revnet18 ends in a head)
+    said = "model.rebuild_last_stage false -> true (the last stage's memory and time change"
+    assert said in err
+    (resume,) = [r for r in records if r["event"] == "resume"]
+    assert any(c.startswith(said) for c in resume["layout_changes"])

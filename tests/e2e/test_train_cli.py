@@ -224,6 +224,11 @@ def test_dry_run_profile_prints_measured_costs_and_uses_the_measured_split():
     assert fixed.returncode == 0 and "split [1, 2, 3, 4] (model.partition)" in fixed.stdout
     alone = train("--profile")
     assert alone.returncode == 2 and "--profile goes with --dry-run" in alone.stderr
+    # the blocks were timed as training runs them: glibc keeping the memory it frees
+    # (run.keep_freed_memory), unless turned off
+    assert "C allocator: glibc-keep" in out.splitlines()
+    plain = train("--dry-run", "--set", "run.keep_freed_memory=false")
+    assert plain.returncode == 0 and "C allocator: glibc" in plain.stdout.splitlines()
 
 
 def test_decode_workers_default_to_the_ranks_cpu_share():

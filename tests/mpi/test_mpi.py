@@ -43,7 +43,8 @@ N = 6  # micro-batches per segment in every run of equivalence.py
 EXTENDED = pytest.mark.extended
 # The runs of equivalence.py, by world size: one launch per size trains them all in turn.
 RUNS = {
-    2: ["petra:1", "backprop:1", "delayed:2:buffer"],
+    2: ["petra:1", "backprop:1", "delayed:2:buffer",
+        "petra:1:irevnet:rebuild_last"],  # its last stage: reversible blocks one after another
     3: ["petra:2", "backprop:2", "delayed:1:buffer:stash",
         "petra:1:short_eval",  # evaluation's last batch has 2 samples, not 4
         "petra:2:revvit", "petra:2:bf16",
@@ -86,7 +87,8 @@ def test_invariant3_mpi_equals_local_bitwise(launched, J, run):
                                        arch=arch, buffer_inputs="buffer" in flags,
                                        stash_weights="stash" in flags,
                                        compression=COMPRESSED if "compress" in flags else
-                                       NO_COMPRESSION, run_flags=flags)
+                                       NO_COMPRESSION, run_flags=flags,
+                                       rebuild_last_stage="rebuild_last" in flags)
     initial = build_stages(arch, 4, 10, J, seed=0)
     moved = 0.0
     for r in range(J):
@@ -96,12 +98,15 @@ def test_invariant3_mpi_equals_local_bitwise(launched, J, run):
         assert len(got["params"]) == len(want_p) and len(got["buffers"]) == len(want_b)
         for g, w in zip(got["params"] + got["buffers"], want_p + want_b):
             assert torch.equal(g, w), f"rank {r} differs from the local engine"
+        assert got["peak_fifo_bytes"] == stages[r].peak_fifo_bytes
         moved = max(moved, max((p - q).abs().max().item() for p, q in
                                zip(want_p, initial[r].parameters())))
     assert moved > 1e-3  # it trained
-    if "compress" in flags or "compensate" in flags:  # and it changed what was learnt (the
-        # test has teeth)
-        plain, _ = local_reference(J, method, k, N, buffer_inputs="buffer" in flags,
+    if "rebuild_last" in flags:  # the last stage buffered its inputs: it rebuilt
+        assert stages[-1].peak_fifo_bytes > 0
+    if {"compress", "compensate", "rebuild_last"} & set(flags):  # and it changed what was
+        # learnt (the test has teeth; rebuilding: by the rounding of the rebuilt inputs)
+        plain, _ = local_reference(J, method, k, N, arch=arch, buffer_inputs="buffer" in flags,
                                    stash_weights="stash" in flags,
                                    run_flags=[f for f in flags if f != "compensate"])
         assert not torch.equal(flat(plain[0].parameters()), flat(stages[0].parameters()))

@@ -6,7 +6,8 @@ RUN is METHOD:K[:FLAG...], FLAG one of buffer, stash (the delayed method's switc
 (evaluation ends with a batch of 2), revvit (the tiny reversible ViT below instead of RevNet18),
 irevnet (the fully invertible irevnet18 instead of RevNet18), bf16 (the blocks compute in bf16),
 compress (COMPRESSED below on every message and buffer), compensate (COMPENSATED below: every
-delay compensation on), adamw (AdamW instead of SGD). Run RUN writes OUT_DIR/RUN/rank{r}.pt.
+delay compensation on), adamw (AdamW instead of SGD), rebuild_last (model.rebuild_last_stage: the
+last stage holds no graph). Run RUN writes OUT_DIR/RUN/rank{r}.pt.
 """
 import os
 import sys
@@ -62,7 +63,8 @@ def optimizer_settings(method, flags) -> dict:
 def train_and_save(world, out, method, k, n, flags):
     compression = COMPRESSED if "compress" in flags else NO_COMPRESSION
     switches = dict(buffer_inputs="buffer" in flags, stash_weights="stash" in flags,
-                    precision="bf16" if "bf16" in flags else "fp32", compression=compression)
+                    precision="bf16" if "bf16" in flags else "fp32", compression=compression,
+                    rebuild_last_stage="rebuild_last" in flags)
     if "revvit" in flags:
         stages = build_stages("revvit", REVVIT["width"], 10, world.size, seed=0, only=world.rank,
                               image_size=REVVIT["image_size"], model_kw=REVVIT["model_kw"],
@@ -80,6 +82,7 @@ def train_and_save(world, out, method, k, n, flags):
     totals = engine.evaluate(eval_batches(short) if world.rank == 0 else None, 3 + short)
     state = {"params": [p.detach() for p in worker.stage.parameters()],
              "buffers": [b.detach() for b in worker.stage.buffers()],
+             "peak_fifo_bytes": worker.stage.peak_fifo_bytes,
              "eval": totals.result() if totals else None}
     os.makedirs(out, exist_ok=True)
     torch.save(state, os.path.join(out, f"rank{world.rank}.pt"))

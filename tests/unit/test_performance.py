@@ -211,3 +211,38 @@ def test_bench_data_cpu_seconds_count_worker_processes():
     finally:
         child.stdin.close()
         child.wait(timeout=60)
+
+
+def test_steady_state_rate_leaves_out_the_fill_and_the_drain():
+    from petra_mpi.perf.bench.peers import steady_images_per_s
+    # J = 3: stage 0 runs forwards only for d_0 = 4 ticks (0.1 s each), then a forward and a
+    # backward per tick (0.3 s); 16 micro-batches, k = 4: the steady window is the forwards of
+    # micro-batches 4 to 12 (two updates), 8 ticks of 0.3 s
+    starts, t = {}, 0.0
+    for b in range(16):
+        starts[b] = t
+        t += 0.1 if b < 4 else 0.3
+    assert steady_images_per_s(starts, 3, 4, 64) == pytest.approx(8 * 64 / (8 * 0.3))
+    # not one update of steady state: no figure
+    assert steady_images_per_s({b: b for b in range(8)}, 3, 4, 64) is None
+
+
+def test_waterfall_steps_add_up_and_kept_blocks_shorten_the_model():
+    from petra_mpi.perf.bench.waterfall import kept_stage_costs, ours_model, waterfall
+    costs = BlockCosts(forward=[1.0] * 4, backward=[3.0] * 4, last=[3.0] * 4, step=[0.0] * 4,
+                       output_bytes=[1] * 4, kept=[3.0] * 4)
+    # stage 0 of [2, 2] keeps block 1 for 1 of every d_0 = 2 micro-batches: saves (4 - 3) / 2
+    plain = kept_stage_costs(costs, [2, 2], None, [2, 0])
+    kept = kept_stage_costs(costs, [2, 2], [[0, 1], [0, 0]], [2, 0])
+    assert plain[0].backward - kept[0].backward == pytest.approx(0.5)
+    assert kept[1] == plain[1]
+    # stage 0 is the slower one (8 per micro-batch against 6): keeping shortens the run
+    (t_plain, busy), (t_kept, _) = (ours_model("petra", costs, [2, 2], k, 8, 2)
+                                    for k in (None, [[0, 1], [0, 0]]))
+    assert t_kept < t_plain and busy == [8 * 8, 8 * 6]
+    # the steps go from the model's makespan to the measured wall time on the busiest rank
+    measured = [(2 * 70.0, 2 * 66.0, 2 * 1.0), (2 * 69.0, 2 * 50.0, 2 * 15.0)]
+    w = waterfall(2, 8, t_plain, busy, measured)
+    assert w["rank"] == 0 and w["wall_s"] == 70.0
+    assert sum(w["steps_s"].values()) == pytest.approx(70.0)
+    assert w["steps_s"]["compute above isolated"] == pytest.approx(66.0 - 64.0)

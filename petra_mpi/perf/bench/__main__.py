@@ -1,5 +1,5 @@
 """`python -m petra_mpi.bench NAME [options]`: overhead, pipeline, peers, scaling, replicas and
-emulate (under mpirun), data, memory.
+emulate (under mpirun), data, memory, project.
 
 Each benchmark prints a readable table and, as its very last line, one JSON object of figures."""
 import importlib
@@ -9,7 +9,7 @@ from .. import allocator
 from ...comm.world import launcher_rank_and_size, run_guarded
 
 BENCHES = ("overhead", "pipeline", "peers", "scaling", "replicas", "emulate", "data",
-           "memory")
+           "memory", "project")
 
 
 def main(argv=None):
@@ -24,6 +24,8 @@ def main(argv=None):
     except allocator.AllocatorError as e:
         print(f"petra_mpi.bench: {e}", file=sys.stderr)
         return 2
+    if name is None:  # none chosen: training's default
+        allocator.keep_freed_memory()
     bench = importlib.import_module(f"petra_mpi.perf.bench.{argv[0]}")
     if launcher_rank_and_size() is None:
         bench.main(argv[1:])

@@ -198,7 +198,7 @@ class Emulation:
     def build_pipelining(self):
         """One schedule per pipelining method and m; one that fails to build on any rank is
         dropped on every rank, so no rank waits on a schedule the others skip."""
-        from .peers import init_gloo
+        from .pipelining import init_gloo
         init_gloo(self.world)
         from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleavedZeroBubble)

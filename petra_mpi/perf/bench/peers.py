@@ -7,6 +7,11 @@ in one run (round-robin over the contenders, medians of the rounds).
   ScheduleInterleavedZeroBubble (one stage per rank) on the plain twin of the same width
   (ResNet18, or the plain transformer `lm`), split by its own measured block costs, over gloo.
 - 1f1b_checkpointed: Schedule1F1B with torch.utils.checkpoint around every block.
+- gpipe_rev, 1f1b_rev, 1f1b_checkpointed_rev, zero_bubble_rev: the same schedules on PETRA's own
+  net (RevNet18 or revlm) run with autograd, activations stored (what a user of torch's
+  pipelining would run on this net), split by its measured autograd block costs. The record's
+  "net" says which net each contender trains; "flops_per_microbatch" gives each net's forward
+  and backward FLOPs (torch's flop counter) and PETRA's own, rebuild included.
 - petra_budget_1f1b, petra_unlimited: PETRA with kept blocks (model.memory_budget,
   memory_plan.py) at a budget per rank of 1F1B's peak activation bytes there (less PETRA's own),
   and without a limit; each on the split training would choose for its budget (the measured
@@ -17,30 +22,41 @@ default: the paper's CIFAR-10 recipe, micro-batch 64 and k = 4): PETRA and backp
 micro-batches, a torch.distributed.pipelining step runs K micro-batches (at least J, which 1F1B
 needs; --pt-microbatches overrides). Each update is SGD (momentum 0.9, Nesterov). Images/s
 come from timed passes; activation memory from one separate untimed pass per contender (docs/peers.md
-says how it is counted)."""
+says how it is counted).
+
+A pipelining step drains the pipeline at every update, so its timed steps are its steady state.
+Ours drain only at the end of a segment (training: once per epoch), so a timed segment of
+--microbatches holds one fill and one drain; "steady_images_per_s" gives our rate without them,
+from the start times of stage 0's forwards in the middle of the segment (a whole number of
+updates, from the first tick that also runs a backward on). On one node every rank's clock is
+the same (CLOCK_MONOTONIC)."""
 import argparse
-import contextlib
-import datetime
-import socket
 import statistics
 import time
-import weakref
 from dataclasses import dataclass
-from itertools import chain
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint as cp
-from torch import nn
 
 from ...engines.build import build_engine, build_stages, build_workers
 from ...core.worker import WorkerHooks
 from ...comm.world import World
 from ...models import build_blocks
 from ...core.optim import constant_lr
-from ...core.partition import resolve_partition, split_blocks
-from ...core.schedule import Kind
-from .common import emit, random_batch
+from ...core.partition import resolve_partition
+from ...core.schedule import Kind, delay
+from .common import emit, last_json_line, random_batch
+from .meter import ActivationMeter
+from .pipelining import LR, MOMENTUM, init_gloo, pipelining_contenders
+from .waterfall import STEPS, ScheduleClock, draw, ours_model, pipeline_model, waterfall
+
+SAME_NET = "_rev"  # suffix of the pipelining contenders on PETRA's own net
+REBUILDS = "petra_rebuild_last"  # PETRA whose last stage rebuilds (model.rebuild_last_stage)
+# kept variants at a pipeline's peak memory per rank: name -> (that pipeline, the variant of ours
+# whose own peak the budget adds to)
+BUDGETS = {"petra_budget_1f1b": ("1f1b", "petra"),
+           "petra_budget_1f1b_checkpointed": ("1f1b_checkpointed", REBUILDS)}
+REBUILDING = {REBUILDS, "petra_budget_1f1b_checkpointed"}
 
 
 class SampleAfterForward(WorkerHooks):
@@ -51,8 +67,28 @@ class SampleAfterForward(WorkerHooks):
         if self.meter is not None and action.kind is Kind.FORWARD:
             self.meter.sample()
 
-LR, MOMENTUM = 0.01, 0.9
-ZERO_BUBBLE = "zero_bubble"
+
+class ForwardClock(WorkerHooks):
+    """When `starts` is a dict: the clock at the start of each forward, by micro-batch (a timed
+    segment's steady state is read from stage 0's)."""
+    starts = None
+
+    def before(self, worker, action, x=None, labels=None):
+        if self.starts is not None and action.kind is Kind.FORWARD:
+            self.starts[action.microbatch] = time.perf_counter()
+
+
+def steady_images_per_s(starts, num_stages, k, batch):
+    """Images/s of a segment in its steady state, from stage 0's forward start times: between
+    the forward of micro-batch d_0 (the first tick that also runs a backward there) and the one a
+    whole number of updates (k micro-batches each) later, as late as the segment allows; None
+    when the segment is too short for one update of steady state."""
+    first = delay(num_stages, 0)
+    updates = (max(starts, default=-1) - first) // k
+    if updates < 1:
+        return None
+    last = first + updates * k
+    return (last - first) * batch / (starts[last] - starts[first])
 
 
 @dataclass
@@ -99,225 +135,16 @@ class Workload:
 
 
 # ---------------------------------------------------------------------------------------------
-# Activation memory: live bytes of tensors saved for backward plus tensors stored explicitly.
-
-def _span(t):
-    """(storage pointer, first byte, end byte) of the memory a tensor view reaches."""
-    if t.numel() == 0:
-        return None
-    size = t.element_size()
-    first = t.storage_offset() * size
-    reach = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
-    return t.untyped_storage().data_ptr(), first, first + reach * size
-
-
-def _union_bytes(intervals) -> int:
-    total, end = 0, -1
-    for a, b in sorted(intervals):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
-
-
-class _Saved:
-    """What autograd keeps instead of a saved tensor while the meter is on; its death (the graph
-    freed) releases the count."""
-    __slots__ = ("t", "meter", "span", "__weakref__")
-
-    def __init__(self, meter, span, t):
-        self.t, self.meter, self.span = t, meter, span
-
-    def __del__(self):
-        self.meter.release(self.span)
-
-
-class ActivationMeter:
-    """Peak over time of the bytes held for backward: the memory reached by every tensor saved
-    by autograd (through saved_tensors_hooks) or held explicitly (`explicit()`: PETRA's FIFOs,
-    pipelining's stage inputs/outputs of in-flight micro-batches), while alive, each byte once
-    (the union of the views' byte ranges per storage: aliases and views count once, a slice
-    of a bigger tensor counts its slice). Storages of the module's parameters and buffers are
-    not activations and are skipped. `extra()`: bytes counted otherwise (a Stage's kept graphs,
-    whose saved tensors its own hooks record)."""
-
-    def __init__(self, module, explicit=lambda: (), extra=lambda: 0):
-        self.skip = {t.untyped_storage().data_ptr()
-                     for t in chain(module.parameters(), module.buffers())}
-        self.live = {}  # span -> references
-        self.explicit, self.extra, self.peak = explicit, extra, 0
-
-    def add(self, t):
-        span = _span(t)
-        if span is None or span[0] in self.skip:
-            return None
-        self.live[span] = self.live.get(span, 0) + 1
-        return span
-
-    def release(self, span):
-        if span in self.live:
-            self.live[span] -= 1
-            if self.live[span] == 0:
-                del self.live[span]
-
-    def current(self) -> int:
-        spans = set(self.live)
-        for t in self.explicit():
-            span = _span(t)
-            if span is not None and span[0] not in self.skip:
-                spans.add(span)
-        per_storage = {}
-        for ptr, a, b in spans:
-            per_storage.setdefault(ptr, []).append((a, b))
-        return sum(_union_bytes(v) for v in per_storage.values()) + self.extra()
-
-    def sample(self):
-        self.peak = max(self.peak, self.current())
-
-    def pack(self, t):
-        span = self.add(t)
-        if span is None:
-            return t
-        self.sample()
-        return _Saved(self, span, t)
-
-    @staticmethod
-    def unpack(p):
-        return p.t if isinstance(p, _Saved) else p
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-
-
-@contextlib.contextmanager
-def counting_recomputation(meter):
-    """torch.utils.checkpoint keeps a block's recomputed tensors outside the saved-tensor hooks
-    of the caller (its own hooks are innermost); count them too, so that the checkpointed
-    contender pays for its recomputation as PETRA pays for its own."""
-    original = cp._recomputation_hook
-
-    class Counting(original):
-        def __init__(self, *args):
-            super().__init__(*args)
-            inner = self.pack_hook
-
-            def pack(x):
-                # a fresh tensor object (same memory) is what checkpoint keeps, so that its
-                # death marks the end of the recomputed tensor's use
-                y = x.detach()
-                inner(y)
-                span = meter.add(y)
-                if span is not None:
-                    meter.sample()
-                    weakref.finalize(y, meter.release, span)
-                return y
-            self.pack_hook = pack
-
-    cp._recomputation_hook = Counting
-    try:
-        yield
-    finally:
-        cp._recomputation_hook = original
-
-
-# ---------------------------------------------------------------------------------------------
-# torch.distributed.pipelining contenders
-
-def init_gloo(world):
-    """torch.distributed over gloo with MPI's ranks: rank 0 picks a free port for the TCP store
-    on 127.0.0.1 (one node) and tells the others over MPI."""
-    import torch.distributed as dist
-    if world.local_size != world.size:
-        raise SystemExit("bench peers runs on one node (the TCP store is on 127.0.0.1)")
-    port = None
-    if world.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = world.comm.bcast(port, root=0)
-    store = dist.TCPStore("127.0.0.1", port, world.size, world.rank == 0,
-                          timeout=datetime.timedelta(seconds=300))
-    dist.init_process_group("gloo", store=store, rank=world.rank, world_size=world.size)
-    return dist
-
-
-class PTStage(nn.Module):
-    """One rank's consecutive blocks; with `checkpointed`, each block under
-    torch.utils.checkpoint (non-reentrant): only block inputs are kept, each block is recomputed
-    in backward."""
-
-    def __init__(self, blocks, checkpointed=False):
-        super().__init__()
-        self.blocks, self.checkpointed = nn.ModuleList(blocks), checkpointed
-
-    def forward(self, x):
-        for b in self.blocks:
-            if self.checkpointed and torch.is_grad_enabled():
-                x = cp.checkpoint(b, x, use_reentrant=False)
-            else:
-                x = b(x)
-        return x
-
-
-def _loss(logits, target):
-    return F.cross_entropy(logits, target)
-
-
-class PTContender:
-    def __init__(self, name, schedule_cls, multi, checkpointed, a, world, sizes, work):
-        from torch.distributed.pipelining import PipelineStage
-        r, J = world.rank, world.size
-        torch.manual_seed(0)
-        blocks = work.blocks(work.plain)
-        start = sum(sizes[:r])
-        with torch.no_grad():  # shapes of this rank's micro-batch input and output
-            x = work.zeros(a.batch)
-            for i, b in enumerate(blocks[:start + sizes[r]]):
-                b.eval()
-                if i == start:
-                    x_in = x
-                x = b(x)
-                b.train()
-        self.module = PTStage(split_blocks(blocks, sizes)[r], checkpointed)
-        self.stage = PipelineStage(self.module, r, J, torch.device("cpu"),
-                                   # the metadata says which gradients travel: a received
-                                   # input's and every output's
-                                   input_args=torch.empty_like(x_in).requires_grad_(
-                                       r > 0 and x_in.is_floating_point()),
-                                   output_args=torch.empty_like(x).requires_grad_())
-        self.schedule = schedule_cls([self.stage] if multi else self.stage, a.pt_microbatches,
-                                     loss_fn=_loss)
-        self.opt = torch.optim.SGD(self.module.parameters(), lr=LR, momentum=MOMENTUM,
-                                   nesterov=True)
-        self.name, self.checkpointed, self.world = name, checkpointed, world
-
-    def step(self, x, labels):
-        r, J = self.world.rank, self.world.size
-        if r == 0:
-            self.schedule.step(x, return_outputs=False)
-        elif r == J - 1:
-            self.schedule.step(target=labels, return_outputs=False)
-        else:
-            self.schedule.step(return_outputs=False)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-
-    def measure(self, x, labels) -> int:
-        def explicit():
-            for outputs, inputs in self.stage.fwd_cache.values():
-                yield from (t for t in chain(outputs, inputs) if isinstance(t, torch.Tensor))
-        meter = ActivationMeter(self.module, explicit)
-        recount = counting_recomputation(meter) if self.checkpointed else contextlib.nullcontext()
-        with meter.hooks(), recount:
-            self.step(x, labels)
-        return meter.peak
-
-
-# ---------------------------------------------------------------------------------------------
 
 def main(argv):
     a = parse_args(argv)
-    report(a, run(a))
+    if a.plot:  # a saved run's output: its figure only
+        print(draw(last_json_line(a.plot), a.waterfall or "runs/bench/waterfall.png"))
+        return
+    record = run(a)
+    if record is not None and a.waterfall:  # before the table: the JSON line stays the last
+        print(f"waterfall: {draw(record, a.waterfall)}")
+    report(a, record)
 
 
 def parse_args(argv):
@@ -344,6 +171,9 @@ def parse_args(argv):
                    help="blocks per stage of the reversible net (default: by measured costs)")
     p.add_argument("--pt-partition", type=_split_arg, metavar="A,B,...",
                    help="blocks per stage of the plain twin (default: by measured costs)")
+    p.add_argument("--waterfall", metavar="PNG", help="draw the waterfalls to this file")
+    p.add_argument("--plot", metavar="RUN.txt",
+                   help="no run: draw the waterfalls of a saved output (its JSON last line)")
     a = p.parse_args(argv)
     if a.accumulation < 1:
         p.error("--accumulation must be at least 1")
@@ -355,50 +185,60 @@ def _split_arg(text):
 
 
 def measured_splits(a, world, work):
-    """(reversible net's split, plain twin's split, the reversible net's measured BlockCosts):
-    each net split by its own measured block costs, as a user would balance it (training's
-    default for ours; for the twin the autograd costs that pipelining runs); None for either
-    split when there is one block per stage. --partition and --pt-partition, when both are
-    given, replace the measurement (the memory a contender holds depends on its split). The
-    costs: on rank 0, where the kept plans are made, and only when our split was measured."""
-    J = world.size
-    if a.partition and a.pt_partition:
-        return a.partition, a.pt_partition, None
-    measured, costs = None, None
-    plain = work.blocks(work.plain)
-    if world.rank == 0 and J < len(plain):
-        from ...core.blockcost import measure_autograd_costs, measured_partition
+    """(our split of the reversible net, the pipelines' splits {net: split}, the per-block costs
+    measured on rank 0 (None elsewhere): {"ours": our BlockCosts (kept times included), net:
+    autograd BlockCosts of each net}). Each split is balanced by its costs, as a user would
+    balance it (training's default for ours; for the pipelines the autograd costs they run, of
+    the plain twin and of the reversible net), unless --partition and --pt-partition give them
+    (the memory a contender holds depends on its split): the pipelines on the reversible net
+    then take --partition. The costs also drive the waterfall's model."""
+    from ...core.blockcost import measure_autograd_costs, measured_partition
+    J, measured = world.size, None
+    if world.rank == 0:
         petra_split, costs = measured_partition(work.arch, work.width, work.num_classes, J,
                                                 work.input_shape, a.batch, time_kept=True,
                                                 **work.model_kw)
-        measured = (petra_split, resolve_partition(
-            plain, J, costs=measure_autograd_costs(plain, work.input_shape, a.batch,
-                                                   work.num_classes)))
-    petra_split, pt_split = world.comm.bcast(measured, root=0) or (None, None)
-    return petra_split, pt_split, None if a.partition else costs
+        costs, pt_splits = {"ours": costs}, {}
+        for net in (work.plain, work.arch):
+            blocks = work.blocks(net)
+            costs[net] = measure_autograd_costs(blocks, work.input_shape, a.batch,
+                                                work.num_classes)
+            pt_splits[net] = resolve_partition(blocks, J, costs=costs[net])
+        measured = (petra_split, pt_splits)
+    petra_split, pt_splits = world.comm.bcast(measured, root=0)
+    if a.partition and a.pt_partition:
+        petra_split, pt_splits = a.partition, {work.plain: a.pt_partition,
+                                               work.arch: a.partition}
+    return petra_split, pt_splits, costs if world.rank == 0 else None
 
 
-def pipelining_contenders(a, world, pt_sizes, work):
-    """({name: PTContender}, {name: why it did not build}); a contender that fails to build on
-    any rank is dropped on every rank, so no rank waits on a schedule the others skip."""
-    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleavedZeroBubble)
-    specs = [("gpipe", ScheduleGPipe, False, False), ("1f1b", Schedule1F1B, False, False),
-             ("1f1b_checkpointed", Schedule1F1B, False, True)]
-    if not a.no_zero_bubble:
-        specs.append((ZERO_BUBBLE, ScheduleInterleavedZeroBubble, True, False))
-    pts, skipped = {}, {}
-    for name, cls, multi, ckpt in specs:
-        try:
-            pts[name] = PTContender(name, cls, multi, ckpt, a, world, pt_sizes, work)
-            err = None
-        except Exception as e:  # noqa: BLE001 - reported, the others still run
-            err = f"{type(e).__name__}: {e}".splitlines()[0]
-        errors = [e for e in world.comm.allgather(err) if e]
-        if errors:
-            pts.pop(name, None)
-            skipped[name] = errors[0]
-    return pts, skipped
+def flops_per_microbatch(work, batch, stages):
+    """FLOPs of one micro-batch (torch.utils.flop_counter): each net's forward and backward with
+    autograd ({net: {"forward", "backward"}}), and PETRA's on `stages` (the whole net split as it
+    runs: every stage's forward without graph, the last one's forward, loss and backward, and
+    the other stages' backward, rebuild included)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    x, y = work.batch(batch, torch.Generator().manual_seed(0))
+    flops = {}
+    for net in (work.plain, work.arch):
+        out = x
+        with FlopCounterMode(display=False) as forward:
+            for block in work.blocks(net):
+                out = block(out)
+            loss = F.cross_entropy(out, y)
+        with FlopCounterMode(display=False) as backward:
+            loss.backward()
+        flops[net] = {"forward": forward.get_total_flops(),
+                      "backward": backward.get_total_flops()}
+    with FlopCounterMode(display=False) as petra:
+        out = x
+        for stage in stages[:-1]:
+            out = stage(out, 0)
+        _, _, grad = stages[-1].forward_backward_loss(out, y)
+        for stage in reversed(stages[:-1]):
+            out, grad = stage.backward(out, grad, 0)
+    flops["petra"] = petra.get_total_flops()
+    return flops
 
 
 class PeersBench:
@@ -410,20 +250,36 @@ class PeersBench:
         self.a, self.world, self.work = a, world, work
         J = world.size
         self.M = a.pt_microbatches
-        petra_split, pt_split, self.costs = measured_splits(a, world, work)
+        petra_split, self.pt_splits, self.block_costs = measured_splits(a, world, work)
+        # the kept plans' costs: the measured ones, unless --partition fixes our split
+        self.costs = None if a.partition or not self.block_costs else self.block_costs["ours"]
         (self.stage,) = work.stages(J, only=world.rank, partition=a.partition or petra_split)
         self.sizes = self.stage.partition
-        self.pt_sizes = (a.pt_partition or pt_split
-                         or resolve_partition(work.blocks(work.plain), J))
-        self.sampler = SampleAfterForward()
+        self.sampler, self.clock = SampleAfterForward(), ForwardClock()
         # our contenders: name -> (engine, its stage on this rank, the stage's kept plan: None,
         # PETRA as in the paper)
         self.variants = {m: (engine, self.stage, None)
                          for m, engine in self.engines_on(self.stage, "petra", "backprop")}
+        # PETRA whose last stage rebuilds, on the split balanced for it
+        self.rebuild_split = a.partition or world.comm.bcast(self.block_costs and resolve_partition(
+            work.blocks(work.arch), J, costs=self.block_costs["ours"].with_rebuilt_last()))
+        self.variants[REBUILDS] = self.petra_on(self.rebuild_split, None)
         # kept variant -> (memory_plan.Plan, kept budget per rank or None, its split, the
         # planner's time over PETRA's on PETRA's split)
         self.plans = {}
-        self.pts, self.skipped = pipelining_contenders(a, world, self.pt_sizes, work)
+        self.budget_from = {}  # kept variant -> the contender whose memory its budget matches
+        nets = {"": work.plain, SAME_NET: work.arch}
+        self.net_of = {m: work.arch for m in self.variants}
+        self.pts, self.skipped = pipelining_contenders(
+            world, {suffix: (lambda n=net: work.blocks(n), self.pt_splits[net])
+                    for suffix, net in nets.items()},
+            self.M, work.zeros(a.batch), zero_bubble=not a.no_zero_bubble)
+        for name in [*self.pts, *self.skipped]:
+            self.net_of[name] = work.arch if name.endswith(SAME_NET) else work.plain
+        self.schedule_clock = ScheduleClock()
+        for pt in self.pts.values():
+            self.schedule_clock.watch(pt.stage, pt.opt)
+        self.measured = {}  # contender -> [wall, compute, wait] seconds over its timed runs
         g = torch.Generator().manual_seed(0)
         self.data = [work.batch(a.batch, g) for _ in range(max(4, self.M))]
         self.full_x = torch.cat([d[0] for d in self.data[:self.M]])
@@ -433,7 +289,7 @@ class PeersBench:
     def engines_on(self, stage, *methods):
         """(method, our engine of that method over `stage`) for each of `methods`."""
         workers = build_workers([stage], constant_lr(LR), self.a.accumulation,
-                                momentum=MOMENTUM, hooks=[self.sampler])
+                                momentum=MOMENTUM, hooks=[self.sampler, self.clock])
         return [(m, build_engine(workers, m, self.world, self.work.input_shape, self.a.batch,
                                  labels_per_sample=self.work.labels_per_sample))
                 for m in methods]
@@ -441,11 +297,23 @@ class PeersBench:
     def names(self):
         return [*self.variants, *self.pts]
 
+    def petra_on(self, split, kept):
+        """(engine, stage, kept) of a PETRA variant on `split`: this rank's stage of PETRA's when
+        the split is the same, else a stage and an engine of its own."""
+        engine, stage, _ = self.variants["petra"]
+        if split != self.sizes:
+            (stage,) = self.work.stages(self.world.size, only=self.world.rank, partition=split)
+            ((_, engine),) = self.engines_on(stage, "petra")
+        return engine, stage, kept
+
     def petra_run(self, name, n):
         """Images trained by one segment of n micro-batches of our engine, with the variant's
-        kept plan (the stage holds nothing between segments, so the plan may change)."""
+        kept plan and last-stage rule (the stage holds nothing between segments, so both may
+        change)."""
         engine, stage, kept = self.variants[name]
         stage.set_kept(kept)
+        if stage.is_last:
+            stage.set_rebuild_last(name in REBUILDING)
         batches = ((self.data[i % len(self.data)] for i in range(n)) if self.world.rank == 0
                    else None)
         engine.train_segment(batches, n)
@@ -464,9 +332,11 @@ class PeersBench:
         plans = None
         if world.rank == 0:
             budgets = {"petra_unlimited": None}
-            if "1f1b" in peaks:
-                budgets["petra_budget_1f1b"] = [max(0, f - p) for f, p in
-                                                zip(peaks["1f1b"], peaks["petra"])]
+            for name, (rival, ours) in BUDGETS.items():
+                rival = next((n for n in (rival + SAME_NET, rival) if n in peaks), None)
+                if rival:  # the pipeline on PETRA's own net when it ran
+                    self.budget_from[name] = rival
+                    budgets[name] = [max(0, f - p) for f, p in zip(peaks[rival], peaks[ours])]
             where = {"image_size": work.input_shape[-1]}
             units = None if self.costs is None else measured_units(self.costs)
             # the planner's time of PETRA on its own split: what each plan is set against
@@ -476,7 +346,10 @@ class PeersBench:
             for name, budget in sorted(budgets.items()):
                 budget = AUTO if budget is None else budget
                 blocks = work.blocks(work.arch)
-                if self.costs is None:
+                if name in REBUILDING:  # balanced for a last stage that rebuilds: the plan only
+                    split = self.rebuild_split
+                    plan = plan_blocks(blocks, split, budget, a.batch, units=units, **where)
+                elif self.costs is None:
                     split = self.sizes
                     plan = plan_blocks(blocks, split, budget, a.batch, **where)
                 else:
@@ -485,11 +358,8 @@ class PeersBench:
                 plans[name] = (plan, budgets[name], split, max(plan.units) / petra)
         self.plans = world.comm.bcast(plans, root=0)
         for name, (plan, _, split, _) in self.plans.items():
-            engine, stage, _ = self.variants["petra"]
-            if split != self.sizes:
-                (stage,) = work.stages(world.size, only=world.rank, partition=split)
-                ((_, engine),) = self.engines_on(stage, "petra")
-            self.variants[name] = (engine, stage, plan.kept[world.rank])
+            self.variants[name] = self.petra_on(split, plan.kept[world.rank])
+            self.net_of[name] = work.arch
         return list(self.plans)
 
     def pt_run(self, name, steps):
@@ -498,30 +368,80 @@ class PeersBench:
             self.pts[name].step(self.full_x, self.full_y)
         return steps * self.M * self.a.batch
 
+    def counters(self, name) -> tuple:
+        """(compute, wait) seconds this rank has spent so far in the contender's engine (ours)
+        or in every pipelining schedule."""
+        if name in self.variants:
+            engine = self.variants[name][0]
+            return engine.compute_seconds, engine.wait_seconds()
+        return self.schedule_clock.compute, self.schedule_clock.wait
+
     def timed_run(self, name):
-        """images/s of one timed segment of a contender, between barriers."""
+        """(images/s of one timed segment of a contender, between barriers; for ours, on rank 0,
+        the segment's steady-state images/s, else None). Adds the segment's wall, compute and
+        wait seconds on this rank to self.measured."""
         self.world.comm.Barrier()
+        before = self.counters(name)
         start = time.perf_counter()
         if name in self.variants:
+            self.clock.starts = {}
             images = self.petra_run(name, self.a.microbatches)
         else:
             images = self.pt_run(name, self.pt_steps)
+        wall = time.perf_counter() - start  # this rank's own, before it waits for the others
         self.world.comm.Barrier()
-        return images / (time.perf_counter() - start)
+        speed = images / (time.perf_counter() - start)
+        spent = [wall, *(b - a for a, b in zip(before, self.counters(name)))]
+        self.measured[name] = [t + x for t, x in zip(self.measured.get(name, [0.0] * 3), spent)]
+        starts, self.clock.starts = self.clock.starts, None
+        steady = (steady_images_per_s(starts, self.world.size, self.a.accumulation, self.a.batch)
+                  if starts else None)
+        return speed, steady
 
-    def images_per_s(self) -> dict:
-        """Median images/s of each contender over a.rounds round-robin rounds, after a warm-up
-        (a failing zero-bubble step would leave the other ranks waiting in gloo, so a schedule
-        that raises here ends the run with its error)."""
+    def images_per_s(self) -> tuple:
+        """({contender: median images/s}, {our contender: median steady-state images/s, on
+        rank 0}) over a.rounds round-robin rounds, after a warm-up (a failing zero-bubble step
+        would leave the other ranks waiting in gloo, so a schedule that raises here ends the run
+        with its error)."""
         for name in self.variants:
             self.petra_run(name, self.world.size + 2)
         for n in self.pts:
             self.pt_run(n, 1)
         speeds = {name: [] for name in self.names()}
+        steady = {name: [] for name in self.variants}
         for _ in range(self.a.rounds):
             for name in speeds:
-                speeds[name].append(self.timed_run(name))
-        return {name: statistics.median(v) for name, v in speeds.items()}
+                speed, steady_speed = self.timed_run(name)
+                speeds[name].append(speed)
+                if steady_speed is not None:
+                    steady[name].append(steady_speed)
+        return ({name: statistics.median(v) for name, v in speeds.items()},
+                {name: statistics.median(v) for name, v in steady.items() if v})
+
+    def waterfalls(self) -> dict:
+        """On rank 0, each contender's waterfall (waterfall.py) over its timed runs, where the
+        model runs it; None elsewhere."""
+        measured = {n: self.world.comm.gather(v, root=0) for n, v in sorted(self.measured.items())}
+        if self.world.rank != 0:
+            return None
+        a, work, out = self.a, self.work, {}
+        for name, per_rank in measured.items():
+            if name in self.variants:
+                method = "backprop" if name == "backprop" else "petra"
+                plan = self.plans[name][0] if name in self.plans else None
+                sizes = self.variants[name][1].partition
+                costs = self.block_costs["ours"]
+                model = ours_model(method, costs.with_rebuilt_last() if name in REBUILDING
+                                   else costs, sizes, plan.kept if plan else None,
+                                   a.microbatches, a.accumulation)
+            else:
+                net = self.net_of[name]
+                model = pipeline_model(name.removesuffix(SAME_NET), self.block_costs[net],
+                                       self.pt_splits[net], self.M, self.pt_steps)
+            if model is not None:
+                n = a.microbatches if name in self.variants else self.pt_steps * self.M
+                out[name] = waterfall(a.rounds, n, *model, per_rank)
+        return out
 
     def peak_bytes(self, names) -> tuple:
         """(peak activation bytes, peak bytes of kept graphs) of each of `names` from one
@@ -559,10 +479,13 @@ def run(a):
     dist = init_gloo(world)
     work = Workload.from_args(a)
     bench = PeersBench(a, world, work)
+    flops = (flops_per_microbatch(work, a.batch, work.stages(world.size, partition=bench.sizes))
+             if world.rank == 0 else None)
     # the contenders' memory first: PETRA's kept budget comes from 1F1B's
     peak_bytes, kept_bytes = bench.peak_bytes(bench.names())
     kept_names = bench.add_kept_variants(peak_bytes)
-    images_per_s = bench.images_per_s()
+    images_per_s, steady = bench.images_per_s()
+    waterfalls = bench.waterfalls()
     more_peaks, more_kept = bench.peak_bytes(kept_names)
     peak_bytes.update(more_peaks)
     kept_bytes.update(more_kept)
@@ -573,25 +496,45 @@ def run(a):
               "model": work.arch, "plain_model": work.plain, **work.model_kw,
               "batch": a.batch, "width": work.width, "microbatches": a.microbatches,
               "accumulation": a.accumulation, "pt_microbatches": a.pt_microbatches,
-              "partition": bench.sizes, "pt_partition": bench.pt_sizes,
-              "images_per_s": images_per_s,
+              "partition": bench.sizes, "pt_partition": bench.pt_splits[work.plain],
+              "pt_partition_rev": bench.pt_splits[work.arch],
+              "net": {name: bench.net_of[name] for name in images_per_s},
+              "flops_per_microbatch": flops,
+              "images_per_s": images_per_s, "steady_images_per_s": steady,
               "peak_activation_bytes": {name: peak_bytes[name] for name in images_per_s},
-              "peak_kept_bytes": kept_bytes,
+              "peak_kept_bytes": kept_bytes, "waterfall": waterfalls,
               "kept": {name: {"budget_bytes": budget, "plan": plan.kept,
                               "planned_kept_bytes": plan.kept_bytes,
                               "planned_relative_time": relative, "partition": split}
                        for name, (plan, budget, split, relative) in bench.plans.items()}}
-    for other in ("1f1b", "1f1b_checkpointed"):
-        if other in images_per_s:
-            record[f"petra_vs_{other}"] = images_per_s["petra"] / images_per_s[other]
-            if "petra_budget_1f1b" in images_per_s:
-                record[f"petra_budget_1f1b_vs_{other}"] = (images_per_s["petra_budget_1f1b"] /
-                                                          images_per_s[other])
+    for name, rival in bench.budget_from.items():
+        record["kept"][name]["budget_from"] = rival
+    record.update(ratios(images_per_s, steady))
     if work.context:  # a language model: every window is context tokens
         record["tokens_per_s"] = {n: v * work.context for n, v in images_per_s.items()}
+        record["steady_tokens_per_s"] = {n: v * work.context for n, v in steady.items()}
     if bench.skipped:
         record["skipped"] = bench.skipped
     return record
+
+
+OURS = ("petra", "petra_budget_1f1b", "petra_unlimited", REBUILDS,
+        "petra_budget_1f1b_checkpointed")
+RIVALS = ("1f1b", "1f1b_checkpointed", "zero_bubble")
+
+
+def ratios(images_per_s, steady) -> dict:
+    """"{ours}_vs_{rival}": our images/s over a pipeline's, timed segments alike (fill and drain
+    in ours), and "steady_{ours}_vs_{rival}": ours in steady state; for every pipeline on either
+    net (the rival's name says which)."""
+    out = {}
+    for ours in OURS:
+        for rival in (r + suffix for suffix in ("", SAME_NET) for r in RIVALS):
+            if ours in images_per_s and rival in images_per_s:
+                out[f"{ours}_vs_{rival}"] = images_per_s[ours] / images_per_s[rival]
+                if ours in steady:
+                    out[f"steady_{ours}_vs_{rival}"] = steady[ours] / images_per_s[rival]
+    return out
 
 
 def report(a, r):
@@ -600,31 +543,53 @@ def report(a, r):
         return
     mib, M = 2.0 ** 20, r["pt_microbatches"]
     net, plain = r["model"], r["plain_model"]
-    unit = "tokens/s" if "tokens_per_s" in r else "images/s"
+    words = "tokens" if "tokens_per_s" in r else "images"
     speeds = r.get("tokens_per_s", r["images_per_s"])
+    steady = r.get("steady_tokens_per_s", r["steady_images_per_s"])
     print(f"width {r['width']}, micro-batch {a.batch}, {r['ranks']} ranks x {r['threads']} "
           f"threads, median of {a.rounds} alternated rounds")
-    print(f"petra/backprop: {net}, {a.microbatches} micro-batches per timed segment (fill "
-          f"and drain included), k = {a.accumulation}; pipelining: {plain}, {M} micro-batches "
-          f"per step, {max(1, round(a.microbatches / M))} step(s) per timed segment; blocks per "
-          f"stage: {net} {r['partition']}, {plain} {r['pt_partition']}")
+    print(f"ours: {net}, {a.microbatches} micro-batches per timed segment (fill and drain "
+          f"included; 'steady': without them), k = {a.accumulation}; pipelining: {M} "
+          f"micro-batches per step, {max(1, round(a.microbatches / M))} step(s) per timed "
+          f"segment; blocks per stage: ours {r['partition']}, pipelines on {plain} "
+          f"{r['pt_partition']}, on {net} {r['pt_partition_rev']}")
+    flops = r["flops_per_microbatch"]
+    print("GFLOPs per micro-batch (forward + backward): " + ", ".join(
+        f"{n} {(f['forward'] + f['backward']) / 1e9:.2f}" for n, f in flops.items()
+        if isinstance(f, dict)) + f", PETRA on {net} (rebuild included) {flops['petra'] / 1e9:.2f}")
     # a cluster sizes every GPU for the rank that holds most: the fullest rank first
-    print(f"{'contender':<18} {unit:>9}  {'fullest':>8}  peak activation MiB per rank")
+    print(f"{'contender':<31} {'net':<9} {words + '/s':>9} {'steady':>8}  {'fullest':>8}  "
+          f"peak activation MiB per rank")
     for name, speed in speeds.items():
         held = r["peak_activation_bytes"][name]
         per_rank = " ".join(f"{b / mib:8.2f}" for b in held)
-        print(f"{name:<18} {speed:>9.1f}  {max(held) / mib:8.2f}  {per_rank}")
+        still = f"{steady[name]:8.1f}" if name in steady else f"{'':8}"
+        print(f"{name:<31} {r['net'][name]:<9} {speed:>9.1f} {still}  {max(held) / mib:8.2f}  "
+              f"{per_rank}")
     for name, why in r.get("skipped", {}).items():
-        print(f"{name:<18} did not run: {why}")
+        print(f"{name:<31} did not run: {why}")
     for name, k in r["kept"].items():
         budget = ("no limit" if k["budget_bytes"] is None else "budget " + " ".join(
-            f"{b / mib:.2f}" for b in k["budget_bytes"]) + " MiB per rank")
+            f"{b / mib:.2f}" for b in k["budget_bytes"]) + f" MiB per rank ({k['budget_from']}'s "
+            "peak less ours without kept blocks)")
         print(f"{name}: blocks per stage {k['partition']}, kept graphs ({budget}) per stage "
               f"{k['plan']}, peak kept MiB per rank "
               f"{' '.join(f'{b / mib:.2f}' for b in r['peak_kept_bytes'][name])}; planned "
               f"time {k['planned_relative_time']:.3f} of PETRA's on its split")
-    for other in ("1f1b", "1f1b_checkpointed"):
-        for ours in ("petra", "petra_budget_1f1b"):
-            if f"{ours}_vs_{other}" in r:
-                print(f"{ours} / {other}: {r[f'{ours}_vs_{other}']:.2f} ({unit})")
+    print("where the time goes, ms per micro-batch on the rank that computes most (the model at "
+          "isolated block costs, then what the run adds):")
+    print(f"{'contender':<31} {'rank':>4} {'model':>7} {'+compute':>10} {'+waiting':>10} "
+          f"{'+framework':>10} {'measured':>9}")
+    for name, w in (r["waterfall"] or {}).items():
+        ms = 1e3 / w["microbatches"]
+        print(f"{name:<31} {w['rank']:>4} {w['model_s'] * ms:7.2f} " + " ".join(
+            f"{w['steps_s'][s_] * ms:+10.2f}" for s_ in STEPS[1:]) + f" {w['wall_s'] * ms:9.2f}")
+    rivals = [n for n in (r_ + suffix for suffix in ("", SAME_NET) for r_ in RIVALS)
+              if any(f"{ours}_vs_{n}" in r for ours in OURS)]
+    print(f"{'ours / pipeline':<31} " + " ".join(f"{n:>21}" for n in rivals))
+    print(f"{'(segment, steady)':<31} " + " ".join(f"{r['net'][n]:>21}" for n in rivals))
+    for ours in [o for o in OURS if o in speeds]:
+        cells = (f"{r.get(f'{ours}_vs_{n}', 0):.2f} {r.get(f'steady_{ours}_vs_{n}', 0):.2f}"
+                 for n in rivals)
+        print(f"{ours:<31} " + " ".join(f"{c:>21}" for c in cells))
     emit(r)
