@@ -215,7 +215,8 @@ def test_wrong_world_size_is_reported_before_torch_loads(tmp_path):
     code = ("import sys\n"
             "from petra_mpi.train import main\n"
             "status = main(sys.argv[1:])\n"
-            "print('torch loaded:', 'torch' in sys.modules)\n"
+            # one write per rank: the ranks share the pipe, and print's pieces could interleave
+            "sys.stdout.write(f\"torch loaded: {'torch' in sys.modules}\\n\")\n"
             "sys.exit(status)\n")
     proc = mpirun(3, ["-c", code, "configs/quickstart.yaml", "--set", f"run.out_dir={tmp_path}",
                       *QUICK, "--set", "model.stages=4"], timeout=60)

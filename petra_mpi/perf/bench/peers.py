@@ -13,9 +13,12 @@ in one run (round-robin over the contenders, medians of the rounds).
   "net" says which net each contender trains; "flops_per_microbatch" gives each net's forward
   and backward FLOPs (torch's flop counter) and PETRA's own, rebuild included.
 - petra_budget_1f1b, petra_unlimited: PETRA with kept blocks (model.memory_budget,
-  memory_plan.py) at a budget per rank of 1F1B's peak activation bytes there (less PETRA's own),
-  and without a limit; each on the split training would choose for its budget (the measured
-  balance redone with the plan's costs) unless --partition fixes it.
+  memory_plan.py) at a budget per rank of 1F1B's peak activation bytes there (on the same net
+  when it ran; less PETRA's own), and without a limit; each on the split training would choose
+  for its budget (the measured balance redone with the plan's costs) unless --partition fixes it.
+- petra_rebuild_last: PETRA whose last stage rebuilds instead of holding its graph
+  (model.rebuild_last_stage), on the split balanced for it; petra_budget_1f1b_checkpointed: the
+  same with kept blocks at checkpointed 1F1B's peak per rank less its own.
 
 Every contender updates its weights once per K x micro-batch images (K = --accumulation, 4 by
 default: the paper's CIFAR-10 recipe, micro-batch 64 and k = 4): PETRA and backprop accumulate K
@@ -29,7 +32,7 @@ Ours drain only at the end of a segment (training: once per epoch), so a timed s
 --microbatches holds one fill and one drain; "steady_images_per_s" gives our rate without them,
 from the start times of stage 0's forwards in the middle of the segment (a whole number of
 updates, from the first tick that also runs a backward on). On one node every rank's clock is
-the same (CLOCK_MONOTONIC)."""
+the same (CLOCK_MONOTONIC). "waterfall" says where each contender's time went (waterfall.py)."""
 import argparse
 import statistics
 import time
@@ -418,31 +421,6 @@ class PeersBench:
         return ({name: statistics.median(v) for name, v in speeds.items()},
                 {name: statistics.median(v) for name, v in steady.items() if v})
 
-    def waterfalls(self) -> dict:
-        """On rank 0, each contender's waterfall (waterfall.py) over its timed runs, where the
-        model runs it; None elsewhere."""
-        measured = {n: self.world.comm.gather(v, root=0) for n, v in sorted(self.measured.items())}
-        if self.world.rank != 0:
-            return None
-        a, work, out = self.a, self.work, {}
-        for name, per_rank in measured.items():
-            if name in self.variants:
-                method = "backprop" if name == "backprop" else "petra"
-                plan = self.plans[name][0] if name in self.plans else None
-                sizes = self.variants[name][1].partition
-                costs = self.block_costs["ours"]
-                model = ours_model(method, costs.with_rebuilt_last() if name in REBUILDING
-                                   else costs, sizes, plan.kept if plan else None,
-                                   a.microbatches, a.accumulation)
-            else:
-                net = self.net_of[name]
-                model = pipeline_model(name.removesuffix(SAME_NET), self.block_costs[net],
-                                       self.pt_splits[net], self.M, self.pt_steps)
-            if model is not None:
-                n = a.microbatches if name in self.variants else self.pt_steps * self.M
-                out[name] = waterfall(a.rounds, n, *model, per_rank)
-        return out
-
     def peak_bytes(self, names) -> tuple:
         """(peak activation bytes, peak bytes of kept graphs) of each of `names` from one
         untimed pass with the hooks on; per rank, gathered on rank 0. Ours count their FIFOs,
@@ -469,6 +447,32 @@ class PeersBench:
                 {name: comm.gather(kept[name], root=0) for name in kept})
 
 
+def waterfalls(bench) -> dict:
+    """On rank 0, each contender's waterfall (waterfall.py) over its timed runs of `bench`
+    (PeersBench), where the model runs it; None elsewhere."""
+    measured = {n: bench.world.comm.gather(v, root=0) for n, v in sorted(bench.measured.items())}
+    if bench.world.rank != 0:
+        return None
+    a, work, out = bench.a, bench.work, {}
+    for name, per_rank in measured.items():
+        if name in bench.variants:
+            method = "backprop" if name == "backprop" else "petra"
+            plan = bench.plans[name][0] if name in bench.plans else None
+            sizes = bench.variants[name][1].partition
+            costs = bench.block_costs["ours"]
+            model = ours_model(method, costs.with_rebuilt_last() if name in REBUILDING
+                               else costs, sizes, plan.kept if plan else None,
+                               a.microbatches, a.accumulation)
+        else:
+            net = bench.net_of[name]
+            model = pipeline_model(name.removesuffix(SAME_NET), bench.block_costs[net],
+                                   bench.pt_splits[net], bench.M, bench.pt_steps)
+        if model is not None:
+            n = a.microbatches if name in bench.variants else bench.pt_steps * bench.M
+            out[name] = waterfall(a.rounds, n, *model, per_rank)
+    return out
+
+
 def run(a):
     """Time and measure every contender on every rank; the JSON record on rank 0, else None."""
     world = World.from_environment()
@@ -485,7 +489,7 @@ def run(a):
     peak_bytes, kept_bytes = bench.peak_bytes(bench.names())
     kept_names = bench.add_kept_variants(peak_bytes)
     images_per_s, steady = bench.images_per_s()
-    waterfalls = bench.waterfalls()
+    falls = waterfalls(bench)
     more_peaks, more_kept = bench.peak_bytes(kept_names)
     peak_bytes.update(more_peaks)
     kept_bytes.update(more_kept)
@@ -502,7 +506,7 @@ def run(a):
               "flops_per_microbatch": flops,
               "images_per_s": images_per_s, "steady_images_per_s": steady,
               "peak_activation_bytes": {name: peak_bytes[name] for name in images_per_s},
-              "peak_kept_bytes": kept_bytes, "waterfall": waterfalls,
+              "peak_kept_bytes": kept_bytes, "waterfall": falls,
               "kept": {name: {"budget_bytes": budget, "plan": plan.kept,
                               "planned_kept_bytes": plan.kept_bytes,
                               "planned_relative_time": relative, "partition": split}

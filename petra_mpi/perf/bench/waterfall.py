@@ -129,19 +129,22 @@ def pipeline_model(schedule, autograd_costs, sizes, m, steps):
 
 def draw(record: dict, path: str, names=None) -> str:
     """The waterfalls of a `bench peers` record as one figure, a panel per contender (`names`,
-    default every one with a waterfall): ms per micro-batch, the model's ideal, each step added,
-    and the measured total."""
+    default every one on PETRA's own net but backprop, ours first): ms per micro-batch, the
+    model's ideal, each step added, and the measured total."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     falls = record["waterfall"]
-    ours = [n for n in falls if record["net"][n] == record["model"] and n in record["kept"]
-            or n == "petra"]
-    names = [n for n in (names or ours + [n for n in falls if n not in ours]) if n in falls]
-    fig, axes = plt.subplots(1, len(names), figsize=(2.6 * len(names), 3.6), sharey=True,
+    if names is None:
+        same = [n for n in falls if record["net"][n] == record["model"] and n != "backprop"]
+        names = sorted(same, key=lambda n: not n.startswith("petra"))
+    names = [n for n in names if n in falls]
+    cols = min(5, len(names))
+    rows = -(-len(names) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(2.6 * cols, 3.4 * rows), sharey=True,
                              squeeze=False)
     colours = ["tab:blue", "tab:orange", "tab:red", "tab:purple", "tab:green"]
-    for ax, name in zip(axes[0], names):
+    for ax, name in zip(axes.flat, names):
         w = falls[name]
         ms = 1e3 / w["microbatches"]
         bottom, steps = 0.0, [w["model_s"] * ms] + [w["steps_s"][s] * ms for s in STEPS[1:]]
@@ -152,8 +155,13 @@ def draw(record: dict, path: str, names=None) -> str:
         ax.bar(len(steps), w["wall_s"] * ms, color=colours[-1])
         ax.set_xticks(range(len(steps) + 1), ["model", "+compute", "+waiting", "+framework",
                                               "measured"], rotation=60, fontsize=7)
-        ax.set_title(f"{name} ({record['net'][name]})", fontsize=8)
-    axes[0][0].set_ylabel("ms per micro-batch")
+        ax.set_title(name, fontsize=8)
+    for ax in list(axes.flat)[len(names):]:
+        ax.set_visible(False)
+    for row in axes:
+        row[0].set_ylabel("ms per micro-batch")
+    fig.suptitle(f"{record['model']}, {record['ranks']} ranks: the model at isolated block costs, "
+                 "then what the run adds (rank that computes most)", fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=120)
