@@ -230,13 +230,14 @@ def ring_allreduce_seconds(nbytes, members, link: Link) -> float:
     return 2 * (members - 1) * (link.latency + nbytes / members / link.bandwidth)
 
 
-def predict_images_per_s(method, costs, link, n, batch, k=1, framework=NO_FRAMEWORK):
+def predict_images_per_s(method, costs, link, n, batch, k=1, framework=NO_FRAMEWORK,
+                         busy_links=False):
     """images/s of a segment of n micro-batches (fill and drain included) for petra, backprop,
-    delayed; or of steps of n micro-batches for 1f1b and gpipe."""
+    delayed; or of steps of n micro-batches for 1f1b and gpipe (busy_links as simulate's)."""
     J = len(costs)
     orders = (one_f_one_b_order(J, n) if method == "1f1b" else gpipe_order(J, n)
               if method == "gpipe" else petra_orders(method, J, n, k))
-    return n * batch / simulate(orders, costs, link, framework)
+    return n * batch / simulate(orders, costs, link, framework, busy_links)
 
 
 FRAMEWORK_COSTS = ("per_message", "per_step", "per_op")

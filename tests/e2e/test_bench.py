@@ -54,14 +54,15 @@ def test_bench_scaling_under_mpirun_2(tmp_path):
 @pytest.mark.parametrize("precision,allocator", [("fp32", "glibc-keep"), ("bf16", None)])
 def test_bench_pipeline_reports_compute_time_per_rank(precision, allocator):
     """(fp32: under `--allocator glibc-keep`, each rank started again before MPI with glibc's
-    thresholds raised; the JSON says which allocator ran.)"""
+    thresholds raised; bf16: none chosen, training's default, the same thresholds set in the
+    process (run.keep_freed_memory); the JSON says which allocator ran.)"""
     chosen = ["--allocator", allocator] if allocator else []
     proc = mpirun(2, ["-m", "petra_mpi.bench", "pipeline", "--width", "4", "--batch", "4",
                       "--microbatches", "6", "--rounds", "1", "--precision", precision, *chosen],
                   timeout=600)
     out = last_json(proc)
     assert (out["device"], out["transport"], out["precision"]) == ("cpu", "cpu", precision)
-    assert out["allocator"] == (allocator or "glibc")
+    assert out["allocator"] == "glibc-keep"
     for method in ("petra", "backprop"):
         compute = out[f"{method}_compute_ms_per_tick"]
         assert len(compute) == 2 and all(0 < c <= out[f"{method}_wall_ms_per_tick"] for c in compute)
@@ -190,7 +191,8 @@ def test_bench_peers_runs_every_contender(tmp_path):
     # the pipelines on PETRA's own net take its split when the splits are given
     assert record["partition"] == [3, 7] and record["pt_partition"] == [2, 8]
     assert record["pt_partition_rev"] == [3, 7]
-    ours = {"petra", "backprop", "petra_budget_1f1b", "petra_unlimited"}
+    ours = {"petra", "backprop", "petra_budget_1f1b", "petra_unlimited", "petra_rebuild_last",
+            "petra_budget_1f1b_checkpointed"}
     pipelines = {"gpipe", "1f1b", "1f1b_checkpointed"}
     names = ours | pipelines | {p + "_rev" for p in pipelines}
     ran = set(record["images_per_s"])
@@ -242,6 +244,15 @@ def test_bench_peers_runs_every_contender(tmp_path):
         assert peaks["petra_budget_1f1b"][r] <= max(peaks["1f1b_rev"][r], peaks["petra"][r])
         assert peaks["petra_budget_1f1b"][r] <= peaks["petra"][r] + kept["petra_budget_1f1b"][r]
     assert peaks["petra_budget_1f1b"][0] <= peaks["1f1b_rev"][0]
+    # the last stage rebuilding (model.rebuild_last_stage) holds less there, and the kept plan at
+    # checkpointed 1F1B's memory adds to that: at most checkpointed 1F1B's on its fullest rank
+    assert peaks["petra_rebuild_last"][1] < peaks["petra"][1]
+    checkpointed = record["kept"]["petra_budget_1f1b_checkpointed"]
+    assert checkpointed["budget_from"] == "1f1b_checkpointed_rev"
+    assert checkpointed["budget_bytes"] == [max(0, f - p) for f, p in zip(
+        peaks["1f1b_checkpointed_rev"], peaks["petra_rebuild_last"])]
+    assert checkpointed["partition"] == [3, 7]
+    assert max(peaks["petra_budget_1f1b_checkpointed"]) <= max(peaks["1f1b_checkpointed_rev"])
     # without a limit it keeps at least as much, and the planner's time is at most PETRA's
     unlimited = record["kept"]["petra_unlimited"]
     assert unlimited["budget_bytes"] is None and unlimited["planned_relative_time"] <= 1

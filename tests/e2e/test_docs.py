@@ -51,6 +51,10 @@ KINDS = {
     'mpirun -n 10 python -m petra_mpi.bench emulate': ("site", None),
     'mpirun -n 2 python -m petra_mpi.bench peers': ("bench", None),
     'mpirun -n 2 python -m petra_mpi.bench peers --allocator jemalloc': ("bench", None),
+    'mpirun -n 2 python -m petra_mpi.bench peers --waterfall FILE.png': ("bench", None),
+    # a timing: the per-block costs of a kept micro-batch against a rebuilt one
+    'python -m petra_mpi.train configs/quickstart.yaml --dry-run --profile --set model.width=32 --set model.stages=2 --set model.memory_budget=auto --set run.threads=1':
+        ("bench", None),
     'mpirun -n 2 python -m petra_mpi.bench peers --model revlm --batch 12 --accumulation 1 --rounds 3':
         ("bench", None),
     'mpirun -n 2 python -m petra_mpi.bench replicas': ("bench", None),
@@ -103,6 +107,9 @@ KINDS = {
         ("usage", None),
     'python -m petra_mpi.bench NAME': ("usage", None),
     'mpirun -n 2 python -m petra_mpi.bench pipeline --rounds 2': ("bench", None),
+    # as root, in network namespaces it makes: tests/e2e/test_bench_link.py runs it shortened
+    'python -m petra_mpi.bench link --out docs/results/link': ("bench", None),
+    'python -m petra_mpi.bench link': ("usage", None),  # the program named in prose
     'mpirun -n J python -m petra_mpi.bench emulate [--arch revnet34] --framework J2.txt':
         ("usage", None),
     'mpirun -n 10 python -m petra_mpi.bench emulate --pareto runs/bench/pareto.png':

@@ -12,18 +12,16 @@ One kernel still serves every node, so MPI would see one host and use shared mem
 "nodes": MPI_OVER_NETWORK is the environment that makes it use TCP over eth0 instead.
 Needs root, iproute2 and util-linux (ip, nsenter, unshare) and slurm-wlm + munge."""
 import os
-import random
 import re
 import subprocess
 import time
 
+from petra_mpi.perf import netns
 from tests.support import slurm_cluster
 
-# Ranks on different nodes talk over TCP on eth0. MPICH's OFI netmod with the tcp provider: with
-# UCX (MPICH's default netmod here) ranks in different namespaces would use shared memory (UCX
-# decides "same host" from the kernel, not the network namespace), and UCX's TCP-only
-# configuration (UCX_TLS=self,tcp UCX_NET_DEVICES=eth0) failed MPI_Init in some clusters.
-MPI_OVER_NETWORK = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "eth0"}
+# Ranks on different nodes talk over TCP on eth0 (why: petra_mpi/perf/netns.py).
+MPI_OVER_NETWORK = netns.MPI_OVER_NETWORK
+
 
 def missing() -> str | None:
     """Why the cluster cannot start here, or None."""
@@ -33,16 +31,7 @@ def missing() -> str | None:
     for tool in ("ip", "nsenter", "unshare"):
         if not slurm_cluster._sbin(tool):
             return f"{tool} not found: apt-get install iproute2 util-linux"
-    probe = f"petraprobe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"cannot create a network namespace here: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
-def _ip(*args, check=True):
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+    return netns.missing()
 
 
 class NetnsCluster(slurm_cluster.Cluster):
@@ -52,30 +41,16 @@ class NetnsCluster(slurm_cluster.Cluster):
         super().__init__(root, cpus=cpus)
         self.nodes = list(nodes)
         self.slurmd_timeout = slurmd_timeout
-        # Names and a /24 of our own, so clusters started at once (or left by a killed test
-        # session) never share a namespace, bridge or address.
-        tag = f"{random.randrange(16 ** 5):05x}"
-        self.namespaces = {n: f"petra{tag}{n}" for n in self.nodes}
-        self.bridge = f"pbr{tag}"
-        self.subnet = f"10.{random.randrange(200, 250)}.{random.randrange(256)}"
-        self.controller_addr = f"{self.subnet}.1"
-        self.addrs = {n: f"{self.subnet}.{11 + i}" for i, n in enumerate(self.nodes)}
+        self.network = netns.Network(self.nodes)
+        self.namespaces = self.network.namespaces
+        self.controller_addr = self.network.host_addr
+        self.addrs = self.network.addrs
         self.controller = None  # slurmctld (Popen)
         self.shm_before = set()
 
     # ---- the network ----
     def _make_network(self):
-        _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{self.controller_addr}/24", "dev", self.bridge)
-        _ip("link", "set", self.bridge, "up")
-        for i, n in enumerate(self.nodes):
-            ns, host_end = self.namespaces[n], f"{self.bridge}v{i}"
-            _ip("netns", "add", ns)
-            _ip("link", "add", host_end, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _ip("link", "set", host_end, "master", self.bridge, "up")
-            _ip("-n", ns, "addr", "add", f"{self.addrs[n]}/24", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
+        self.network.make()
         with open(os.path.join(self.root, "hosts"), "w") as f:
             f.write("127.0.0.1 localhost\n")
             f.write(f"{self.controller_addr} {self.host}\n")
@@ -90,31 +65,19 @@ class NetnsCluster(slurm_cluster.Cluster):
 
     def link(self, node, up: bool):
         """Take `node`'s cable out (up=False) or plug it back in."""
-        i = self.nodes.index(node)
-        _ip("link", "set", f"{self.bridge}v{i}", "up" if up else "down")
+        self.network.set_link(node, up)
 
     def eth0_bytes(self, node) -> tuple[int, int]:
         """(received, sent) bytes of `node`'s eth0 since the cluster started."""
-        out = _ip("netns", "exec", self.namespaces[node], "cat", "/proc/net/dev").stdout
-        for line in out.splitlines():
-            name, _, counters = line.partition(":")
-            if name.strip() == "eth0":
-                fields = counters.split()
-                return int(fields[0]), int(fields[8])
-        raise RuntimeError(f"no eth0 in {self.namespaces[node]}: {out}")
+        return self.network.eth0_bytes(node)
 
     def node_pids(self, node) -> list[int]:
         """Every process inside `node` (its slurmd, job steps, ranks)."""
-        out = _ip("netns", "pids", self.namespaces[node], check=False).stdout
-        return [int(p) for p in out.split()]
+        return self.network.pids(node)
 
     def kill_node(self, node):
         """The node dies: SIGKILL to every process in it, slurmd included."""
-        for pid in self.node_pids(node):
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
+        self.network.kill(node)
 
     def start_node(self, node):
         """(Re)start `node`'s slurmd."""
@@ -195,11 +158,7 @@ class NetnsCluster(slurm_cluster.Cluster):
         try:
             super().stop()
         finally:
-            for n in self.nodes:
-                self.kill_node(n)
-                _ip("link", "del", f"{self.bridge}v{self.nodes.index(n)}", check=False)
-                _ip("netns", "del", self.namespaces[n], check=False)
-            _ip("link", "del", self.bridge, check=False)
+            self.network.remove()
             self._remove_shm()
 
     def _remove_shm(self):

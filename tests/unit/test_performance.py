@@ -160,6 +160,20 @@ def test_model_textbook_formulas():
                                                                      * 0.25)
 
 
+def test_model_prediction_over_a_busy_link_runs_at_the_links_pace():
+    # two stages of 1 s per tick; each backward of stage 1 sends 6 bytes (x̃ and δ) down a link of
+    # 1 byte/s: with one message at a time on the wire a long segment goes at one micro-batch
+    # per 6 s (the forward direction carries 3 per micro-batch, half as much)
+    n, batch = 200, 4
+    costs = [perfmodel.StageCosts(0.5, 0.5, 1.0, 0.0, out_bytes=3, down_bytes=6)
+             for _ in range(2)]
+    link = perfmodel.Link(0.0, 1.0)
+    busy = perfmodel.predict_images_per_s("petra", costs, link, n, batch, busy_links=True)
+    assert busy == pytest.approx(n * batch / (6 * n), rel=0.02)
+    # without busy links the same messages only arrive late, however many are under way
+    assert perfmodel.predict_images_per_s("petra", costs, link, n, batch) > 1.05 * busy
+
+
 def test_model_detects_a_deadlocking_order():
     costs = equal_stages(2)
     with pytest.raises(ValueError, match="deadlock"):

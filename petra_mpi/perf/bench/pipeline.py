@@ -218,6 +218,8 @@ def record(a, bench, rows, in_run) -> dict:
             "speedup_bound_timed_costs": timed_bound["segment"],
             "speedup_bound_backprop_costs": alone["segment"],
             "stage_seconds_in_run": in_run, "petra_over_backprop_compute": contention,
+            "microbatches": a.microbatches, "rounds": a.rounds,
+            "block_costs": costs.to_dict(),  # timed at start-up: the performance model's input
             **{f"{m}_{k}": rows[m][k] for m in rows
                for k in ("wait_fraction", "compute_ms_per_tick", "wall_ms_per_tick",
                          "sent_bytes_per_tick")}}
