@@ -263,10 +263,9 @@ class PeersBench:
         # PETRA as in the paper)
         self.variants = {m: (engine, self.stage, None)
                          for m, engine in self.engines_on(self.stage, "petra", "backprop")}
-        # PETRA whose last stage rebuilds, on the split balanced for it
         self.rebuild_split = a.partition or world.comm.bcast(self.block_costs and resolve_partition(
             work.blocks(work.arch), J, costs=self.block_costs["ours"].with_rebuilt_last()))
-        self.variants[REBUILDS] = self.petra_on(self.rebuild_split, None)
+        self.variants[REBUILDS] = self.petra_on(self.rebuild_split, None)  # balanced for it
         # kept variant -> (memory_plan.Plan, kept budget per rank or None, its split, the
         # planner's time over PETRA's on PETRA's split)
         self.plans = {}
@@ -372,8 +371,7 @@ class PeersBench:
         return steps * self.M * self.a.batch
 
     def counters(self, name) -> tuple:
-        """(compute, wait) seconds this rank has spent so far in the contender's engine (ours)
-        or in every pipelining schedule."""
+        """(compute, wait) seconds so far on this rank: ours, or all pipelining schedules'."""
         if name in self.variants:
             engine = self.variants[name][0]
             return engine.compute_seconds, engine.wait_seconds()
