@@ -63,17 +63,16 @@ class ScheduleClock:
 
 def kept_stage_costs(block_costs, sizes, kept, windows):
     """The model's StageCosts of PETRA with a kept plan (kept[s][i] of every windows[s]
-    micro-batches keep block i's graph): a kept micro-batch costs the block's measured kept time
-    instead of forward + rebuild-and-backward; the saving goes to the backward, on average."""
-    costs, i = perfmodel.stage_costs(block_costs, sizes), 0
+    micro-batches keep block i's graph): what the kept-blocks planner counts a stage's kept
+    micro-batches to save (memory_plan.stage_units, at the measured kept times) comes off its
+    backward, on average."""
+    from ...core.memory_plan import measured_units, stage_units
+    costs, units, i = perfmodel.stage_costs(block_costs, sizes), measured_units(block_costs), 0
     for s, n in enumerate(sizes):
-        saved = 0.0
-        for j, k in enumerate(kept[s] if kept else [0] * n):
-            b = i + j
-            if k and windows[s]:
-                rebuilt = block_costs.forward[b] + block_costs.backward[b]
-                saved += (rebuilt - block_costs.kept[b]) * k / windows[s]
-        costs[s] = replace(costs[s], backward=costs[s].backward - saved)
+        if kept and windows[s]:
+            mine = units[i:i + n]
+            saved = stage_units(mine, [0] * n, windows[s]) - stage_units(mine, kept[s], windows[s])
+            costs[s] = replace(costs[s], backward=costs[s].backward - saved)
         i += n
     return costs
 
