@@ -19,7 +19,7 @@ from ..emulation import PAPER_TABLE5_MS
 from ...comm.world import World
 from ...models import ARCHS, build_blocks
 from ...core.partition import resolve_partition
-from .common import emit, last_json_line, measure_link
+from .common import emit, last_json_line, measure_link, sleeping_barrier
 
 # Paper Table 5: mean time per micro-batch of 256 CIFAR-10 images, reversible backprop vs PETRA.
 # the paper's Table 5: GPUs, the time of one step (emulation.PAPER_TABLE5_MS) and the speed-up
@@ -126,6 +126,7 @@ def run(a):
         costs = measure_block_costs(blocks, (3, 32, 32), a.batch, 10)
         plain_costs = measure_autograd_costs(plain, (3, 32, 32), a.batch, 10)
     if world:
+        sleeping_barrier(world.comm)  # a rank spinning in Bcast would slow rank 0's timing
         costs, plain_costs = world.comm.bcast((costs, plain_costs), root=0)
     # 2. The link between the actual ranks.
     link = (measure_link(world.comm, max(costs.output_bytes)) if world
@@ -173,8 +174,8 @@ def validate(a, world, max_J, predictions) -> list:
     for J in range(1, max_J + 1):
         for method in ("petra", "backprop"):
             measured = measured_images_per_s(a, world, J, predictions[J - 1]["split"], method, data)
-            if world:
-                world.comm.Barrier()
+            if world:  # the ranks beyond J wait without spinning a core the J ranks need
+                sleeping_barrier(world.comm)
             if rank == 0:
                 predicted = predictions[J - 1][method]
                 validation.append({"ranks": J, "method": method, "predicted": predicted,
