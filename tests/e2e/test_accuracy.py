@@ -43,12 +43,15 @@ def test_petra_within_two_points_of_backprop(tmp_path):
     assert abs(acc["petra"] - acc["backprop"]) <= 0.02, acc
 
 
-@pytest.mark.slow  # about 12 minutes on 2 busy cores
+@pytest.mark.slow  # about 2.5 minutes on 2 idle cores, 5 beside other tests
 def test_invertible_quickstart_petra_within_one_point_of_backprop(tmp_path):
     """The fully invertible irevnet18 in the quick start: every stage but the stem's rebuilds its
     input, and PETRA still learns like backprop (without the head's normalisation,
-    models/invertible.py, the delayed gradients diverge)."""
-    acc = accuracies_side_by_side(tmp_path, "configs/quickstart.yaml", ["model.arch=irevnet18"])
+    models/invertible.py, the delayed gradients diverge). The split is estimated: a measured one
+    follows the machine's load, and CI runs this beside other tests (measured here: PETRA 0.994,
+    backprop 0.999; with the split measured on an idle machine 0.998 and 0.997)."""
+    acc = accuracies_side_by_side(tmp_path, "configs/quickstart.yaml",
+                                  ["model.arch=irevnet18", "model.balance=estimate"])
     assert acc["backprop"] > 0.9, acc
     assert abs(acc["petra"] - acc["backprop"]) <= 0.01, acc
 
