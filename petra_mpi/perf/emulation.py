@@ -15,7 +15,7 @@ total work spread evenly over the blocks (`balanced_profile`).
 import contextlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +64,17 @@ class Profile:
                        else [WEIGHT_SHARE * b for b in self.backward])
         if any(len(v) != n for v in (self.rebuild, self.backward, self.step, self.weight)):
             raise ValueError("every cost list of a profile needs one entry per block")
+
+    def scaled(self, factor) -> "Profile":
+        """Every cost times `factor`: the same shape of work, slower (more compute per operation
+        next to what the emulating machine spends on each)."""
+        def times(costs):
+            return [factor * c for c in costs]
+        return replace(self, forward=times(self.forward), rebuild=times(self.rebuild),
+                       backward=times(self.backward), step=times(self.step),
+                       weight=times(self.weight),
+                       source=f"{self.source}, every cost x{factor:g}" if factor != 1
+                       else self.source)
 
     def petra_costs(self, output_bytes, input_bytes) -> BlockCosts:
         """PETRA's per-block costs (as blockcost.measure_block_costs measures them)."""

@@ -140,13 +140,16 @@ petra_stalled() {
 # launch; its node in PETRA_STALL_AVOID. Also called from the SIGTERM trap while the launcher still
 # runs: a node failure ends the job with SIGTERM and SIGKILL KillWait later, and srun, waiting on
 # the lost node's tasks, may outlive that, so the line is written as soon as the SIGTERM comes.
+# That SIGTERM reaches every process of the job: the commands here ignore it (a diagnosis killed
+# by it would name nobody).
 petra_name_stall() {
     [[ -z $PETRA_STALL_NAMED ]] || return 0
-    petra_log_from "$PETRA_LOGGED" | grep -q "$PETRA_REPORT" || return 0
+    (trap '' TERM; petra_log_from "$PETRA_LOGGED" | grep -q "$PETRA_REPORT") || return 0
     PETRA_STALL_NAMED=1
-    local why=""
-    { read -r PETRA_STALL_AVOID; read -r why; } < <(
-        "$PYTHON" -m petra_mpi.watchdog --diagnose "$OUT_DIR" --log-from "$PETRA_LOGGED")
+    local diagnosis why=""
+    diagnosis=$(trap '' TERM
+                "$PYTHON" -m petra_mpi.watchdog --diagnose "$OUT_DIR" --log-from "$PETRA_LOGGED")
+    { read -r PETRA_STALL_AVOID; read -r why; } <<<"$diagnosis"
     if [[ -n $why ]]; then petra_say "watchdog reports: $why"; fi
 }
 

@@ -187,13 +187,15 @@ def test_a_lost_node_ends_with_one_clear_line_requeues_and_resumes(nodes, cifar_
     node is back the job resumes from that checkpoint (after the kill: and finishes, with the
     same parameters as an uninterrupted run from that checkpoint)."""
     out = tmp_path / "run"
+    # a progress line at every update (in a log file the bar is otherwise time-based, and a short
+    # epoch prints only its last line): the node is lost at the start of epoch 3, not at its end
     args = shrink(cifar_long, "train.epochs=4", "run.watchdog_s=5", "run.keep_checkpoints=20",
-                  "run.progress=true")
+                  "run.progress=true", "run.progress_interval_s=0")
     jobid = submit(nodes, tmp_path, out, args)
 
     def inside_epoch_3(jobs):
         """Epochs 1 and 2 checkpointed and the last rank's first progress line of epoch 3 out
-        (printed at a tenth of the epoch): the ranks are inside the training loop."""
+        (its first micro-batch's update): the ranks are inside the training loop."""
         assert jobs[0]["JobState"] not in slurm_cluster.TERMINAL, explain(jobs[0], out)
         log = out / "logs" / "train.log"
         return (sum(r["event"] == "checkpoint" for r in records(out)) >= 2 and log.exists()

@@ -4,8 +4,11 @@ and its host. The reports are written by the real Watchdog, so a change of their
 reader no longer understands fails here."""
 import io
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 from tests.support.outputs import printed_rank_map
 from tests.support.paths import ROOT
@@ -139,3 +142,45 @@ def test_a_start_up_hang_after_the_rank_map_blames_the_silent_rank_on_its_host(t
     assert diagnose_run(tmp_path, earlier, launch, ["old0", "old1", "old2"]) == [
         "n6", "rank 2 on n6: lost or stalled (no report; the others' reports name no rank they "
               "waited on)"]
+
+
+NAME_STALL = """
+source slurm/common.sh
+PETRA_LOG=$OUT_DIR/logs/train.log PETRA_LOGGED=0
+trap 'echo "batch shell got SIGTERM"' TERM  # as petra_train's trap
+petra_name_stall
+echo "avoid: $PETRA_STALL_AVOID"
+"""
+
+
+def test_slurms_sigterm_to_the_whole_job_does_not_stop_the_batch_shell_naming_the_lost_rank(
+        tmp_path):
+    """At a node failure SLURM sends SIGTERM to every process of the job, while the batch shell
+    reads the watchdog reports (slurm/lib/launch_end.sh: petra_name_stall). Here the SIGTERM
+    comes to the shell's whole process group while its diagnosis runs (PYTHON is a wrapper that
+    waits for it): the diagnosis still ends, and the shell names rank 4 on n3."""
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "train.log").write_text(printed_rank_map(HOSTS) + report(3, 4))
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/bash\ntouch "{tmp_path}/started"\n'
+                       f'while [ ! -e "{tmp_path}/go" ]; do sleep 0.05; done\n'
+                       f'exec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    shell = subprocess.Popen(["bash", "-c", NAME_STALL], cwd=ROOT, start_new_session=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={"PATH": os.environ["PATH"], "PETRA_ROOT": str(ROOT),
+                                  "OUT_DIR": str(tmp_path), "PYTHON": str(wrapper)})
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "started").exists():  # the diagnosis has begun
+            assert shell.poll() is None and time.monotonic() < deadline, shell.stdout.read()
+            time.sleep(0.02)
+        os.killpg(shell.pid, signal.SIGTERM)
+        (tmp_path / "go").touch()
+        out, _ = shell.communicate(timeout=60)
+    finally:
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+    assert "batch shell got SIGTERM" in out, out
+    assert "watchdog reports: rank 4 on n3 is lost or stalled: ranks 4–5 did not report" in out, out
+    assert "avoid: n3" in out, out

@@ -89,6 +89,9 @@ def parse_args(argv):
     p.add_argument("--costs", default="paper",
                    help="paper (Table 5), balanced (its total work, every block the same), "
                         "measured, or a JSON profile file")
+    p.add_argument("--cost-scale", type=float, default=1.0,
+                   help="multiply every cost of the profile (more compute per operation next to "
+                        "what this machine spends on each; the framework costs stay)")
     p.add_argument("--width", type=int, default=8, help="of the messages (and measured costs)")
     p.add_argument("--batch", type=int, default=16, help="of the messages (and measured costs)")
     p.add_argument("--microbatches", default="4,2J,8J", help="m values: micro-batches per step")
@@ -118,7 +121,12 @@ def parse_args(argv):
                         "(and the last file's throughput against memory to --pareto)")
     p.add_argument("--pareto", default="", metavar="PNG",
                    help="draw images/s against peak held bytes per rank, Pareto front marked")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if not a.cost_scale > 0:
+        p.error(f"--cost-scale must be above 0, got {a.cost_scale:g}")
+    if a.real and a.cost_scale != 1:
+        p.error("--real times the real stages against their own measured costs: no --cost-scale")
+    return a
 
 
 def shared_profile(a, comm):
@@ -128,7 +136,7 @@ def shared_profile(a, comm):
         profile = (paper_profile(a.arch) if a.costs == "paper" else
                    balanced_profile(a.arch) if a.costs == "balanced" else
                    measured_profile(a.arch, a.width, a.batch) if a.costs == "measured" else
-                   file_profile(a.costs))
+                   file_profile(a.costs)).scaled(a.cost_scale)
     # the others sleep meanwhile: a rank spinning in MPI's Bcast would take a core from rank 0
     # while it times the blocks
     sleeping_barrier(comm, a.poll_sleep)
