@@ -58,6 +58,25 @@ def test_file_profile_round_trip_and_errors(tmp_path):
         Profile("revnet18", [1.0, 2.0], [1.0], [2.0, 2.0])
 
 
+def test_a_scaled_profile_multiplies_every_cost_and_says_so():
+    p = Profile("revnet18", [1.0, 2.0], [1.0, 0.5], [2.0, 4.0], step=[0.1, 0.2],
+                weight=[0.5, 1.0], source="file x")
+    q = p.scaled(4)
+    assert (q.forward, q.rebuild, q.backward, q.step, q.weight) == (
+        [4.0, 8.0], [4.0, 2.0], [8.0, 16.0], [0.4, 0.8], [2.0, 4.0])
+    assert q.source == "file x, every cost x4" and p.scaled(1).source == "file x"
+    assert p.forward == [1.0, 2.0]  # the original stays
+
+
+@pytest.mark.parametrize("args,message", [(["--cost-scale", "0"], "above 0"),
+                                          (["--cost-scale", "2", "--real"], "--real")])
+def test_bench_emulate_refuses_a_cost_scale_it_cannot_use(args, message, capsys):
+    from petra_mpi.perf.bench.emulate import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(args)
+    assert message in capsys.readouterr().err
+
+
 def test_waiting_stages_match_the_real_stages_shapes_and_fifo_bytes():
     """Every message a waiting stage makes has the real stage's shape, it needs the rebuilt
     input where the real one does, and it holds what the real FIFOs hold."""
