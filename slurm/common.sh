@@ -62,9 +62,7 @@ EXIT_STALLED=5            # the trainer's watchdog ended a rank that made no pro
                           # node or a hang): requeue, the run resumes from its last checkpoint
 
 petra_say() {
-    local now line
-    printf -v now '%(%F %T)T' -1  # no date process: a SIGTERM to the whole job would end it
-    line="[petra $now] $*"
+    local line="[petra $(date '+%F %T')] $*"
     echo "$line"
     if [[ -n ${PETRA_LOG:-} ]]; then echo "$line" >>"$PETRA_LOG"; fi
 }
