@@ -18,7 +18,7 @@ from tests.support.nets import end_to_end_gradients, max_relative_error
 from tests.support.launch import mpirun
 from tests.support.paths import PROGRAMS, QUICK, ROOT
 
-from equivalence import eval_batches
+from equivalence import eval_batches, optimizer_settings
 from replica_run import build, global_batches, schedule, share
 
 SCRIPT = PROGRAMS / "replica_run.py"
@@ -91,13 +91,14 @@ def launch(tmp_path, R, J, method, k, n, *flags):
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(R * J)]
 
 
-def local_reference(R, J, method, k, n, dtype=torch.float32):
+def local_reference(R, J, method, k, n, dtype=torch.float32, flags=()):
     """The same R replicas in one process (LocalEngine with replicas=R)."""
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     try:
         stages = [s for _ in range(R) for s in build((), J, dtype)]
-        engine = LocalEngine(build_workers(stages, schedule(False), k, weight_decay=5e-4),
+        engine = LocalEngine(build_workers(stages, schedule(False), k, weight_decay=5e-4,
+                                           **optimizer_settings(method, flags)),
                              method, R)
         for seed in (1, 2):
             data = global_batches(R * n, seed, dtype)
@@ -113,17 +114,19 @@ def params(state):
     return state["params"]
 
 
-@pytest.mark.parametrize("R,J,method,k", [
-    (2, 2, "petra", 2),
-    pytest.param(2, 2, "petra", 1, marks=pytest.mark.extended),
-    pytest.param(2, 1, "petra", 1, marks=pytest.mark.extended),
-    pytest.param(2, 2, "backprop", 2, marks=pytest.mark.extended),
+@pytest.mark.parametrize("R,J,method,k,flags", [
+    (2, 2, "petra", 2, ()),
+    pytest.param(2, 2, "petra", 1, (), marks=pytest.mark.extended),
+    pytest.param(2, 1, "petra", 1, (), marks=pytest.mark.extended),
+    pytest.param(2, 2, "backprop", 2, (), marks=pytest.mark.extended),
+    # every delay compensation acts after the replicas' average, the same on each replica
+    pytest.param(2, 3, "petra", 2, ("compensate",), marks=pytest.mark.extended),
 ])
-def test_replicas_equal_the_local_reference_bitwise(tmp_path, R, J, method, k):
+def test_replicas_equal_the_local_reference_bitwise(tmp_path, R, J, method, k, flags):
     """R = 2: MPI's sum of two gradients is a + b in either order, as the reference's is."""
     n = 5  # with k = 2 the last step of each segment averages one micro-batch per replica
-    got = launch(tmp_path, R, J, method, k, n)
-    stages, ref_eval = local_reference(R, J, method, k, n)
+    got = launch(tmp_path, R, J, method, k, n, *flags)
+    stages, ref_eval = local_reference(R, J, method, k, n, flags=flags)
     for rank, (state, stage) in enumerate(zip(got, stages)):  # both in rank order
         want = [p.detach() for p in stage.parameters()] + list(stage.buffers())
         assert all(torch.equal(g, w) for g, w in zip(state["params"] + state["buffers"], want)), \

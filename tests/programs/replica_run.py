@@ -4,7 +4,8 @@ gradients every step applied.
 
 Usage: mpirun -n R*J python tests/programs/replica_run.py OUT_DIR METHOD K N R [flags]
 flags: float64; lr0 (lr = 0, no momentum: record the applied gradients); revvit (the tiny
-BN-free reversible ViT); noreduce (negative control: the replicas never average).
+BN-free reversible ViT); noreduce (negative control: the replicas never average); compensate
+(every delay compensation on, as equivalence.py's flag).
 The data: the global sequence global_batches(R * n, seed), replica r reading micro-batches
 r, r + R, r + 2R, ... (as the sampler's shares do).
 """
@@ -17,7 +18,7 @@ from petra_mpi.engines.mpi import MPIEngine
 from petra_mpi.comm.world import World
 from petra_mpi.core.optim import LRSchedule
 
-from equivalence import REVVIT, batches, eval_batches
+from equivalence import REVVIT, batches, eval_batches, optimizer_settings
 
 
 def global_batches(count, seed, dtype=torch.float32):
@@ -67,7 +68,8 @@ def main():
     stages = build(flags, J, dtype, only=world.stage)
     lr0 = "lr0" in flags
     (worker,) = build_workers(stages, schedule(lr0), k, momentum=0.0 if lr0 else 0.9,
-                              weight_decay=0.0 if lr0 else 5e-4)
+                              weight_decay=0.0 if lr0 else 5e-4,
+                              **optimizer_settings(method, flags))
     applied = record_applied(worker) if lr0 else {}
     engine = MPIEngine(worker, method, world, dtype, (3, 16, 16), 4)
     if "noreduce" in flags:
