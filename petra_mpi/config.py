@@ -236,6 +236,11 @@ class OptimConfig:
     delay_lr_epochs: Annotated[float, AtLeast(0)] = 0.0
     """Learning rate by delay (PipeMare): over this many epochs each stage's step grows from 1 / D
     to 1 times the schedule's (stages with D <= 1 unchanged). 0: off."""
+    delay_free_momentum: typing.Optional[Annotated[float, AtLeast(0)]] = None
+    """The momentum (SGD) or beta1 (AdamW) of every stage whose gradients are not late (D = 0:
+    the last stage of petra and delayed, every stage of backprop), in place of the optimizer's.
+    0 lets PETRA's last stage follow at once the features its late stages keep moving. null:
+    the optimizer's own."""
 
 
 CommFormat = Literal["none", "bf16", "fp16", "int8", "int8_channel"]  # compress.py
@@ -428,6 +433,8 @@ def validate(cfg: Config, world_size: int | None = None):
              "buffer_inputs and stash_weights belong to method delayed")
     need(len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas), "optim.betas",
          "must be two numbers in [0, 1)")
+    free = cfg.optim.delay_free_momentum
+    need(free is None or free < 1, "optim.delay_free_momentum", "must be in [0, 1) or null")
     if world_size is not None and world_size > 1:
         _validate_world(cfg, world_size, blocks, need)
 

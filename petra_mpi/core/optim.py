@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .compensation import (NO_COMPENSATION, DelayCompensation, lr_factor, momentum_by_delay,
-                           spike_weights)
+from .compensation import NO_COMPENSATION, DelayCompensation, lr_factor, spike_weights
 
 
 @dataclass(frozen=True)
@@ -74,15 +73,15 @@ class StageOptimizer:
         self.lr_schedule = lr_schedule
         self.name = name
         self.delay, self.compensation = delay, compensation
-        # momentum by delay: the explicit momentum left once the delay's implicit one is counted
-        # (with momentum_lr, SGD's step grows so that each gradient keeps its total weight
+        # momentum by delay: the explicit momentum left once the delay's implicit one is counted,
+        # or the momentum of the stages on time (compensation.stage_momentum) (with momentum_lr, SGD's step grows so that each gradient keeps its total weight
         # lr / (1 - mu), as Adam's averaged first moment does whatever beta1)
-        reduced = momentum_by_delay(momentum, delay, compensation.momentum, nesterov)
+        reduced = compensation.stage_momentum(momentum, delay, nesterov)
         self.momentum_lr_scale = ((1 - reduced) / (1 - momentum)
                                   if compensation.momentum_lr and name == "sgd" and momentum < 1
                                   else 1.0)
         momentum = reduced
-        betas = (momentum_by_delay(betas[0], delay, compensation.momentum), betas[1])
+        betas = (compensation.stage_momentum(betas[0], delay), betas[1])
         self.momentum = momentum if name == "sgd" else betas[0]  # what the dry run shows
         self.prediction_scratch = None  # weight prediction's one copy of the weights
         # the torch optimizer, SGD or AdamW; None for a stage without parameters

@@ -196,7 +196,7 @@ def test_cuda_rng_state_is_the_ranks_own_gpu_and_restores_with_fewer_visible():
 def test_resume_with_delay_compensation_equals_running_on(tmp_path):
     rules = ["--set", "run.checkpoint_every_microbatches=8", "--set", "optim.delay_momentum=1",
              "--set", "optim.delay_prediction=1", "--set", "optim.delay_spike=true",
-             "--set", "optim.delay_lr_epochs=2"]
+             "--set", "optim.delay_lr_epochs=2", "--set", "optim.delay_free_momentum=0"]
     stopped, straight, plain = tmp_path / "stopped", tmp_path / "straight", tmp_path / "plain"
     stop_mid_epoch(3, stopped, *rules)
     code, log = finish(launch(3, stopped, *rules, "--set", "run.resume=auto"))

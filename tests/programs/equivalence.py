@@ -50,8 +50,10 @@ COMPRESSED = Compression(forward="int8_channel", rebuilt="bf16", gradient="int8"
 
 
 # Flag "compensate": every delay compensation at once (weight prediction, spike, momentum and
-# learning rate by delay), so each must follow the same steps in both engines.
-COMPENSATED = DelayCompensation(momentum=1.0, prediction=1.0, spike=True, lr_steps=3)
+# learning rate by delay, the last stage's free momentum), so each must follow the same steps in
+# both engines.
+COMPENSATED = DelayCompensation(momentum=1.0, prediction=1.0, spike=True, lr_steps=3,
+                                free_momentum=0.0)
 
 
 def optimizer_settings(method, flags) -> dict:

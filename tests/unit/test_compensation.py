@@ -1,15 +1,17 @@
 """Delay compensation (core/compensation.py, invariant 8): off is today's update bitwise; each
 rule has its known answer (a delayed quadratic that diverges without it and converges with it,
-the total weight of one gradient under spike compensation, the momentum rule's ages); kept
+the total weight of one gradient under spike compensation, the momentum rule's ages, the stages
+on time that the free momentum reaches); kept
 blocks with every rule on follow `delayed` with buffers and stashes under the same rules; the
 state it needs is the optimizer's, so a resumed run continues bitwise."""
 import collections
 import copy
+import dataclasses
 
 import pytest
 import torch
 
-from petra_mpi.config import load_config
+from petra_mpi.config import ConfigError, load_config, validate
 from petra_mpi.core.compensation import (NO_COMPENSATION, DelayCompensation, delay_steps,
                                          lr_factor, momentum_age, momentum_by_delay,
                                          momentum_for_age, spike_weights)
@@ -19,6 +21,8 @@ from petra_mpi.engines.local import LocalEngine
 from tests.support.nets import make_batches
 
 EVERY_RULE = DelayCompensation(momentum=1.0, prediction=1.0, spike=True, lr_steps=3)
+# with the last stage's momentum too (it changes backprop, whose every stage is on time)
+EVERY_RULE_FREE = dataclasses.replace(EVERY_RULE, free_momentum=0.0)
 
 
 def delayed_quadratic(compensation, delay, lr, steps=400, name="sgd", mu=0.9):
@@ -143,6 +147,40 @@ def test_momentum_by_delay_moves_one_gradient_by_its_weight(keep_weight):
     assert -w.weight.item() == pytest.approx(want, rel=1e-5)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("method", ["petra", "delayed", "backprop"])
+def test_free_momentum_reaches_exactly_the_stages_on_time(optimizer, method):
+    """optim.delay_free_momentum: the stages whose gradients are not late (PETRA's and delayed's
+    last stage; every stage of backprop) take it, in torch's own optimizer (SGD without
+    Nesterov at 0, which torch requires); the late stages keep the optimizer's momentum."""
+    stages = build_stages("revnet18", 4, 10, 4, seed=0)
+    workers = build_workers(stages, LRSchedule(0.2, 10**6), 2, momentum=0.9, optimizer=optimizer,
+                            betas=(0.9, 0.99), method=method,
+                            compensation=DelayCompensation(free_momentum=0.0))
+    on_time = [w.optimizer.delay == 0 for w in workers]
+    assert on_time == ([True] * 4 if method == "backprop" else [False] * 3 + [True])
+    for w, free in zip(workers, on_time):
+        for group in w.optimizer.torch_optimizer.param_groups:
+            if optimizer == "sgd":
+                assert (group["momentum"], group["nesterov"]) == ((0.0, False) if free
+                                                                   else (0.9, True))
+            else:
+                assert group["betas"] == ((0.0, 0.99) if free else (0.9, 0.99))
+        assert w.optimizer.momentum == (0.0 if free else 0.9)
+
+
+def test_free_momentum_changes_only_the_last_stages_updates():
+    """Under PETRA the rule changes the last stage's update; the gradients the late stages
+    receive then change with it, so every stage moves off the plain run (the rule removed: the
+    runs are equal and the test fails)."""
+    plain, _ = train()
+    free, workers = train(compensation=DelayCompensation(free_momentum=0.0))
+    changed = [any(not torch.equal(a, b) for a, b in zip(x.parameters(), y.parameters()))
+               for x, y in zip(free, plain)]
+    assert changed[-1]
+    assert workers[-1].optimizer.torch_optimizer.param_groups[0]["momentum"] == 0.0
+
+
 def test_learning_rate_by_delay_goes_from_one_over_d_to_one():
     assert lr_factor(4, 0, 100) == pytest.approx(1 / 4)
     assert lr_factor(4, 50, 100) == pytest.approx(1 / 2)
@@ -222,12 +260,12 @@ def test_kept_blocks_keeping_everything_follow_delayed_under_every_rule(optimize
     blocks = [len(s.blocks) for s in build_stages("revnet18", 4, 10, 4, seed=0)]
     kept = [[w] * n for w, n in zip(windows, blocks)]
     kept[-1] = [0] * blocks[-1]
-    got, _ = train(compensation=EVERY_RULE, optimizer=optimizer, kept=kept)
-    want, _ = train("delayed", compensation=EVERY_RULE, optimizer=optimizer, buffer_inputs=True,
-                    stash_weights=True)
+    got, _ = train(compensation=EVERY_RULE_FREE, optimizer=optimizer, kept=kept)
+    want, _ = train("delayed", compensation=EVERY_RULE_FREE, optimizer=optimizer,
+                    buffer_inputs=True, stash_weights=True)
     for g, w in zip(state(got), state(want)):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-13)
-    petra, _ = train(compensation=EVERY_RULE, optimizer=optimizer)
+    petra, _ = train(compensation=EVERY_RULE_FREE, optimizer=optimizer)
     assert max((g - p).abs().max().item() for g, p in zip(state(got), state(petra))) > 1e-6
 
 
@@ -248,14 +286,14 @@ def test_prediction_swaps_in_a_copy_and_restores_the_weights():
 def test_resume_mid_run_continues_bitwise():
     """The state the rules need is the optimizer's (momentum buffers, Adam's moments, the step
     counter): a run rebuilt from its state_dicts after one segment ends where one run does."""
-    one, _ = train(compensation=EVERY_RULE, optimizer="adamw")
-    first, workers = train(compensation=EVERY_RULE, optimizer="adamw", segments=1)
+    one, _ = train(compensation=EVERY_RULE_FREE, optimizer="adamw")
+    first, workers = train(compensation=EVERY_RULE_FREE, optimizer="adamw", segments=1)
     saved = [(copy.deepcopy(s.state_dict()), copy.deepcopy(w.optimizer.state_dict()))
              for s, w in zip(first, workers)]
     fresh = build_stages("revnet18", 4, 10, 4, seed=0, dtype=torch.float64)
     resumed_workers = build_workers(fresh, LRSchedule(0.2, 10**6), 2, momentum=0.9,
                                     weight_decay=5e-4, optimizer="adamw",
-                                    compensation=EVERY_RULE)
+                                    compensation=EVERY_RULE_FREE)
     for stage, worker, (s, o) in zip(fresh, resumed_workers, saved):
         stage.load_state_dict(s)
         worker.optimizer.load_state_dict(o)
@@ -267,10 +305,15 @@ def test_resume_mid_run_continues_bitwise():
 def test_config_keys_reach_the_stages():
     cfg = load_config("configs/quickstart.yaml", ["optim.delay_momentum=1",
                                                   "optim.delay_prediction=0.5",
-                                                  "optim.delay_lr_epochs=2"])
+                                                  "optim.delay_lr_epochs=2",
+                                                  "optim.delay_free_momentum=0.25"])
     comp = DelayCompensation.from_config(cfg.optim, steps_per_epoch=25)
     assert comp == DelayCompensation(momentum=1.0, momentum_lr=False, prediction=0.5, spike=False,
-                                     lr_steps=50)
+                                     lr_steps=50, free_momentum=0.25)
+    assert not DelayCompensation.from_config(load_config("configs/quickstart.yaml").optim,
+                                             steps_per_epoch=25).active
+    with pytest.raises(ConfigError, match="delay_free_momentum"):
+        validate(load_config("configs/quickstart.yaml", ["optim.delay_free_momentum=1"]))
 
 
 def test_dry_run_prints_each_stages_delay_and_compensation(capsys):
@@ -278,6 +321,7 @@ def test_dry_run_prints_each_stages_delay_and_compensation(capsys):
     cfg = load_config("configs/quickstart.yaml", ["optim.delay_momentum=1",
                                                   "optim.delay_prediction=0.5",
                                                   "optim.delay_lr_epochs=1",
+                                                  "optim.delay_free_momentum=0",
                                                   "model.width=4", "data.batch_size=8"])
     report(cfg, 4)
     lines = capsys.readouterr().out.splitlines()
@@ -288,6 +332,7 @@ def test_dry_run_prints_each_stages_delay_and_compensation(capsys):
     assert [(int(r[0]), int(r[1]), float(r[2])) for r in rows] == [
         (0, 6, 3.0), (1, 4, 2.0), (2, 2, 1.0), (3, 0, 0.0)]
     for r, D in zip(rows, (3, 2, 1, 0)):
-        assert float(r[3]) == pytest.approx(momentum_by_delay(0.9, D, 1.0, True), abs=5e-4)
+        want = momentum_by_delay(0.9, D, 1.0, True) if D else 0.0  # the last: the free momentum
+        assert float(r[3]) == pytest.approx(want, abs=5e-4)
         assert float(r[4]) == pytest.approx(0.5 * D)
         assert float(r[5]) == pytest.approx(1 / D if D > 1 else 1.0, abs=5e-4)
