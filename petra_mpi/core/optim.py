@@ -166,7 +166,13 @@ class StageOptimizer:
             other = next((n for n in OPTIMIZERS if n in state), "?")
             raise ValueError(f"the checkpoint holds {other} state, this run uses {self.name}")
         if self.torch_optimizer is not None:
+            # torch takes each group's settings from the checkpoint too; this run's (momentum,
+            # betas, weight decay, as its config and delay compensation set them) win
+            settings = [{k: v for k, v in g.items() if k != "params"}
+                        for g in self.torch_optimizer.param_groups]
             self.torch_optimizer.load_state_dict(state[self.name])
+            for group, own in zip(self.torch_optimizer.param_groups, settings):
+                group.update(own)
         self.steps, self.pending = state["steps"], state["pending"]
 
     def rescale_steps(self, factor: float):

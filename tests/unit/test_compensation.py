@@ -302,6 +302,23 @@ def test_resume_mid_run_continues_bitwise():
     assert all(torch.equal(a, b) for a, b in zip(state(fresh), state(one)))
 
 
+def test_a_resumed_run_takes_its_own_momentum_not_the_checkpoints():
+    """torch's load_state_dict would restore each group's momentum from the checkpoint: a run
+    resumed with another optim.delay_free_momentum (or momentum) must use the new one."""
+    _, workers = train(segments=1)
+    saved = [copy.deepcopy(w.optimizer.state_dict()) for w in workers]
+    fresh = build_workers(build_stages("revnet18", 4, 10, 4, seed=0, dtype=torch.float64),
+                          LRSchedule(0.2, 10**6), 2, momentum=0.9, weight_decay=1e-3,
+                          compensation=DelayCompensation(free_momentum=0.0))
+    for worker, o in zip(fresh, saved):
+        worker.optimizer.load_state_dict(o)
+    groups = [w.optimizer.torch_optimizer.param_groups for w in fresh]
+    assert [g[0]["momentum"] for g in groups] == [0.9, 0.9, 0.9, 0.0]
+    assert groups[-1][0]["nesterov"] is False and groups[0][0]["weight_decay"] == 1e-3
+    assert "momentum_buffer" in fresh[0].optimizer.torch_optimizer.state[
+        fresh[0].optimizer.params[0]]  # the state itself is the checkpoint's
+
+
 def test_config_keys_reach_the_stages():
     cfg = load_config("configs/quickstart.yaml", ["optim.delay_momentum=1",
                                                   "optim.delay_prediction=0.5",
