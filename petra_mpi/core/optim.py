@@ -73,9 +73,10 @@ class StageOptimizer:
         self.lr_schedule = lr_schedule
         self.name = name
         self.delay, self.compensation = delay, compensation
-        # momentum by delay: the explicit momentum left once the delay's implicit one is counted,
-        # or the momentum of the stages on time (compensation.stage_momentum) (with momentum_lr, SGD's step grows so that each gradient keeps its total weight
-        # lr / (1 - mu), as Adam's averaged first moment does whatever beta1)
+        # momentum by delay (the explicit momentum left once the delay's implicit one is counted)
+        # or the free momentum of a stage on time: compensation.stage_momentum. With momentum_lr,
+        # SGD's step grows so that each gradient keeps its total weight lr / (1 - mu), as Adam's
+        # averaged first moment does whatever beta1.
         reduced = compensation.stage_momentum(momentum, delay, nesterov)
         self.momentum_lr_scale = ((1 - reduced) / (1 - momentum)
                                   if compensation.momentum_lr and name == "sgd" and momentum < 1
