@@ -237,8 +237,8 @@ class OptimConfig:
     """Learning rate by delay (PipeMare): over this many epochs each stage's step grows from 1 / D
     to 1 times the schedule's (stages with D <= 1 unchanged). 0: off."""
     delay_free_momentum: typing.Optional[Annotated[float, AtLeast(0)]] = None
-    """The momentum (SGD) or beta1 (AdamW) of every stage whose gradients are not late (D = 0:
-    the last stage of petra and delayed, every stage of backprop), in place of the optimizer's.
+    """The momentum (SGD) or beta1 (AdamW) of the stage whose gradients are not late (D = 0: the
+    last stage of petra and delayed), in place of the optimizer's; backprop keeps its own.
     0 lets PETRA's last stage follow at once the features its late stages keep moving. null:
     the optimizer's own."""
 

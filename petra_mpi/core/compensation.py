@@ -41,10 +41,12 @@ a checkpoint of the optimizer's state already holds all it needs.
   beta1 = 0 on every stage gave +0.14 and on every late stage +0.61 (docs/lm.md). The reading:
   the late stages move the features the last stage classifies by gradients computed against
   its older weights, and a last stage that averages its gradients over ~1 / (1 - mu) steps
-  follows that moving input too slowly. No extra memory.
+  follows that moving input too slowly. It is the one rule that is not the identity at D = 0,
+  so it applies only where some stage is late: backprop (`for_method`) keeps the optimizer's
+  momentum, and a recipe's backprop baseline stays the recipe. No extra memory.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,11 @@ class DelayCompensation:
                     if optim.delay_lr_epochs else 0)  # (on stays on, however short)
         return cls(optim.delay_momentum, optim.delay_momentum_lr, optim.delay_prediction,
                    optim.delay_spike, lr_steps, optim.delay_free_momentum)
+
+    def for_method(self, method: str) -> "DelayCompensation":
+        """The rules as `method` applies them. Every rule is the identity at D = 0 but the free
+        momentum, so backprop, with no late stage to compensate, drops that one too."""
+        return replace(self, free_momentum=None) if method == "backprop" else self
 
     def stage_momentum(self, mu: float, delay: float, nesterov: bool = False) -> float:
         """The momentum (or beta1) of a stage whose gradients are `delay` steps late."""

@@ -68,7 +68,7 @@ def build_workers(stages, lr_schedule=None, accumulation: int = 1, momentum: flo
     return [StageWorker(s, StageOptimizer(s, lr_schedule, momentum, nesterov, weight_decay,
                                           name=optimizer, betas=betas,
                                           delay=delay_steps(method, s.window, accumulation),
-                                          compensation=compensation),
+                                          compensation=compensation.for_method(method)),
                         accumulation, tracer=tracer, hooks=hooks)
             for s, tracer in zip(stages, tracers)]
 

@@ -21,7 +21,7 @@ from petra_mpi.engines.local import LocalEngine
 from tests.support.nets import make_batches
 
 EVERY_RULE = DelayCompensation(momentum=1.0, prediction=1.0, spike=True, lr_steps=3)
-# with the last stage's momentum too (it changes backprop, whose every stage is on time)
+# with the last stage's momentum too
 EVERY_RULE_FREE = dataclasses.replace(EVERY_RULE, free_momentum=0.0)
 
 
@@ -149,17 +149,19 @@ def test_momentum_by_delay_moves_one_gradient_by_its_weight(keep_weight):
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("method", ["petra", "delayed", "backprop"])
-def test_free_momentum_reaches_exactly_the_stages_on_time(optimizer, method):
-    """optim.delay_free_momentum: the stages whose gradients are not late (PETRA's and delayed's
-    last stage; every stage of backprop) take it, in torch's own optimizer (SGD without
-    Nesterov at 0, which torch requires); the late stages keep the optimizer's momentum."""
+def test_free_momentum_reaches_exactly_the_stage_on_time_of_a_late_pipeline(optimizer, method):
+    """optim.delay_free_momentum: the stage whose gradients are not late in a pipeline that has
+    late ones (PETRA's and delayed's last stage) takes it, in torch's own optimizer (SGD without
+    Nesterov at 0, which torch requires); the late stages keep the optimizer's momentum, and so
+    does every stage of backprop, which has no delay to compensate."""
     stages = build_stages("revnet18", 4, 10, 4, seed=0)
     workers = build_workers(stages, LRSchedule(0.2, 10**6), 2, momentum=0.9, optimizer=optimizer,
                             betas=(0.9, 0.99), method=method,
                             compensation=DelayCompensation(free_momentum=0.0))
-    on_time = [w.optimizer.delay == 0 for w in workers]
-    assert on_time == ([True] * 4 if method == "backprop" else [False] * 3 + [True])
-    for w, free in zip(workers, on_time):
+    assert [w.optimizer.delay == 0 for w in workers] == ([True] * 4 if method == "backprop"
+                                                         else [False] * 3 + [True])
+    takes_it = [False] * 4 if method == "backprop" else [False] * 3 + [True]
+    for w, free in zip(workers, takes_it):
         for group in w.optimizer.torch_optimizer.param_groups:
             if optimizer == "sgd":
                 assert (group["momentum"], group["nesterov"]) == ((0.0, False) if free
@@ -243,8 +245,8 @@ def test_off_is_the_default_and_nothing_without_delay_changes():
     stages, workers = train(compensation=DelayCompensation())
     default, _ = train()
     assert all(torch.equal(a, b) for a, b in zip(state(stages), state(default)))
-    # and with every rule on but no delay (backprop), nothing changes either
-    backprop, _ = train("backprop", compensation=EVERY_RULE)
+    # and with every rule on (the free momentum too) but no delay (backprop), nothing changes
+    backprop, _ = train("backprop", compensation=EVERY_RULE_FREE)
     plain, _ = train("backprop")
     assert all(torch.equal(a, b) for a, b in zip(state(backprop), state(plain)))
     compensated, _ = train(compensation=EVERY_RULE)
