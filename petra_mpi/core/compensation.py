@@ -34,7 +34,7 @@ a checkpoint of the optimizer's state already holds all it needs.
 - learning rate by delay (`optim.delay_lr_epochs` = E; PipeMare, Yang et al. 2021): for the
   first E epochs a stage's step is scaled by D^-(1 - t / T) (t steps taken, T = E epochs of
   steps), from 1 / D at the start to 1 at T; stages with D <= 1 are unchanged. No extra memory.
-- momentum of the stages on time (`optim.delay_free_momentum` = mu_0): a stage whose gradients
+- momentum of the stage on time (`optim.delay_free_momentum` = mu_0): a stage whose gradients
   are not late (D = 0: PETRA's last stage, which computes the loss) uses momentum / beta1 mu_0
   in place of the optimizer's. Measured, not derived: on the reversible LM at J = 4, beta1 = 0
   on the last stage alone took plain PETRA from +0.29 nats over backprop to +0.02, where
@@ -63,7 +63,8 @@ class DelayCompensation:
     lr_steps: int = 0
     """T of the learning rate by delay, in optimizer steps; 0: off."""
     free_momentum: float | None = None
-    """The momentum of the stages whose gradients are not late; None: the optimizer's."""
+    """The momentum of the stage on time (D = 0) in a pipeline with late stages; None: the
+    optimizer's."""
 
     @property
     def active(self) -> bool:
