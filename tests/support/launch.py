@@ -68,6 +68,14 @@ def start_and_interrupt(cmd, sig, group=False, sigint_ignored=False):
     return proc.returncode, err, kids
 
 
+def ended_process():
+    """The number of a process that has ended: no running process has it (until the system
+    hands it out again, which takes a full turn of its numbers)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
 def run_packer(module, *args):
     """`python -m petra_mpi.prep.MODULE ARGS` in this process (no interpreter start-up per
     call): (exit status, stdout, stderr)."""
