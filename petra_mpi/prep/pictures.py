@@ -13,7 +13,7 @@ import numpy as np
 from PIL import Image, ImageFile, ImageOps
 
 from .common import (SPLITS, ArrayWriter, ChannelStats, JpegWriter, PrepError, Progress,
-                     atomic_h5, ordered_map, print_summary, write_root_attrs)
+                     atomic_h5, check_interrupt, ordered_map, print_summary, write_root_attrs)
 
 QUALITY = 90  # JPEG quality of the encoded-JPEG variant
 
@@ -128,6 +128,7 @@ def write_pictures(f, pmap, items, total, *, size, raw=False, bad=None):
     bar = Progress(total, "images")
     for split, name, label, data, st, err in pmap(
             functools.partial(encode_item, size=size, raw=raw), items):
+        check_interrupt()
         bar.advance()
         if err is not None:
             bad(name, f"cannot decode image ({err})")
