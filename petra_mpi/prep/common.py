@@ -84,11 +84,18 @@ def check_interrupt():
         raise KeyboardInterrupt
 
 
+def shown(text):
+    """`text` (a path, a name) fit for a one-line message: bytes that are not UTF-8 and control
+    characters (a newline in a file name) escaped as Python writes them."""
+    return "".join(f"\\x{ord(c) - 0xdc00:02x}" if "\udc80" <= c <= "\udcff"  # os's escapes
+                   else c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
 def announce_start(path):
     """Print the line that says the packer is under way: its signal handlers are installed and
     the temporary output exists, so an interrupt from now on removes it (scripts and tests wait
     for this line before they interrupt)."""
-    print(f"started: writing {path} (Ctrl-C stops and removes it)", flush=True)
+    print(f"started: writing {shown(path)} (Ctrl-C stops and removes it)", flush=True)
 
 
 @contextlib.contextmanager
@@ -327,7 +334,7 @@ def print_summary(path, start_time):
     with open_unlocked(path, "r") as f:
         lines = describe(f)
     size = os.path.getsize(path)
-    print(f"wrote {path} ({size / 2**20:.1f} MiB) in {time.monotonic() - start_time:.1f} s")
+    print(f"wrote {shown(path)} ({size / 2**20:.1f} MiB) in {time.monotonic() - start_time:.1f} s")
     print("\n".join(lines))
 
 

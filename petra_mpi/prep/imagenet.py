@@ -29,15 +29,20 @@ import re
 import sys
 import time
 
-from .common import SPLITS, PrepError, run_cli
+from .common import SPLITS, PrepError, run_cli, shown
+from .pictures import NOT_REGULAR
 from .shards import merge_main, pack_items, parse_shard
 
 IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png")
 
 
 def list_images(folder):
-    return sorted(os.path.join(folder, n) for n in os.listdir(folder)
-                  if n.lower().endswith(IMAGE_EXTENSIONS))
+    with os.scandir(folder) as entries:
+        images = [e for e in entries if e.name.lower().endswith(IMAGE_EXTENSIONS)]
+    for entry in images:
+        if not entry.is_file():  # links followed; no system call for plain files
+            raise PrepError(f"{shown(entry.path)}: {NOT_REGULAR}")
+    return sorted(e.path for e in images)
 
 
 def subfolders(folder):

@@ -29,7 +29,7 @@ def file_list_digest(source, items):
     h = hashlib.sha1()
     for split in SPLITS:
         for path, label in items[split]:
-            h.update(f"{split}\t{os.path.relpath(path, source)}\t{label}\n".encode())
+            h.update(os.fsencode(f"{split}\t{os.path.relpath(path, source)}\t{label}\n"))
     return h.hexdigest()
 
 
