@@ -31,8 +31,8 @@ class PrepError(Exception):
 
 
 def run_cli(main, argv=None):
-    """Run main(argv) as a command: PrepError -> one line + exit 2, Ctrl-C/SIGTERM -> exit 130;
-    the caller's handlers of both signals are restored after.
+    """Run main(argv) as a command: PrepError or files.OutputRefused -> one line + exit 2,
+    Ctrl-C/SIGTERM -> exit 130; the caller's handlers of both signals are restored after.
 
     Both signals get our own handler (_on_interrupt). SIGINT is installed explicitly because a
     process started in the background by a shell without job control inherits SIGINT as
@@ -50,7 +50,7 @@ def run_cli(main, argv=None):
         if isinstance(e, KeyboardInterrupt) or _interrupt_signals:
             print(f"\n{prog}: interrupted; partial output removed", file=sys.stderr)
             status = 130
-        elif isinstance(e, PrepError):
+        elif isinstance(e, (PrepError, files.OutputRefused)):
             message = " ".join(str(e).split())  # one line, even when a library's message is not
             print(f"{prog}: error: {message}", file=sys.stderr)
             status = 2
@@ -89,6 +89,21 @@ def shown(text):
     characters (a newline in a file name) escaped as Python writes them."""
     return "".join(f"\\x{ord(c) - 0xdc00:02x}" if "\udc80" <= c <= "\udcff"  # os's escapes
                    else c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+def add_output_options(p, help="the HDF5 file to write"):
+    """--out and --force, the output options of every packer."""
+    p.add_argument("--out", required=True, help=help)
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+
+
+def claim_output(args, inputs=()):
+    """Check args.out before any input is read (files.check_output: not a folder, not one of
+    `inputs` nor inside an input folder, not an existing file unless --force), and remove the
+    temporary files that a packer killed by SIGKILL left beside it, saying so."""
+    files.check_output(args.out, inputs, force=args.force)
+    for path in files.remove_stale_temporaries(args.out):
+        print(f"removed {shown(path)}, left by an earlier run that was killed", file=sys.stderr)
 
 
 def announce_start(path):

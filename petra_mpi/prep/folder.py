@@ -1,8 +1,8 @@
 """Pack a folder of pictures, one subfolder per class (torchvision's ImageFolder layout).
 
-  python -m petra_mpi.prep.folder --source DIR --out FILE.h5 [--size 256 | --raw S]
+  python -m petra_mpi.prep.folder --source DIR --out FILE.h5 [--force] [--size 256 | --raw S]
          [--val-fraction 0.1 --seed 0] [--skip-bad] [--max-pixels N] [--workers N] [--shard i/n]
-  python -m petra_mpi.prep.folder merge --out FILE.h5 part0.h5 part1.h5 ... [--copy]
+  python -m petra_mpi.prep.folder merge --out FILE.h5 [--force] part0.h5 part1.h5 ... [--copy]
 
 Layout of DIR, either
   DIR/train/<class>/... and DIR/val/<class>/...   the two splits as they are, or
@@ -12,7 +12,8 @@ Layout of DIR, either
 The classes are the sorted names of the training class folders, stored in /classes. A class
 folder may hold subfolders: every file below it is a picture of its class. Names that start with
 a dot (files and folders) are ignored. Symbolic links are followed, to files and folders alike,
-but not to a folder above or one read already (a loop).
+but not to a folder above or one read already (a loop). --out may not lie inside DIR, nor
+exist unless --force.
 
 Every picture is decoded with Pillow (any format it reads: JPEG, PNG, WebP, GIF, BMP, TIFF...;
 grayscale, palette and transparent pictures too), turned upright by its EXIF orientation, made
@@ -34,7 +35,7 @@ import os
 import sys
 import time
 
-from .common import PrepError, run_cli, shown
+from .common import PrepError, add_output_options, claim_output, run_cli, shown
 from .pictures import (NOT_REGULAR, VAL_FRACTION, BadInput, add_picture_options,
                        check_picture_options, draw_val, image_extensions, unfit_name)
 from .shards import merge_main, pack_items, parse_shard
@@ -157,7 +158,7 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", required=True, help="the folder of class folders (or of train/ "
                                                     "and val/)")
-    p.add_argument("--out", required=True, help="the HDF5 file (or shard file) to write")
+    add_output_options(p, "the HDF5 file (or shard file) to write")
     add_picture_options(p, "without val/: the share of each class drawn for the val split")
     p.add_argument("--shard", type=parse_shard, help="i/n: pack only the i-th of n slices "
                                                      "(JPEG variant)")
@@ -165,6 +166,7 @@ def main(argv=None):
     check_picture_options(p, args)
     if args.shard and args.raw:
         p.error("--shard packs the JPEG variant; a --raw file is packed in one pass")
+    claim_output(args, [args.source])
     pack(args)
 
 

@@ -1,6 +1,6 @@
 """Pack an image dataset saved as parquet files (the layout of Hugging Face image datasets).
 
-  python -m petra_mpi.prep.parquet --source DIR_OR_FILES... --out FILE.h5
+  python -m petra_mpi.prep.parquet --source DIR_OR_FILES... --out FILE.h5 [--force]
          [--size 256 | --raw S] [--split NAME] [--val-fraction 0.1 --seed 0] [--image-column C]
          [--label-column C] [--skip-bad] [--max-pixels N] [--workers N]
 
@@ -27,7 +27,8 @@ label is a bad row).
 The pictures are stored as petra_mpi.prep.folder stores them (the JPEG variant at --size, or
 --raw S pixels), and bad input (a picture that does not decode, a row without a label or with a
 label outside the classes, a path that is not read) is handled the same way: one line each,
-exit status 2 at the first without --skip-bad. The labels are read first (one column, small) and
+exit status 2 at the first without --skip-bad. --out may not be a source file or lie inside a
+source folder, nor exist unless --force. The labels are read first (one column, small) and
 checked; the pictures are then read one row group at a time, so memory does not grow with the
 data set.
 """
@@ -40,7 +41,7 @@ import time
 
 import numpy as np
 
-from .common import SPLITS, PrepError, run_cli, shown
+from .common import SPLITS, PrepError, add_output_options, claim_output, run_cli, shown
 from .pictures import (MAX_CLASSES, VAL_FRACTION, BadInput, add_picture_options,
                        check_picture_options, draw_val, pack_pictures, regular_file, unfit_name)
 
@@ -300,7 +301,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m petra_mpi.prep.parquet", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", required=True, nargs="+", help="parquet files or folders")
-    p.add_argument("--out", required=True, help="the HDF5 file to write")
+    add_output_options(p)
     p.add_argument("--split", help="the split packed as val (default: validation, valid, val "
                                    "or test, the first there)")
     p.add_argument("--image-column", help="default: the Image feature, else image or img")
@@ -308,6 +309,7 @@ def main(argv=None):
     add_picture_options(p, "without a val split: the share of each class drawn from train")
     args = p.parse_args(argv)
     check_picture_options(p, args)
+    claim_output(args, args.source)
     pack(args)
 
 

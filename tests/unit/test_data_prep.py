@@ -555,6 +555,32 @@ def test_pool_results_in_flight_are_bounded():
     assert consumed == 399 and FINISHED.value == 400
 
 
+# ---------------------------------------------------------------- the output
+
+# Each packer's inputs, present in name only: its output is checked before any input is read.
+NAMED_INPUTS = {
+    "cifar": ["cifar-10-python.tar.gz"],
+    "idx": ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+            "t10k-labels-idx1-ubyte"],
+    "imagenet": [], "imagenet32": ["train_data_batch_1", "val_data"], "synthetic": None,
+    "text": ["a.txt"], "folder": [], "parquet": []}
+
+
+@pytest.mark.parametrize("module", NAMED_INPUTS)
+def test_every_packer_keeps_an_existing_output(tmp_path, module):
+    """Without --force (which the folder packer's and merge's tests use) an existing output is
+    left as it is, whatever the packer."""
+    (tmp_path / "src").mkdir()
+    for name in NAMED_INPUTS[module] or ():
+        (tmp_path / "src" / name).write_bytes(b"")
+    source = [] if NAMED_INPUTS[module] is None else ["--source", tmp_path / "src"]
+    out = tmp_path / "old.h5"
+    out.write_bytes(b"keep me")
+    status, _, err = run_packer(module, *source, "--out", out)
+    assert status == 2 and err == f"petra_mpi.prep.{module}: error: {out} exists: --force replaces it\n"
+    assert out.read_bytes() == b"keep me"
+
+
 # ---------------------------------------------------------------- synthetic, verify, --help
 
 def test_resize_antialiases(tmp_path):

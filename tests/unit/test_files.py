@@ -81,3 +81,14 @@ def test_temporaries_of_a_killed_writer_are_removed_and_a_running_ones_kept(tmp_
     assert sorted(remove_stale_temporaries(str(out))) == sorted(map(str, left))
     assert sorted(os.listdir(tmp_path)) == sorted(p.name for p in kept)
 
+
+def test_export_keeps_an_existing_model_file_unless_forced(tmp_path, capsys):
+    """petra_mpi.export checks its --out before it looks for a checkpoint."""
+    from petra_mpi.export import main
+    model = tmp_path / "model.pt"
+    model.write_bytes(b"an earlier export")
+    assert main([str(tmp_path / "run"), "--out", str(model)]) == 2
+    assert capsys.readouterr().err == f"error: {model} exists: --force replaces it\n"
+    assert main([str(tmp_path / "run"), "--out", str(model), "--force"]) == 1  # no checkpoint
+    assert "no complete checkpoint" in capsys.readouterr().err
+    assert model.read_bytes() == b"an earlier export"

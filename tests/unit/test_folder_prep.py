@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.support.launch import run_packer
+from tests.support.launch import ended_process, run_packer
 from tests.support.paths import ROOT
 from tests.support.pictures import CLASSES, checksums, make_picture_folder
 from tests.support.verify_files import assert_one_problem
@@ -266,12 +266,38 @@ def test_a_folder_that_is_not_there_or_has_no_classes(tmp_path):
     out = tmp_path / "out.h5"
     assert_stops_on(run_packer("folder", "--source", tmp_path / "nowhere", "--out", out),
                     str(out), tmp_path / "nowhere", "not a folder")
-    (tmp_path / "val").mkdir()
-    assert_stops_on(run_packer("folder", "--source", tmp_path, "--out", out), str(out),
-                    tmp_path / "val", "train")
+    (tmp_path / "src" / "val").mkdir(parents=True)
+    assert_stops_on(run_packer("folder", "--source", tmp_path / "src", "--out", out), str(out),
+                    tmp_path / "src" / "val", "train")
 
 
 # ---------------------------------------------------------------- files from elsewhere
+
+def test_an_output_onto_an_input_a_folder_or_an_existing_file_is_refused_at_once(tmp_path):
+    """Each refusal comes before any picture is read (the truncated one would stop the packer
+    first otherwise) and leaves every input as it was; --force replaces an existing output, and
+    a temporary file that a killed packer left beside it is removed with a line."""
+    src = good_folder(tmp_path)
+    truncated(src)
+    (tmp_path / "a_folder").mkdir()
+    existing = tmp_path / "old.h5"
+    existing.write_bytes(b"an older file")
+    before = checksums(tmp_path)
+    args = ("--source", src, "--size", 16, "--workers", 1)
+    picture = src / "train" / "cat" / "cat_00.jpg"
+    for out, why in ((picture, "lies inside the input folder"),
+                     (src / "packed.h5", "lies inside the input folder"),
+                     (tmp_path / "a_folder", "is a folder"),
+                     (existing, "exists: --force replaces it")):
+        status, _, err = run_packer("folder", *args, "--out", out)
+        assert status == 2 and len(err.splitlines()) == 1 and why in err, err
+        assert checksums(tmp_path) == before
+    stale = tmp_path / f"old.h5.tmp-{ended_process()}"
+    stale.write_bytes(b"partial")
+    status, _, err = run_packer("folder", *args, "--out", existing, "--force", "--skip-bad")
+    assert status == 0 and f"removed {stale}, left by an earlier run that was killed" in err
+    assert packed(existing)[1] == list(CLASSES) and not stale.exists()
+
 
 def test_links_are_followed_and_a_loop_is_said(tmp_path):
     """A subfolder that is a link to pictures elsewhere is packed with its class; a link back to
@@ -382,6 +408,15 @@ def test_shards_merge_to_the_single_pass_pack_also_with_skipped_pictures(tmp_pat
     status, _, err = run_packer("folder", "--source", src, "--out", tmp_path / "x.h5",
                                 "--raw", 8, "--shard", "0/2")
     assert status == 2 and "--shard packs the JPEG variant" in err
+    # the output among the shards (a virtual file that would read itself), an existing output
+    before = checksums(tmp_path)
+    for out, why in ((shards[0], "is an input of this command"),
+                     (merged, "exists: --force replaces it")):
+        status, _, err = run_packer("folder", "merge", "--out", out, *shards)
+        assert status == 2 and len(err.splitlines()) == 1 and why in err, err
+        assert checksums(tmp_path) == before
+    status, _, err = run_packer("folder", "merge", "--out", merged, "--force", *shards)
+    assert status == 0 and packed(merged)[0]["val"][1].tolist() == one_pass["val"][1].tolist()
 
 
 def test_a_picture_resized_as_imagenet_packs_it(tmp_path):

@@ -161,7 +161,7 @@ def test_a_clear_line_when_pyarrow_is_missing(tmp_path):
     code = ("import sys; sys.modules['pyarrow'] = None\n"
             "from petra_mpi.prep.common import run_cli\n"
             "from petra_mpi.prep.parquet import main\n"
-            f"run_cli(main, ['--source', {str(tmp_path)!r}, '--out', {str(tmp_path / 'o.h5')!r}])\n")
+            f"run_cli(main, ['--source', {str(tmp_path / 'ds')!r}, '--out', {str(tmp_path / 'o.h5')!r}])\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2, proc.stderr
@@ -292,3 +292,13 @@ def test_class_names_a_packed_file_cannot_hold_are_refused(tmp_path, names, why)
     assert status == 2 and len(err.splitlines()) == 1 and why in err, err
     assert not (tmp_path / "out.h5").exists()
 
+
+def test_an_output_inside_a_source_folder_or_onto_a_source_file_is_refused(tmp_path):
+    make_hf_dataset(tmp_path / "ds")
+    train = tmp_path / "ds" / "data" / "train-00000-of-00002.parquet"
+    before = checksums(tmp_path)
+    for sources, out in (((tmp_path / "ds",), tmp_path / "ds" / "out.h5"),
+                         ((train,), train)):
+        status, _, err = run_packer("parquet", "--source", *sources, "--out", out, "--force")
+        assert status == 2 and len(err.splitlines()) == 1, err
+        assert "write the output elsewhere" in err and checksums(tmp_path) == before
