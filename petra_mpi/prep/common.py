@@ -16,6 +16,10 @@ import time
 
 import h5py
 import numpy as np
+# Imported now, not by a packer's first np.random call: numpy imports it lazily, and a Ctrl-C
+# that lands in its C initialisation is dropped, so a packer whose output is already open would
+# compute on to its next write before it stopped.
+import numpy.random  # noqa: F401
 
 from .. import files
 from ..data.schema import SCHEMA_VERSION, SPLITS  # noqa: F401 (the packers' schema)
