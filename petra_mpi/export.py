@@ -1,4 +1,4 @@
-"""`python -m petra_mpi.export RUN_DIR [--checkpoint PATH] --out model.pt [--format torch.export]`
+"""`python -m petra_mpi.export RUN_DIR [--checkpoint PATH] --out model.pt [--force] [--format torch.export]`
 
 The trained model out of the pipeline, in one process and without MPI: the newest complete
 checkpoint of RUN_DIR (or PATH) becomes one ordinary PyTorch state_dict of the plain module
@@ -29,7 +29,7 @@ import torch
 from .archs import LM_ARCHS
 from .run.checkpoint import LAYOUT_FREE, MANIFEST, complete_checkpoints, is_complete, read_blocks
 from .comm.compress import Codec
-from .files import atomic_path
+from .files import OutputRefused, atomic_path, check_output
 from .models import build_network, set_precision
 
 MODEL_FORMAT = "petra_mpi.model/1"
@@ -170,10 +170,16 @@ def main(argv=None) -> int:
     p.add_argument("run_dir", help="the run's run.out_dir")
     p.add_argument("--checkpoint", help="a checkpoint directory (default: the run's newest)")
     p.add_argument("--out", required=True, help="the file to write, e.g. model.pt")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--format", choices=("state_dict", "torch.export"), default="state_dict",
                    help="state_dict (default): the state_dict and build_network's arguments; "
                         "torch.export: a program that loads with torch alone")
     args = p.parse_args(argv)
+    try:  # before any checkpoint is read: not a folder, not an existing file unless --force
+        check_output(args.out, [os.path.join(args.run_dir, "checkpoints")], force=args.force)
+    except OutputRefused as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         saved = export(args.run_dir, args.out, args.checkpoint, args.format)
     except ExportError as e:

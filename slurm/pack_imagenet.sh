@@ -53,7 +53,7 @@ if [[ $task == "$first" && ${SLURM_RESTART_COUNT:-0} == 0 && -z ${NO_MERGE:-} ]]
         --dependency="afterok:$SLURM_ARRAY_JOB_ID" --kill-on-invalid-dep=yes \
         --ntasks=1 --cpus-per-task=1 --time=$merge_time \
         --output="$(dirname "$OUT")/slurm-%x-%j.out" \
-        --wrap "$PYTHON -m petra_mpi.prep.imagenet merge --out $OUT$merge_copy $PARTS/part*.h5"); then
+        --wrap "$PYTHON -m petra_mpi.prep.imagenet merge --force --out $OUT$merge_copy $PARTS/part*.h5"); then
         petra_say "submitted merge job $merge_id (after array $SLURM_ARRAY_JOB_ID): writes $OUT"
     else
         petra_say "warning: could not submit the merge job; once every shard is packed, run:" \
@@ -62,5 +62,7 @@ if [[ $task == "$first" && ${SLURM_RESTART_COUNT:-0} == 0 && -z ${NO_MERGE:-} ]]
 fi
 
 petra_say "shard $task/$SHARDS of $SOURCE -> $PARTS/part$task.h5"
-"$PYTHON" -m petra_mpi.prep.imagenet --source "$SOURCE" --out "$PARTS/part$task.h5" \
+# --force: a task run again (requeued, or the array submitted again) packs its shard anew, and
+# the merge rebuilds $OUT
+"$PYTHON" -m petra_mpi.prep.imagenet --source "$SOURCE" --out "$PARTS/part$task.h5" --force \
     --shard "$task/$SHARDS" --workers "${SLURM_CPUS_PER_TASK:-1}" "${pack_args[@]}"

@@ -18,9 +18,9 @@ import urllib.request
 
 import numpy as np
 
-from .common import (ArrayWriter, ChannelStats, PrepError, Progress, atomic_h5,
-                              atomic_path, check_labels, load_pickle, planes_to_nhwc,
-                              print_summary, run_cli, write_root_attrs)
+from .common import (ArrayWriter, ChannelStats, PrepError, Progress, add_output_options,
+                     atomic_h5, atomic_path, check_labels, claim_output, load_pickle,
+                     planes_to_nhwc, print_summary, run_cli, write_root_attrs)
 
 URL_BASE = "https://www.cs.toronto.edu/~kriz/"
 
@@ -69,10 +69,15 @@ def file_md5(path):
     return digest.hexdigest()
 
 
-def find_tarball(args, spec):
+def tarball_path(args, spec):
     """--source is the tarball itself or a directory holding it (where --download puts it)."""
     src = args.source
-    path = src if src.endswith((".tar.gz", ".tgz", ".tar")) else os.path.join(src, spec["file"])
+    return src if src.endswith((".tar.gz", ".tgz", ".tar")) else os.path.join(src, spec["file"])
+
+
+def find_tarball(args, spec):
+    """The tarball, downloaded first with --download if it is not there."""
+    path = tarball_path(args, spec)
     url = args.url or URL_BASE + spec["file"]
     md5 = args.md5 or spec["md5"]
     if args.download:
@@ -139,7 +144,7 @@ def main(argv=None):
     p.add_argument("--variant", choices=sorted(VARIANTS), default="cifar10")
     p.add_argument("--source", required=True,
                    help="the official python tarball, or a directory holding (or to receive) it")
-    p.add_argument("--out", required=True, help="the HDF5 file to write")
+    add_output_options(p)
     p.add_argument("--download", action="store_true",
                    help="download the tarball into --source if missing; checks its MD5")
     p.add_argument("--labels", choices=["fine", "coarse"], default="fine",
@@ -152,6 +157,7 @@ def main(argv=None):
 
     start = time.monotonic()
     spec = VARIANTS[args.variant]
+    claim_output(args, [tarball_path(args, spec)])
     tarball = find_tarball(args, spec)
     splits, names = read_tarball(tarball, spec, args.variant, args.labels)
     stats = ChannelStats().update(splits["train"][0])

@@ -16,6 +16,10 @@ import time
 
 import h5py
 import numpy as np
+# Imported now, not by a packer's first np.random call: numpy imports it lazily, and a Ctrl-C
+# that lands in its C initialisation is dropped, so a packer whose output is already open would
+# compute on to its next write before it stopped.
+import numpy.random  # noqa: F401
 
 from .. import files
 from ..data.schema import SCHEMA_VERSION, SPLITS  # noqa: F401 (the packers' schema)
@@ -31,66 +35,50 @@ class PrepError(Exception):
 
 
 def run_cli(main, argv=None):
-    """Run main(argv) as a command: PrepError -> one line + exit 2, Ctrl-C/SIGTERM -> exit 130.
+    """Run main(argv) as a command: PrepError or files.OutputRefused -> one line + exit 2,
+    Ctrl-C/SIGTERM -> exit 130; the caller's handlers of both signals are restored after.
 
-    Both signals get our own handler, which raises KeyboardInterrupt, so that they unwind through
-    the `with` blocks that delete temporary output: a killed run never leaves a file that looks
-    finished. SIGINT is installed explicitly because a process started in the background by a
-    shell without job control inherits SIGINT as ignored, and Python then leaves it ignored."""
+    Both signals get our own handler (_on_interrupt). SIGINT is installed explicitly because a
+    process started in the background by a shell without job control inherits SIGINT as
+    ignored, and Python then leaves it ignored."""
     # Under `python -m petra_mpi.prep.x` main.__module__ is "__main__"; its spec has the real name.
     spec = getattr(sys.modules[main.__module__], "__spec__", None)
     prog = spec.name if spec else main.__module__
     _interrupt_signals.clear()
-    signal.signal(signal.SIGINT, _on_interrupt)
-    signal.signal(signal.SIGTERM, _on_interrupt)
-    signal.signal(signal.SIGALRM, _retry_interrupt)
+    previous = {sig: signal.signal(sig, _on_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         status = main(argv)
         check_interrupt()  # a signal whose exception something swallowed still counts
-    except PrepError as e:
-        message = " ".join(str(e).split())  # one line, even when a library's message is not
-        print(f"{prog}: error: {message}", file=sys.stderr)
-        status = 2
-    except KeyboardInterrupt:
-        print(f"\n{prog}: interrupted; partial output removed", file=sys.stderr)
-        status = 130
+    except (KeyboardInterrupt, Exception) as e:  # not SystemExit: argparse's exits pass
+        # an error after a signal is the signal's doing (a library it left half done)
+        if isinstance(e, KeyboardInterrupt) or _interrupt_signals:
+            print(f"\n{prog}: interrupted; partial output removed", file=sys.stderr)
+            status = 130
+        elif isinstance(e, (PrepError, files.OutputRefused)):
+            message = " ".join(str(e).split())  # one line, even when a library's message is not
+            print(f"{prog}: error: {message}", file=sys.stderr)
+            status = 2
+        else:
+            raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _interrupt_signals.clear()  # a caller that goes on (a test) starts afresh
     raise SystemExit(status or 0)
 
 
-# The signals received since run_cli started. The handler raises KeyboardInterrupt where the main
-# thread is, unless that is inside an import (see _raise_when_safe); an exception raised inside a
-# finalizer (__del__, a weakref or garbage-collector callback) is printed and dropped by Python all
-# the same, so the record lets the commit of the output (atomic_path) and run_cli refuse to finish
-# after an interrupt whatever happened to the exception.
+# The signals received since run_cli started. The handler raises KeyboardInterrupt at once, as
+# Python's own Ctrl-C does, and records the signal: where the exception was lost (raised inside
+# an import, a finalizer or a C extension, which drop it), the write loops (check_interrupt) stop
+# the packer at its next picture or batch, and the commit of the output (atomic_path) and
+# run_cli refuse to finish. (Where a C extension ran the code that the exception left through
+# PyRun_String, as numpy.random's first import can, CPython then ends the process by SIGINT
+# instead of status 130, once everything is cleaned up: a shell sees 130 either way.)
 _interrupt_signals = []
-_RETRY_S = 0.02
-_IMPORT_MACHINERY = "<frozen importlib._bootstrap"  # and _bootstrap_external
 
 
 def _on_interrupt(signum, frame):
     _interrupt_signals.append(signum)
-    _raise_when_safe(frame)
-
-
-def _retry_interrupt(signum, frame):
-    if _interrupt_signals:  # a stray SIGALRM before any interrupt is not one
-        _raise_when_safe(frame)
-
-
-def _raise_when_safe(frame):
-    """Raise KeyboardInterrupt now, or, while an import runs, again in _RETRY_S from wherever the
-    main thread is then. An exception raised inside an import can be lost: a C extension's module
-    initialisation (numpy.random's, for one, run lazily by the first np.random call) drops errors
-    from the Python code it runs, and one raised in the import lock's weakref callback is printed
-    and ignored. The packer then ran on to its end before stopping, and CPython may end such a
-    process by SIGINT instead of exit status 130 (a KeyboardInterrupt that escaped code a C
-    extension ran through PyRun_String marks the interpreter as interrupted)."""
-    while frame is not None:
-        if frame.f_code.co_filename.startswith(_IMPORT_MACHINERY) or frame.f_code.co_name == "__del__":
-            signal.setitimer(signal.ITIMER_REAL, _RETRY_S)
-            return
-        frame = frame.f_back
-    signal.setitimer(signal.ITIMER_REAL, 0)
     raise KeyboardInterrupt
 
 
@@ -100,11 +88,33 @@ def check_interrupt():
         raise KeyboardInterrupt
 
 
+def shown(text):
+    """`text` (a path, a name) fit for a one-line message: bytes that are not UTF-8 and control
+    characters (a newline in a file name) escaped as Python writes them."""
+    return "".join(f"\\x{ord(c) - 0xdc00:02x}" if "\udc80" <= c <= "\udcff"  # os's escapes
+                   else c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+def add_output_options(p, help="the HDF5 file to write"):
+    """--out and --force, the output options of every packer."""
+    p.add_argument("--out", required=True, help=help)
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+
+
+def claim_output(args, inputs=()):
+    """Check args.out before any input is read (files.check_output: not a folder, not one of
+    `inputs` nor inside an input folder, not an existing file unless --force), and remove the
+    temporary files that a packer killed by SIGKILL left beside it, saying so."""
+    files.check_output(args.out, inputs, force=args.force)
+    for path in files.remove_stale_temporaries(args.out):
+        print(f"removed {shown(path)}, left by an earlier run that was killed", file=sys.stderr)
+
+
 def announce_start(path):
     """Print the line that says the packer is under way: its signal handlers are installed and
     the temporary output exists, so an interrupt from now on removes it (scripts and tests wait
     for this line before they interrupt)."""
-    print(f"started: writing {path} (Ctrl-C stops and removes it)", flush=True)
+    print(f"started: writing {shown(path)} (Ctrl-C stops and removes it)", flush=True)
 
 
 @contextlib.contextmanager
@@ -205,6 +215,7 @@ class ArrayWriter(_LabelsMixin):
             dtype=np.uint8, chunks=(rows, height, width, 3))
 
     def append(self, images, labels):
+        check_interrupt()
         if images.dtype != np.uint8 or images.shape[1:] != self.images.shape[1:]:
             raise PrepError(f"{self.split}: batch of {images.dtype}{images.shape} does not match "
                             f"uint8{self.images.shape[1:]}")
@@ -252,6 +263,7 @@ class JpegWriter(_LabelsMixin):
 
     def append_many(self, data, rel_offsets, labels):
         """Several images at once: their concatenated bytes, their offsets from 0, labels."""
+        check_interrupt()
         # memoryview: `bytearray += ndarray` would be numpy's elementwise add.
         self.buf += memoryview(data)
         base = self.offsets[-1]
@@ -341,7 +353,7 @@ def print_summary(path, start_time):
     with open_unlocked(path, "r") as f:
         lines = describe(f)
     size = os.path.getsize(path)
-    print(f"wrote {path} ({size / 2**20:.1f} MiB) in {time.monotonic() - start_time:.1f} s")
+    print(f"wrote {shown(path)} ({size / 2**20:.1f} MiB) in {time.monotonic() - start_time:.1f} s")
     print("\n".join(lines))
 
 

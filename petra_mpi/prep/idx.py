@@ -27,8 +27,9 @@ import zlib
 
 import numpy as np
 
-from .common import (ArrayWriter, ChannelStats, PrepError, Progress, atomic_h5,
-                              check_labels, print_summary, run_cli, write_root_attrs)
+from .common import (ArrayWriter, ChannelStats, PrepError, Progress, add_output_options,
+                     atomic_h5, check_labels, claim_output, print_summary, run_cli,
+                     write_root_attrs)
 
 # Per data set: class names (None: as many classes as the labels need) and whether a horizontal
 # mirror keeps the class (a mirrored shoe is still a shoe; a mirrored 2 or b is not).
@@ -166,7 +167,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m petra_mpi.prep.idx", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", required=True, help="the folder holding the four IDX files")
-    p.add_argument("--out", required=True, help="the HDF5 file to write")
+    add_output_options(p)
     p.add_argument("--dataset", choices=sorted(DATASETS),
                    help="which data set the files are (class names, mirror augmentation); "
                         "default: recognised from the file prefix or the folder's name")
@@ -180,6 +181,7 @@ def main(argv=None):
 
     start = time.monotonic()
     files, prefix = find_files(args.source, args.prefix)
+    claim_output(args, files.values())
     dataset = args.dataset or guess_dataset(args.source, prefix)
     if dataset is None:
         raise PrepError(f"cannot tell which data set {args.source} holds from its names: "

@@ -29,15 +29,20 @@ import re
 import sys
 import time
 
-from .common import SPLITS, PrepError, run_cli
+from .common import SPLITS, PrepError, add_output_options, claim_output, run_cli, shown
+from .pictures import NOT_REGULAR
 from .shards import merge_main, pack_items, parse_shard
 
 IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png")
 
 
 def list_images(folder):
-    return sorted(os.path.join(folder, n) for n in os.listdir(folder)
-                  if n.lower().endswith(IMAGE_EXTENSIONS))
+    with os.scandir(folder) as entries:
+        images = [e for e in entries if e.name.lower().endswith(IMAGE_EXTENSIONS)]
+    for entry in images:
+        if not entry.is_file():  # links followed; no system call for plain files
+            raise PrepError(f"{shown(entry.path)}: {NOT_REGULAR}")
+    return sorted(e.path for e in images)
 
 
 def subfolders(folder):
@@ -131,7 +136,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m petra_mpi.prep.imagenet", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", required=True, help="directory holding train/ and val/")
-    p.add_argument("--out", required=True, help="the HDF5 file (or shard file) to write")
+    add_output_options(p, "the HDF5 file (or shard file) to write")
     p.add_argument("--size", type=int, default=256, help="shorter side after resizing (default 256)")
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     p.add_argument("--workers", type=int, default=usable,
@@ -142,6 +147,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.size < 1:
         p.error("--size must be positive")
+    claim_output(args, [os.path.join(args.source, "train"), os.path.join(args.source, "val")]
+                 + [path for path in (args.val_labels, args.synsets) if path])
     pack(args)
 
 

@@ -16,9 +16,9 @@ import zipfile
 
 import numpy as np
 
-from .common import (ArrayWriter, ChannelStats, PrepError, Progress, atomic_h5,
-                              load_pickle, planes_to_nhwc, print_summary, run_cli,
-                              write_root_attrs)
+from .common import (ArrayWriter, ChannelStats, PrepError, Progress, add_output_options,
+                     atomic_h5, claim_output, load_pickle, planes_to_nhwc, print_summary,
+                     run_cli, write_root_attrs)
 
 NUM_CLASSES = 1000
 ROWS_PER_WRITE = 16384  # bounds the transposed copy of a batch (64x64: 200 MB)
@@ -76,11 +76,12 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m petra_mpi.prep.imagenet32", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", required=True, help="directory with train_data_batch_* and val_data")
-    p.add_argument("--out", required=True, help="the HDF5 file to write")
+    add_output_options(p)
     args = p.parse_args(argv)
 
     start = time.monotonic()
     train_files, val_file = find_files(args.source)
+    claim_output(args, train_files + [val_file])
     stats, size = ChannelStats(), None
     bar = Progress(len(train_files) + 1, "batches")
     with atomic_h5(args.out) as f:

@@ -1,8 +1,8 @@
 """Pack an image dataset saved as parquet files (the layout of Hugging Face image datasets).
 
-  python -m petra_mpi.prep.parquet --source DIR_OR_FILES... --out FILE.h5 [--size 256 | --raw S]
-         [--split NAME] [--val-fraction 0.1 --seed 0] [--image-column C] [--label-column C]
-         [--skip-bad] [--workers N]
+  python -m petra_mpi.prep.parquet --source DIR_OR_FILES... --out FILE.h5 [--force]
+         [--size 256 | --raw S] [--split NAME] [--val-fraction 0.1 --seed 0] [--image-column C]
+         [--label-column C] [--skip-bad] [--max-pixels N] [--workers N]
 
 Needs pyarrow: pip install -e ".[parquet]" (or pip install pyarrow).
 
@@ -15,18 +15,22 @@ drawn from train (default 0.1, chosen by --seed) as petra_mpi.prep.folder does. 
 left out, with a line saying so.
 
 Columns: the image column holds encoded pictures, as Hugging Face writes its Image feature (a
-struct of `bytes` and `path`; a row without bytes is read from `path`, relative to its file) or as
-plain binary; the label column holds integers (or strings: the classes are then their sorted
-values). Both are found from the Hugging Face feature metadata in the file's schema (an Image and
-a ClassLabel feature) or from the usual names (image, img; label, labels), else named with
---image-column and --label-column. The class names come from the ClassLabel feature when present,
-else the file has no /classes and as many classes as the largest label + 1.
+struct of `bytes` and `path`; a row without bytes is read from `path`, which must be relative
+and lead to a regular file inside its parquet file's folder) or as plain binary; the label
+column holds integers (or strings: the classes are then their sorted values). Both are found
+from the Hugging Face feature metadata in the file's schema (an Image and a ClassLabel feature)
+or from the usual names (image, img; label, labels), else named with --image-column and
+--label-column. The class names come from the ClassLabel feature when present, else the file
+has no /classes and as many classes as the largest label + 1 (at most MAX_CLASSES: a larger
+label is a bad row).
 
 The pictures are stored as petra_mpi.prep.folder stores them (the JPEG variant at --size, or
 --raw S pixels), and bad input (a picture that does not decode, a row without a label or with a
-label outside the classes) is handled the same way: one line each, exit status 2 at the first
-without --skip-bad. The labels are read first (one column, small); the pictures are then read
-one row group at a time, so memory does not grow with the data set.
+label outside the classes, a path that is not read) is handled the same way: one line each,
+exit status 2 at the first without --skip-bad. --out may not be a source file or lie inside a
+source folder, nor exist unless --force. The labels are read first (one column, small) and
+checked; the pictures are then read one row group at a time, so memory does not grow with the
+data set.
 """
 import argparse
 import json
@@ -37,9 +41,9 @@ import time
 
 import numpy as np
 
-from .common import SPLITS, PrepError, run_cli
-from .pictures import (VAL_FRACTION, BadInput, add_picture_options, check_picture_options,
-                       draw_val, pack_pictures)
+from .common import SPLITS, PrepError, add_output_options, claim_output, run_cli, shown
+from .pictures import (MAX_CLASSES, VAL_FRACTION, BadInput, add_picture_options,
+                       check_picture_options, draw_val, pack_pictures, regular_file, unfit_name)
 
 VAL_NAMES = ("validation", "valid", "val", "test")
 KNOWN_SPLITS = ("train",) + VAL_NAMES
@@ -137,24 +141,53 @@ def pick_columns(schema, image, label):
 
 
 def read_labels(pq, splits, column, classes):
-    """({file: int64 labels, -1 where a row has none or one outside `classes`}, class names or
-    None). String labels are looked up in `classes`, by default their sorted values."""
+    """({file: int64 labels, -1 where a row has none or one outside the classes}, class names
+    or None). String labels are looked up in `classes`, by default their sorted values; without
+    names the classes are 0 to MAX_CLASSES - 1. Checked before any picture is read."""
     import pyarrow as pa
     import pyarrow.compute as pc
     files = [path for split in SPLITS for path in splits[split] or ()]
     arrays = {path: pq.read_table(path, columns=[column]).column(0).combine_chunks()
               for path in files}
     kind = arrays[files[0]].type
-    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+    strings = pa.types.is_string(kind) or pa.types.is_large_string(kind)
+    if strings:
         classes = classes or sorted({v for a in arrays.values() for v in a.unique().to_pylist()
                                      if v is not None})
+    if classes is not None:
+        check_classes(classes, column)
+    if strings:
         arrays = {path: pc.index_in(a, value_set=pa.array(classes)) for path, a in arrays.items()}
+    labels = {}
     for path, a in arrays.items():
         if not pa.types.is_integer(a.type):
             raise PrepError(f"{path}: label column {column!r} holds {a.type}, not integers or "
                             f"strings")
-    return {path: a.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
-            for path, a in arrays.items()}, classes
+        # compared in the column's own type: a uint64 or a huge label must not wrap into range
+        values = a.fill_null(0).to_numpy(zero_copy_only=False)
+        usable = a.is_valid().to_numpy(zero_copy_only=False) & (values >= 0) & \
+            (values < (len(classes) if classes else MAX_CLASSES))
+        labels[path] = np.full(len(values), -1, np.int64)
+        labels[path][usable] = values[usable]
+    return labels, classes
+
+
+def check_classes(classes, column):
+    """Refuse class names that a packed file cannot hold: not a list of names, more than
+    MAX_CLASSES, a name twice, a name that cannot be printed on one line."""
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        raise PrepError(f"the class names of column {column!r} are not a list of names")
+    if len(classes) > MAX_CLASSES:
+        raise PrepError(f"column {column!r} names {len(classes):,} classes, more than the "
+                        f"{MAX_CLASSES:,} a packed file may have")
+    seen = set()
+    for name in classes:
+        if name in seen:
+            raise PrepError(f"the class names of column {column!r} name a class twice: "
+                            f"{shown(name)}")
+        if why := unfit_name(name):
+            raise PrepError(f"column {column!r}: the class name {shown(name)} is {why}")
+        seen.add(name)
 
 
 def plan_rows(splits, labels, classes, args, bad):
@@ -164,11 +197,13 @@ def plan_rows(splits, labels, classes, args, bad):
     for index, split in enumerate(SPLITS):
         for path in splits[split] or ():
             lab = labels[path]
-            wrong = (lab < 0) | (lab >= len(classes) if classes else False)
+            wrong = lab < 0
             if wrong.any():
                 rows = np.flatnonzero(wrong)
+                limit = (f"0 to {len(classes) - 1}" if classes else
+                         f"0 to {MAX_CLASSES - 1:,}, the most classes a packed file may have")
                 problems.append((f"{path} row {rows[0]}", f"no label, or one outside the "
-                                 f"classes ({len(rows)} such rows in this file)"))
+                                 f"classes ({limit}; {len(rows)} such rows in this file)"))
             plan[path] = (np.where(wrong, -1, index).astype(np.int8), lab)
     bad.report(problems)
     kept = [lab[which >= 0] for which, lab in plan.values()]
@@ -179,8 +214,7 @@ def plan_rows(splits, labels, classes, args, bad):
         train = splits["train"]
         rows = np.concatenate([plan[path][1][plan[path][0] >= 0] for path in train])
         fraction = VAL_FRACTION if args.val_fraction is None else args.val_fraction
-        drawn = draw_val(rows, classes or [str(i) for i in range(num_classes)], fraction,
-                         args.seed)
+        drawn = draw_val(rows, classes, fraction, args.seed)
         for path in train:  # the drawn rows, file after file
             which = plan[path][0]
             kept = np.flatnonzero(which >= 0)
@@ -189,16 +223,34 @@ def plan_rows(splits, labels, classes, args, bad):
 
 
 def pictures_of(column, folder):
-    """The pictures of one batch of the image column: bytes, a path to read, or None."""
+    """The pictures of one batch of the image column, each (bytes or a file to read, None) or
+    (None, why there is none)."""
     import pyarrow as pa
     if not pa.types.is_struct(column.type):
-        return column.to_pylist()
+        return [(b, None if b is not None else "no picture (no bytes)")
+                for b in column.to_pylist()]
     data = column.field("bytes").to_pylist()
     paths = (column.field("path").to_pylist() if column.type.get_field_index("path") >= 0
              else [None] * len(data))
-    return [b if b is not None else
-            (os.path.join(folder, p) if p and os.path.isfile(os.path.join(folder, p)) else None)
-            for b, p in zip(data, paths)]
+    return [(b, None) if b is not None else picture_file(p, folder) for b, p in zip(data, paths)]
+
+
+def picture_file(path, folder):
+    """(the file that a row's `path` names, None), or (None, why it is not read). A data set
+    names only its own files: a relative path that stays inside `folder` (its parquet file's),
+    links resolved, to a regular file."""
+    if not path:
+        return None, "no picture (no bytes, and no path)"
+    full = os.path.join(folder, path)
+    try:
+        inside = os.path.realpath(full).startswith(os.path.join(os.path.realpath(folder), ""))
+    except ValueError:  # a NUL in the path
+        inside = False
+    if os.path.isabs(path) or not inside:
+        return None, (f"its path {shown(path)} leads out of the folder of its parquet file "
+                      f"(only relative paths inside it are read)")
+    why = regular_file(full)
+    return (None, f"no picture at its path {shown(path)}: {why}") if why else (full, None)
 
 
 def stream(pq, plan, column, bad):
@@ -213,10 +265,10 @@ def stream(pq, plan, column, bad):
                        for batch in f.read_row_group(group, columns=[column]).to_batches(
                            ROWS_PER_READ))
             for batch in batches:
-                for picture in pictures_of(batch.column(0), os.path.dirname(path)):
+                for picture, why in pictures_of(batch.column(0), os.path.dirname(path)):
                     where = f"{path} row {row}"
                     if which[row] >= 0 and picture is None:
-                        bad(where, "no picture (no bytes, and no file at its path)")
+                        bad(where, why)
                     elif which[row] >= 0:
                         yield SPLITS[which[row]], where, picture, int(labels[row])
                     row += 1
@@ -239,8 +291,6 @@ def pack(args):
         if image not in schema.names or label not in schema.names:
             raise PrepError(f"{path} has no column {image!r} or {label!r}")
     labels, classes = read_labels(pq, splits, label, classes)
-    if classes is not None and len(set(map(str, classes))) != len(classes):
-        raise PrepError(f"the class names of column {label!r} name a class twice: {classes}")
     plan, num_classes = plan_rows(splits, labels, classes, args, bad)
     total = sum(int((which >= 0).sum()) for which, _ in plan.values())
     pack_pictures(args, stream(pq, plan, image, bad), total, start=start, source="parquet",
@@ -251,7 +301,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m petra_mpi.prep.parquet", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", required=True, nargs="+", help="parquet files or folders")
-    p.add_argument("--out", required=True, help="the HDF5 file to write")
+    add_output_options(p)
     p.add_argument("--split", help="the split packed as val (default: validation, valid, val "
                                    "or test, the first there)")
     p.add_argument("--image-column", help="default: the Image feature, else image or img")
@@ -259,6 +309,7 @@ def main(argv=None):
     add_picture_options(p, "without a val split: the share of each class drawn from train")
     args = p.parse_args(argv)
     check_picture_options(p, args)
+    claim_output(args, args.source)
     pack(args)
 
 

@@ -2,10 +2,12 @@
 them: decoding any picture Pillow reads into the pixels a packed file holds (encode), the
 bad-input policy (BadInput) and the loop that encodes pictures through common.ordered_map's
 processes and writes them (write_pictures)."""
+import collections
 import functools
 import io
 import math
 import os
+import stat
 import sys
 import zlib
 
@@ -13,9 +15,24 @@ import numpy as np
 from PIL import Image, ImageFile, ImageOps
 
 from .common import (SPLITS, ArrayWriter, ChannelStats, JpegWriter, PrepError, Progress,
-                     atomic_h5, ordered_map, print_summary, write_root_attrs)
+                     atomic_h5, check_interrupt, ordered_map, print_summary, shown,
+                     write_root_attrs)
 
 QUALITY = 90  # JPEG quality of the encoded-JPEG variant
+# The most pixels a picture may decode to (after a JPEG's reduced-scale decoding): about 260 MB
+# of memory in a decoding process at most, more than an 8K picture. A small file can declare
+# any size (a PNG of 87 KB, 90 megapixels), and each process decodes its picture whole.
+MAX_PIXELS = 40_000_000
+# The most classes a packed file may have: a label or a class count beyond it is taken for a
+# wrong value (each class costs a name, an output of the model, a row of verify's counts).
+MAX_CLASSES = 100_000
+# Pillow's own limit counts the pixels before a JPEG's reduced-scale decoding and only warns
+# below twice its value; the limit above replaces it.
+Image.MAX_IMAGE_PIXELS = None
+
+
+class TooManyPixels(Exception):
+    """A picture larger than the pixel limit (encode's reason names its size)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -50,18 +67,22 @@ def resized(im, size):
     return im.resize(new, Image.BILINEAR)
 
 
-def encode(source, size, raw=False):
+def encode(source, size, raw=False, max_pixels=MAX_PIXELS):
     """Worker: one picture (a path or its encoded bytes) as the packers store it, and the
     ChannelStats of the stored pixels: (payload, stats, None), or (None, None, why) when it
-    cannot be decoded. The picture is decoded, turned upright by its EXIF orientation, made RGB
-    (to_rgb) and resized to shorter side `size`; the payload is its JPEG (quality 90), or with
-    `raw` the uint8 (size, size, 3) square at its centre. petra_mpi.predict prepares a picture
-    with this same function, so it sees the pixels the packed file holds."""
+    cannot be decoded or would decode to more than `max_pixels`. The picture is decoded, turned
+    upright by its EXIF orientation, made RGB (to_rgb) and resized to shorter side `size`; the
+    payload is its JPEG (quality 90), or with `raw` the uint8 (size, size, 3) square at its
+    centre. petra_mpi.predict prepares a picture with this same function, so it sees the pixels
+    the packed file holds."""
     try:
         with Image.open(source if isinstance(source, str) else io.BytesIO(source)) as im:
             # For JPEGs, let libjpeg decode at 1/2, 1/4 or 1/8 scale when that still leaves at
             # least `size` pixels on each side: much faster for large photos.
             im.draft("RGB", (size, size))
+            if im.size[0] * im.size[1] > max_pixels:  # before anything is decoded
+                raise TooManyPixels(f"{im.size[0]} x {im.size[1]} pixels, more than the limit "
+                                    f"of {max_pixels:,}")
             im = to_rgb(ImageOps.exif_transpose(im))  # the copy is decoded: the file may close
         im = resized(im, size)
     except Exception as e:  # any decoding failure is an input error, reported with the picture
@@ -76,11 +97,32 @@ def encode(source, size, raw=False):
     return out.getvalue(), stats, None
 
 
-def encode_item(item, size, raw=False):
+def encode_item(item, size, raw=False, max_pixels=MAX_PIXELS):
     """Worker: encode() of one (split, name, source, label), returned with its split, name and
     label (so that a stream of items needs no second pass)."""
     split, name, source, label = item
-    return (split, name, label) + encode(source, size, raw)
+    return (split, name, label) + encode(source, size, raw, max_pixels)
+
+
+def unfit_name(name):
+    """Why `name` cannot name a class (the file keeps it, predict prints it on one line), or
+    None: bytes that are not UTF-8, or a control character such as a newline."""
+    return None if name.isprintable() else "not printable UTF-8 text"
+
+
+# Only regular files are read: a FIFO would block its reader forever, a device never ends.
+NOT_REGULAR = "not a regular file (a FIFO, socket, device or broken link)"
+
+
+def regular_file(path):
+    """None if `path` (or what its links lead to) is a regular file, else why it is not read."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    except ValueError:  # a NUL in the name
+        return "cannot be read (a NUL in its name)"
+    return None if stat.S_ISREG(mode) else NOT_REGULAR
 
 
 class BadInput:
@@ -103,13 +145,13 @@ class BadInput:
             return
         if not self.skip:
             for where, why in problems[1:]:
-                print(f"bad input: {where}: {why}", file=sys.stderr, flush=True)
+                print(f"bad input: {shown(where)}: {why}", file=sys.stderr, flush=True)
             where, why = problems[0]
             more = f"; {len(problems) - 1} more listed above" if len(problems) > 1 else ""
             hint = f"; {self.hint} packs the rest" if self.hint else ""
-            raise PrepError(f"{where}: {why}{more}{hint}")
+            raise PrepError(f"{shown(where)}: {why}{more}{hint}")
         for where, why in problems:
-            print(f"skipped {where}: {why}", file=sys.stderr, flush=True)
+            print(f"skipped {shown(where)}: {why}", file=sys.stderr, flush=True)
         self.skipped.extend(where for where, _ in problems)
 
     def close(self):
@@ -117,26 +159,37 @@ class BadInput:
             print(f"skipped {len(self.skipped)} input(s), each listed above", flush=True)
 
 
-def write_pictures(f, pmap, items, total, *, size, raw=False, bad=None):
+def write_pictures(f, pmap, items, total, *, size, raw=False, bad=None,
+                   max_pixels=MAX_PIXELS, classes=None):
     """Encode `items` [(split, name, source, label)] through `pmap` (ordered_map's) and append
     each to its split of `f`: the JPEG variant, or with `raw` arrays of (size, size, 3). A
-    picture that does not decode goes to `bad` (BadInput). Returns the ChannelStats of the
-    training pictures and the pictures written per split; an empty split is an error."""
+    picture that does not decode goes to `bad` (BadInput), and a class left without a picture
+    in a split that was to hold some is named (by `classes`, else its label). Returns the
+    ChannelStats of the training pictures and the pictures written per split; an empty split is
+    an error."""
     bad = bad or BadInput()
     writers = {s: ArrayWriter(f, s, size, size) if raw else JpegWriter(f, s) for s in SPLITS}
     stats, counts = ChannelStats(), dict.fromkeys(SPLITS, 0)
+    planned, written = collections.Counter(), collections.Counter()  # per (split, label)
     bar = Progress(total, "images")
     for split, name, label, data, st, err in pmap(
-            functools.partial(encode_item, size=size, raw=raw), items):
+            functools.partial(encode_item, size=size, raw=raw, max_pixels=max_pixels), items):
+        check_interrupt()
         bar.advance()
+        planned[split, label] += 1
         if err is not None:
             bad(name, f"cannot decode image ({err})")
             continue
         writers[split].append_one(data, label)
         counts[split] += 1
+        written[split, label] += 1
         if split == "train":
             stats.add(st)
     bar.close()
+    for split, label in sorted(planned.keys() - written.keys()):
+        print(f"note: the {split} split holds no picture of class "
+              f"{shown(classes[label] if classes else label)} (none of its "
+              f"{planned[split, label]} decoded)", file=sys.stderr, flush=True)
     for split, writer in writers.items():
         writer.close()
         if not counts[split]:
@@ -161,7 +214,9 @@ def pack_pictures(args, items, total, *, start, source, classes, num_classes=Non
     size = raw or args.size
     with ordered_map(args.workers, chunk=pictures_per_task(size)) as pmap, \
             atomic_h5(args.out) as f:
-        stats, counts = write_pictures(f, pmap, items, total, size=size, raw=bool(raw), bad=bad)
+        stats, counts = write_pictures(
+            f, pmap, items, total, size=size, raw=bool(raw), bad=bad,
+            max_pixels=getattr(args, "max_pixels", MAX_PIXELS), classes=classes)
         extra = {} if raw else {"image_size": np.int64(size)}
         write_root_attrs(f, num_classes=num_classes or len(classes), stats=stats, source=source,
                          classes=classes, **extra)
@@ -175,12 +230,14 @@ def pack_pictures(args, items, total, *, start, source, classes, num_classes=Non
 def draw_val(labels, names, fraction, seed):
     """The val split drawn from training pictures: a boolean mask over `labels` marking, in each
     class, round(fraction * n) of its n pictures, drawn by a generator seeded by `seed` and the
-    class's name (names[label]), so that adding a class changes no other class's draw."""
+    class's name (names[label], or str(label) where `names` is None), so that adding a class
+    changes no other class's draw."""
     labels = np.asarray(labels, dtype=np.int64)
     mask = np.zeros(len(labels), dtype=bool)
     for label in np.unique(labels).tolist():
         rows = np.flatnonzero(labels == label)
-        rng = np.random.default_rng([seed, zlib.crc32(str(names[label]).encode())])
+        name = str(label) if names is None else str(names[label])
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         mask[rows[rng.permutation(len(rows))[:math.floor(len(rows) * fraction + 0.5)]]] = True
     if not mask.any():
         raise PrepError(f"--val-fraction {fraction} leaves no picture for the val split "
@@ -200,6 +257,9 @@ def add_picture_options(p, val_help):
     p.add_argument("--seed", type=int, default=0, help="seed of that draw (default 0)")
     p.add_argument("--skip-bad", action="store_true",
                    help="leave out bad input (listed) instead of stopping at the first")
+    p.add_argument("--max-pixels", type=int, default=MAX_PIXELS,
+                   help=f"the most pixels a picture may decode to (default {MAX_PIXELS:,}); "
+                        f"a larger one is bad input")
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     p.add_argument("--workers", type=int, default=usable,
                    help="decoding processes (default: the usable cores)")
@@ -212,3 +272,5 @@ def check_picture_options(p, args):
         p.error("--val-fraction must lie between 0 and 1")
     if args.workers < 1:
         p.error("--workers must be at least 1")
+    if args.max_pixels < 1:
+        p.error("--max-pixels must be positive")

@@ -17,8 +17,8 @@ import numpy as np
 
 from ..data.hdf5 import open_readonly
 
-from .common import (SPLITS, ChannelStats, JpegWriter, PrepError, Progress, atomic_h5,
-                     print_summary, write_root_attrs)
+from .common import (SPLITS, ChannelStats, JpegWriter, PrepError, Progress, add_output_options,
+                     atomic_h5, claim_output, print_summary, write_root_attrs)
 from .pictures import pack_pictures
 
 MERGE_BLOCK_BYTES = 64 << 20
@@ -29,7 +29,7 @@ def file_list_digest(source, items):
     h = hashlib.sha1()
     for split in SPLITS:
         for path, label in items[split]:
-            h.update(f"{split}\t{os.path.relpath(path, source)}\t{label}\n".encode())
+            h.update(os.fsencode(f"{split}\t{os.path.relpath(path, source)}\t{label}\n"))
     return h.hexdigest()
 
 
@@ -179,8 +179,10 @@ def merge_main(prog, argv):
                     "holds only labels, offsets and a virtual view of the shards' image bytes "
                     "(seconds, no extra space; the shards must stay where they are); --copy "
                     "writes a file that stands alone.")
-    p.add_argument("--out", required=True, help="the joined HDF5 file to write")
+    add_output_options(p, "the joined HDF5 file to write")
     p.add_argument("--copy", action="store_true",
                    help="copy the image bytes instead of referring to the shard files")
     p.add_argument("shards", nargs="+", help="the shard files, all n of them")
-    merge(p.parse_args(argv))
+    args = p.parse_args(argv)
+    claim_output(args, args.shards)
+    merge(args)

@@ -10,14 +10,14 @@ so a packed file and the in-memory set hold the same images.
 import argparse
 import time
 
-from .common import (ArrayWriter, ChannelStats, PrepError, atomic_h5, check_labels,
-                              print_summary, run_cli, write_root_attrs)
+from .common import (ArrayWriter, ChannelStats, PrepError, add_output_options, atomic_h5,
+                     check_labels, claim_output, print_summary, run_cli, write_root_attrs)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m petra_mpi.prep.synthetic", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="the HDF5 file to write")
+    add_output_options(p)
     p.add_argument("--train", type=int, default=50000, help="training images (default 50000)")
     p.add_argument("--val", type=int, default=10000, help="validation images (default 10000)")
     p.add_argument("--seed", type=int, default=0, help="training seed; validation uses seed + 1")
@@ -31,6 +31,7 @@ def main(argv=None):
         raise PrepError("--train and --val must be at least 1")
     if args.size < 8:
         raise PrepError(f"--size must be at least 8, not {args.size}")
+    claim_output(args)
 
     start = time.monotonic()
     stats = ChannelStats()

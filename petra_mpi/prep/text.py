@@ -20,7 +20,8 @@ import time
 import h5py
 import numpy as np
 
-from .common import SCHEMA_VERSION, SPLITS, PrepError, atomic_h5, open_unlocked, run_cli
+from .common import (SCHEMA_VERSION, SPLITS, PrepError, add_output_options, atomic_h5,
+                     claim_output, open_unlocked, run_cli)
 
 CHUNK = 1 << 20  # tokens per HDF5 chunk
 
@@ -103,7 +104,7 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", required=True, nargs="+",
                    help="text files, or folders whose files are all text")
-    p.add_argument("--out", required=True, help="the HDF5 file to write")
+    add_output_options(p)
     p.add_argument("--vocab", choices=("bytes", "char"), default="bytes",
                    help="bytes (256 ids, default) or char (the characters of the UTF-8 text)")
     p.add_argument("--val-fraction", type=float, default=0.1,
@@ -113,6 +114,7 @@ def main(argv=None):
         p.error("--val-fraction must be between 0 and 1")
 
     start = time.monotonic()
+    claim_output(args, args.source)
     files, skipped = find_text_files(args.source)
     if skipped:  # said, not silent: a file the user meant as text may be among them
         print("note: skipped " + ", ".join(f"{p} ({why})" for p, why in skipped), flush=True)

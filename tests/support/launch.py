@@ -68,20 +68,23 @@ def start_and_interrupt(cmd, sig, group=False, sigint_ignored=False):
     return proc.returncode, err, kids
 
 
+def ended_process():
+    """The number of a process that has ended: no running process has it (until the system
+    hands it out again, which takes a full turn of its numbers)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
 def run_packer(module, *args):
     """`python -m petra_mpi.prep.MODULE ARGS` in this process (no interpreter start-up per
     call): (exit status, stdout, stderr)."""
     out, err = io.StringIO(), io.StringIO()
-    # run_cli installs its own handlers; keep pytest's
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)}
-    from petra_mpi.prep.common import run_cli
+    from petra_mpi.prep.common import run_cli  # which puts pytest's signal handlers back
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             run_cli(importlib.import_module(f"petra_mpi.prep.{module}").main,
                     [str(a) for a in args])
     except SystemExit as e:
         status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
     return status, out.getvalue(), err.getvalue()

@@ -1,5 +1,8 @@
 """Folders of pictures as users keep them (one folder per class), for the folder packer,
-predict and the docs' own-data page."""
+predict and the docs' own-data page, and the checksums that show a command left them alone."""
+import hashlib
+import os
+
 import numpy as np
 from PIL import Image, ImageColor
 
@@ -30,3 +33,16 @@ def make_picture_folder(root, classes=CLASSES, per_class=14, seed=0):
             class_picture(rng, c, len(classes), *SIZES[(c + j) % len(SIZES)]).save(path)
             paths[name].append(path)
     return paths
+
+
+def checksums(root):
+    """{path: SHA-1 of its bytes} of every file below `root` (links followed, FIFOs and other
+    files that are not regular left out): what a command must leave unchanged."""
+    sums = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            if os.path.isfile(path):
+                with open(path, "rb") as f:
+                    sums[path] = hashlib.sha1(f.read()).hexdigest()
+    return sums

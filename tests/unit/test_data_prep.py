@@ -415,31 +415,44 @@ def test_interrupted_imagenet_pool_leaves_nothing(tmp_path, sig, group, sigint_i
         assert not os.path.exists(f"/proc/{kid}"), kid
 
 
-def test_interrupt_swallowed_on_the_way_still_stops_the_commit(tmp_path, monkeypatch):
-    """A signal whose KeyboardInterrupt was dropped (raised inside a finalizer, say) still
-    keeps the output from appearing."""
+def test_interrupt_swallowed_on_the_way_still_stops_the_writing_and_the_commit(tmp_path,
+                                                                             monkeypatch):
+    """A signal whose KeyboardInterrupt was dropped (raised inside a finalizer, say) stops the
+    write loop at its next batch, and keeps the output from appearing."""
     from petra_mpi.prep import common
     monkeypatch.setattr(common, "_interrupt_signals", [signal.SIGINT])
     out = tmp_path / "x.h5"
     with pytest.raises(KeyboardInterrupt):
         with common.atomic_h5(out) as f:
             f["a"] = np.arange(3)
-    assert os.listdir(tmp_path) == []
+    written = []
+    with pytest.raises(KeyboardInterrupt):
+        with common.atomic_h5(out) as f:
+            common.ArrayWriter(f, "train", 2, 2).append(np.zeros((1, 2, 2, 3), np.uint8), [0])
+            written.append("array")
+    with pytest.raises(KeyboardInterrupt):
+        with common.atomic_h5(out) as f:
+            common.JpegWriter(f, "train").append(b"jpeg", 0)
+            written.append("jpeg")
+    assert written == [] and os.listdir(tmp_path) == []
 
 
 # A command whose main imports a module that gets Ctrl-C during its import and drops every
 # exception there, as a C extension's module initialisation does (numpy.random's, run by the
-# first np.random call, is one). After the import it works for 10 s, then returns.
+# first np.random call, is one). It then writes its output for up to 10 s, one row at a time.
 _IMPORT_INTERRUPTED = """
-import os, signal, sys, time
+import sys, time
+import numpy as np
 sys.path.insert(0, sys.argv[1])
-from petra_mpi.prep.common import run_cli
+from petra_mpi.prep.common import ArrayWriter, atomic_h5, run_cli
 def main(argv):
     import dropping
     print("imported", flush=True)
-    end = time.monotonic() + 10
-    while time.monotonic() < end:
-        sum(range(1000))
+    with atomic_h5(sys.argv[2]) as f:
+        writer = ArrayWriter(f, "train", 2, 2)
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            writer.append(np.zeros((1, 2, 2, 3), np.uint8), [0])
     print("worked to the end", flush=True)
 run_cli(main)
 """
@@ -453,15 +466,58 @@ except BaseException:
 """
 
 
-def test_ctrl_c_during_an_import_that_drops_it_still_stops_at_once(tmp_path):
-    """The interrupt waits for the import to end, then stops the command: exit status 130 (not
-    death by SIGINT), before the work after the import is done, without a traceback."""
+def test_ctrl_c_that_an_import_drops_stops_the_command_at_its_first_write(tmp_path):
+    """The import ends, then the first row written stops the command: exit status 130, no
+    output, no traceback."""
     (tmp_path / "dropping.py").write_text(_DROPPING)
-    proc = subprocess.run([sys.executable, "-c", _IMPORT_INTERRUPTED, str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    out = tmp_path / "out" / "o.h5"
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_INTERRUPTED, str(tmp_path), str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 130, (proc.returncode, proc.stderr)
-    assert proc.stdout == "imported\n" and "interrupted" in proc.stderr, (proc.stdout, proc.stderr)
-    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.startswith("imported\nstarted: writing ") and "worked" not in proc.stdout
+    assert "interrupted" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert os.listdir(out.parent) == []
+
+
+def test_the_callers_signal_handlers_and_timer_outlive_the_command():
+    """run_cli puts back the handlers of SIGINT and SIGTERM it found, and leaves a caller's
+    timer (SIGALRM, ITIMER_REAL) alone, also when the command was interrupted."""
+    from petra_mpi.prep.common import run_cli
+
+    def mine(signum, frame):
+        pass
+
+    def interrupted(argv):
+        os.kill(os.getpid(), signal.SIGTERM)
+    previous = {s: signal.signal(s, mine) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)}
+    signal.setitimer(signal.ITIMER_REAL, 3600)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            run_cli(interrupted, [])
+        assert stop.value.code == 130
+        assert all(signal.getsignal(s) is mine for s in previous)
+        assert signal.getitimer(signal.ITIMER_REAL)[0] > 3000
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def test_an_error_after_a_swallowed_interrupt_is_the_interrupt(capsys):
+    """A library that swallowed the KeyboardInterrupt and then failed for it: exit status 130
+    with the interrupted line, not its error's traceback."""
+    from petra_mpi.prep.common import run_cli
+
+    def half_broken(argv):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+        except KeyboardInterrupt:
+            pass
+        raise ValueError("left in a broken state")
+    with pytest.raises(SystemExit) as stop:
+        run_cli(half_broken, [])
+    assert stop.value.code == 130
+    assert "interrupted" in capsys.readouterr().err
 
 
 FINISHED = multiprocessing.Value("i", 0)  # items the pool workers have finished (fork-shared)
@@ -497,6 +553,32 @@ def test_pool_results_in_flight_are_bounded():
                     time.sleep(0.01)
                 assert FINISHED.value - consumed <= bound, FINISHED.value
     assert consumed == 399 and FINISHED.value == 400
+
+
+# ---------------------------------------------------------------- the output
+
+# Each packer's inputs, present in name only: its output is checked before any input is read.
+NAMED_INPUTS = {
+    "cifar": ["cifar-10-python.tar.gz"],
+    "idx": ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+            "t10k-labels-idx1-ubyte"],
+    "imagenet": [], "imagenet32": ["train_data_batch_1", "val_data"], "synthetic": None,
+    "text": ["a.txt"], "folder": [], "parquet": []}
+
+
+@pytest.mark.parametrize("module", NAMED_INPUTS)
+def test_every_packer_keeps_an_existing_output(tmp_path, module):
+    """Without --force (which the folder packer's and merge's tests use) an existing output is
+    left as it is, whatever the packer."""
+    (tmp_path / "src").mkdir()
+    for name in NAMED_INPUTS[module] or ():
+        (tmp_path / "src" / name).write_bytes(b"")
+    source = [] if NAMED_INPUTS[module] is None else ["--source", tmp_path / "src"]
+    out = tmp_path / "old.h5"
+    out.write_bytes(b"keep me")
+    status, _, err = run_packer(module, *source, "--out", out)
+    assert status == 2 and err == f"petra_mpi.prep.{module}: error: {out} exists: --force replaces it\n"
+    assert out.read_bytes() == b"keep me"
 
 
 # ---------------------------------------------------------------- synthetic, verify, --help

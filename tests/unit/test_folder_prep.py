@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.support.launch import run_packer
+from tests.support.launch import ended_process, run_packer
 from tests.support.paths import ROOT
-from tests.support.pictures import CLASSES, make_picture_folder
+from tests.support.pictures import CLASSES, checksums, make_picture_folder
 from tests.support.verify_files import assert_one_problem
+from petra_mpi.prep.folder import class_pictures
 from petra_mpi.prep.pictures import encode
 from petra_mpi.prep.verify import verify
 
@@ -265,9 +266,120 @@ def test_a_folder_that_is_not_there_or_has_no_classes(tmp_path):
     out = tmp_path / "out.h5"
     assert_stops_on(run_packer("folder", "--source", tmp_path / "nowhere", "--out", out),
                     str(out), tmp_path / "nowhere", "not a folder")
-    (tmp_path / "val").mkdir()
-    assert_stops_on(run_packer("folder", "--source", tmp_path, "--out", out), str(out),
-                    tmp_path / "val", "train")
+    (tmp_path / "src" / "val").mkdir(parents=True)
+    assert_stops_on(run_packer("folder", "--source", tmp_path / "src", "--out", out), str(out),
+                    tmp_path / "src" / "val", "train")
+
+
+# ---------------------------------------------------------------- files from elsewhere
+
+def test_an_output_onto_an_input_a_folder_or_an_existing_file_is_refused_at_once(tmp_path):
+    """Each refusal comes before any picture is read (the truncated one would stop the packer
+    first otherwise) and leaves every input as it was; --force replaces an existing output, and
+    a temporary file that a killed packer left beside it is removed with a line."""
+    src = good_folder(tmp_path)
+    truncated(src)
+    (tmp_path / "a_folder").mkdir()
+    existing = tmp_path / "old.h5"
+    existing.write_bytes(b"an older file")
+    before = checksums(tmp_path)
+    args = ("--source", src, "--size", 16, "--workers", 1)
+    picture = src / "train" / "cat" / "cat_00.jpg"
+    for out, why in ((picture, "lies inside the input folder"),
+                     (src / "packed.h5", "lies inside the input folder"),
+                     (tmp_path / "a_folder", "is a folder"),
+                     (existing, "exists: --force replaces it")):
+        status, _, err = run_packer("folder", *args, "--out", out)
+        assert status == 2 and len(err.splitlines()) == 1 and why in err, err
+        assert checksums(tmp_path) == before
+    stale = tmp_path / f"old.h5.tmp-{ended_process()}"
+    stale.write_bytes(b"partial")
+    status, _, err = run_packer("folder", *args, "--out", existing, "--force", "--skip-bad")
+    assert status == 0 and f"removed {stale}, left by an earlier run that was killed" in err
+    assert packed(existing)[1] == list(CLASSES) and not stale.exists()
+
+
+def test_links_are_followed_and_a_loop_is_said(tmp_path):
+    """A subfolder that is a link to pictures elsewhere is packed with its class; a link back to
+    a folder above is not followed, and said."""
+    src = good_folder(tmp_path)
+    elsewhere = make_picture_folder(tmp_path / "elsewhere", classes=("more",), per_class=2)
+    (src / "train" / "cat" / "more").symlink_to(tmp_path / "elsewhere" / "more")
+    loop = src / "train" / "dog" / "loop"
+    loop.symlink_to(src / "train" / "dog")
+    before = {**checksums(src), **checksums(tmp_path / "elsewhere")}
+    out = tmp_path / "out.h5"
+    args = ("--source", src, "--out", out, "--size", 16, "--workers", 1)
+    assert_stops_on(run_packer("folder", *args), str(out), loop, "a link to a folder above it",
+                    "(a loop)")
+    status, _, err = run_packer("folder", *args, "--skip-bad")
+    assert status == 0 and f"skipped {loop}: a link to a folder above it" in err, err
+    data, _ = packed(out)
+    assert data["train"][1].tolist() == [0] * 5 + [1] * 3 + [2] * 3  # cat: 3 + the 2 linked
+    assert encode(str(elsewhere["more"][1]), 16)[0] in data["train"][0]
+    assert {**checksums(src), **checksums(tmp_path / "elsewhere")} == before
+
+
+def test_a_fifo_named_as_a_picture_is_not_read(tmp_path):
+    """Opening a FIFO would block the packer forever: only regular files are pictures."""
+    src = good_folder(tmp_path)
+    fifo = src / "train" / "fox" / "x.jpg"
+    os.mkfifo(fifo)
+    problems = []
+    pictures = class_pictures(str(src / "train" / "fox"), problems)
+    assert str(fifo) not in pictures and len(pictures) == 3
+    assert problems == [(str(fifo), "not a regular file (a FIFO, socket, device or broken link)")]
+
+
+def test_names_that_are_not_utf8_or_hold_a_newline_stay_on_one_line(tmp_path):
+    """A class folder whose name cannot name a class (not UTF-8, a newline) is bad input, said
+    on one line with its bytes escaped; a picture's own name may be anything."""
+    src = good_folder(tmp_path)
+    for name in (b"caf\xe9", b"two\nlines"):
+        folder = os.path.join(bytes(src / "train"), name)
+        os.mkdir(folder)
+        Image.new("RGB", (20, 20)).save(os.path.join(folder, b"a.png"))
+    Image.new("RGB", (20, 20)).save(os.path.join(bytes(src / "train" / "cat"), b"new\nline\xff.png"))
+    out = tmp_path / "out.h5"
+    args = ("--source", src, "--out", out, "--size", 16, "--workers", 1)
+    status, _, err = run_packer("folder", *args)
+    assert status == 2 and "Traceback" not in err, err
+    assert err.splitlines() == [
+        f"bad input: {src}/train/two\\nlines: a class folder whose name is not printable UTF-8 "
+        f"text (rename it)",
+        f"petra_mpi.prep.folder: error: {src}/train/caf\\xe9: a class folder whose name is not "
+        f"printable UTF-8 text (rename it); 1 more listed above; --skip-bad packs the rest"]
+    status, _, err = run_packer("folder", *args, "--skip-bad")
+    assert status == 0 and f"skipped {src}/train/caf\\xe9: a class folder" in err, err
+    data, names = packed(out)
+    assert names == list(CLASSES) and len(data["train"][1]) == 10  # the newline picture in
+
+
+def test_a_picture_above_the_pixel_limit_is_not_decoded(tmp_path):
+    """--max-pixels counts the pixels a picture decodes to: a JPEG's at its reduced scale."""
+    src = good_folder(tmp_path)
+    Image.new("RGB", (100, 100)).save(src / "train" / "dog" / "large.png")
+    Image.new("RGB", (400, 400)).save(src / "train" / "dog" / "photo.jpg")  # decoded at 50 x 50
+    out = tmp_path / "out.h5"
+    args = ("--source", src, "--out", out, "--size", 16, "--max-pixels", 7000, "--workers", 1)
+    assert_stops_on(run_packer("folder", *args), str(out), src / "train" / "dog" / "large.png",
+                    "cannot decode image (TooManyPixels: 100 x 100 pixels, more than the limit of "
+                    "7,000)")
+    status, _, err = run_packer("folder", *args, "--skip-bad")
+    assert status == 0 and f"skipped {src}/train/dog/large.png: cannot decode image (TooMany" in err
+    assert len(packed(out)[0]["train"][1]) == 10  # photo.jpg in, large.png out
+
+
+def test_a_class_whose_val_pictures_all_fail_is_named(tmp_path):
+    src = good_folder(tmp_path)
+    for path in (src / "val" / "fox").iterdir():
+        path.write_bytes(b"not a picture any more")
+    out = tmp_path / "out.h5"
+    status, _, err = run_packer("folder", "--source", src, "--out", out, "--size", 16,
+                                "--workers", 1, "--skip-bad")
+    assert status == 0, err
+    assert "note: the val split holds no picture of class fox (none of its 2 decoded)" in err
+    assert packed(out)[0]["val"][1].tolist() == [0, 0, 1, 1]
 
 
 # ---------------------------------------------------------------- shards
@@ -296,6 +408,15 @@ def test_shards_merge_to_the_single_pass_pack_also_with_skipped_pictures(tmp_pat
     status, _, err = run_packer("folder", "--source", src, "--out", tmp_path / "x.h5",
                                 "--raw", 8, "--shard", "0/2")
     assert status == 2 and "--shard packs the JPEG variant" in err
+    # the output among the shards (a virtual file that would read itself), an existing output
+    before = checksums(tmp_path)
+    for out, why in ((shards[0], "is an input of this command"),
+                     (merged, "exists: --force replaces it")):
+        status, _, err = run_packer("folder", "merge", "--out", out, *shards)
+        assert status == 2 and len(err.splitlines()) == 1 and why in err, err
+        assert checksums(tmp_path) == before
+    status, _, err = run_packer("folder", "merge", "--out", merged, "--force", *shards)
+    assert status == 0 and packed(merged)[0]["val"][1].tolist() == one_pass["val"][1].tolist()
 
 
 def test_a_picture_resized_as_imagenet_packs_it(tmp_path):

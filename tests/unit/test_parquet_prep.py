@@ -3,6 +3,7 @@ datasets, written here with pyarrow: the round trip, splits from file names, col
 names from the feature metadata or without it, bad rows, pyarrow missing, and streaming."""
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -13,7 +14,7 @@ from PIL import Image
 
 from tests.support.launch import run_packer
 from tests.support.paths import ROOT
-from tests.support.pictures import CLASSES, class_picture
+from tests.support.pictures import CLASSES, checksums, class_picture
 from tests.support.upstream_formats import SIZES
 from petra_mpi.prep.pictures import encode
 from petra_mpi.prep.verify import verify
@@ -160,7 +161,7 @@ def test_a_clear_line_when_pyarrow_is_missing(tmp_path):
     code = ("import sys; sys.modules['pyarrow'] = None\n"
             "from petra_mpi.prep.common import run_cli\n"
             "from petra_mpi.prep.parquet import main\n"
-            f"run_cli(main, ['--source', {str(tmp_path)!r}, '--out', {str(tmp_path / 'o.h5')!r}])\n")
+            f"run_cli(main, ['--source', {str(tmp_path / 'ds')!r}, '--out', {str(tmp_path / 'o.h5')!r}])\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2, proc.stderr
@@ -203,3 +204,101 @@ def test_memory_does_not_grow_with_the_data_set(tmp_path):
         sizes[groups] = path.stat().st_size
     assert peaks[24] < sizes[24] / 4, (peaks, sizes)
     assert peaks[24] < 1.5 * peaks[2], (peaks, sizes)
+
+
+# ---------------------------------------------------------------- files from elsewhere
+
+def write_rows(path, rows, labels, label_type=pa.int64(), names=None):
+    """A train file of Image structs (rows: {"bytes", "path"}) and labels of `label_type`;
+    `names`: the ClassLabel feature's class names, if any."""
+    table = pa.table({"image": pa.array(rows, HF_IMAGE), "label": pa.array(labels, label_type)})
+    if names is not None:
+        features = {"image": {"_type": "Image"}, "label": {"names": names, "_type": "ClassLabel"}}
+        table = table.replace_schema_metadata(
+            {b"huggingface": json.dumps({"info": {"features": features}}).encode()})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path)
+
+
+def test_a_row_path_is_read_only_inside_its_parquet_files_folder(tmp_path):
+    """A data set names its own files: an absolute path, `..` or a link out of its folder, and a
+    FIFO are bad rows; a relative path to a picture inside is read."""
+    rng = np.random.default_rng(4)
+    pictures = [picture_bytes(rng, i % 3, i) for i in range(9)]
+    outside = tmp_path / "outside.png"
+    outside.write_bytes(pictures[0])
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / "inside.png").write_bytes(pictures[1])
+    (ds / "link.png").symlink_to(outside)
+    os.mkfifo(ds / "fifo.png")
+    paths = {2: str(outside), 3: "../outside.png", 4: "link.png", 5: "fifo.png", 6: "inside.png"}
+    rows = [{"bytes": None, "path": paths[i]} if i in paths else {"bytes": b, "path": None}
+            for i, b in enumerate(pictures)]
+    path = ds / "train-00000-of-00001.parquet"
+    write_rows(path, rows, [i % 3 for i in range(9)])
+    out = tmp_path / "out.h5"
+    args = ("--source", ds, "--out", out, "--raw", 8, "--val-fraction", 0.3, "--workers", 1)
+    before = checksums(tmp_path)
+    status, _, err = run_packer("parquet", *args)
+    assert status == 2 and err.splitlines() == [
+        f"petra_mpi.prep.parquet: error: {path} row 2: its path {outside} leads out of the folder "
+        f"of its parquet file (only relative paths inside it are read); --skip-bad packs the rest"]
+    assert not out.exists() and checksums(tmp_path) == before
+    status, _, err = run_packer("parquet", *args, "--skip-bad")
+    assert status == 0, err
+    skipped = [line for line in err.splitlines() if line.startswith("skipped ")]
+    assert [line.split(":")[0] for line in skipped] == [f"skipped {path} row {i}" for i in (2, 3, 4, 5)]
+    assert "leads out of the folder" in skipped[2] and "not a regular file" in skipped[3]
+    data, _, _ = read_packed(out)
+    stored = np.concatenate([data["train"][0], data["val"][0]])
+    assert len(stored) == 5
+    assert any(np.array_equal(image, encode(pictures[1], 8, raw=True)[0]) for image in stored)
+
+
+def test_labels_are_checked_in_their_own_type_before_any_picture_is_read(tmp_path):
+    """A label beyond the most classes a file may have, 2**63 - 1 and a uint64 one are bad rows,
+    found before the undecodable picture of row 0 is read; the rest packs into 3 classes."""
+    rng = np.random.default_rng(5)
+    rows = [{"bytes": picture_bytes(rng, i % 3, i), "path": None} for i in range(9)]
+    rows[0]["bytes"] = b"no picture"
+    for label, label_type in ((200_000, pa.int64()), (2**63 - 1, pa.int64()),
+                              (2**64 - 1, pa.uint64())):
+        path = tmp_path / str(label) / "train-00000-of-00001.parquet"
+        write_rows(path, rows, [label if i == 4 else i % 3 for i in range(9)], label_type)
+        out = tmp_path / f"{label}.h5"
+        args = ("--source", path, "--out", out, "--raw", 8, "--val-fraction", 0.3, "--workers", 1)
+        status, _, err = run_packer("parquet", *args)
+        assert status == 2 and err.splitlines() == [
+            f"petra_mpi.prep.parquet: error: {path} row 4: no label, or one outside the classes "
+            f"(0 to 99,999, the most classes a packed file may have; 1 such rows in this file); "
+            f"--skip-bad packs the rest"], err
+        status, _, err = run_packer("parquet", *args, "--skip-bad")
+        assert status == 0 and f"skipped {path} row 0: cannot decode image" in err, err
+        assert read_packed(out)[2] == 3
+
+
+@pytest.mark.parametrize("names, why", [
+    (["cat", "two\nlines", "fox"], "the class name two\\nlines is not printable UTF-8 text"),
+    ([str(i) for i in range(100_001)], "names 100,001 classes, more than the 100,000"),
+    (["cat", "dog", "cat"], "name a class twice: cat"),
+    ({"cat": 0}, "are not a list of names")])
+def test_class_names_a_packed_file_cannot_hold_are_refused(tmp_path, names, why):
+    rng = np.random.default_rng(6)
+    rows = [{"bytes": picture_bytes(rng, i % 3, i), "path": None} for i in range(6)]
+    write_rows(tmp_path / "ds" / "train.parquet", rows, [i % 3 for i in range(6)], names=names)
+    status, _, err = run_packer("parquet", "--source", tmp_path / "ds", "--out",
+                                tmp_path / "out.h5", "--raw", 8, "--workers", 1)
+    assert status == 2 and len(err.splitlines()) == 1 and why in err, err
+    assert not (tmp_path / "out.h5").exists()
+
+
+def test_an_output_inside_a_source_folder_or_onto_a_source_file_is_refused(tmp_path):
+    make_hf_dataset(tmp_path / "ds")
+    train = tmp_path / "ds" / "data" / "train-00000-of-00002.parquet"
+    before = checksums(tmp_path)
+    for sources, out in (((tmp_path / "ds",), tmp_path / "ds" / "out.h5"),
+                         ((train,), train)):
+        status, _, err = run_packer("parquet", "--source", *sources, "--out", out, "--force")
+        assert status == 2 and len(err.splitlines()) == 1, err
+        assert "write the output elsewhere" in err and checksums(tmp_path) == before
