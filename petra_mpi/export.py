@@ -4,7 +4,7 @@ The trained model out of the pipeline, in one process and without MPI: the newes
 checkpoint of RUN_DIR (or PATH) becomes one ordinary PyTorch state_dict of the plain module
 petra_mpi.models.build_network builds, saved with that function's arguments:
 
-    saved = torch.load("model.pt")
+    saved = torch.load("model.pt", weights_only=True)
     model = petra_mpi.models.build_network(**saved["network"])
     model.load_state_dict(saved["state_dict"])
 
@@ -16,23 +16,37 @@ Both compute in float32 without rounding. The saved model also records how the r
 (`saved["evaluation"]`: run.precision, comm.forward and the stage split), which
 `as_evaluated` (and so petra_mpi.evaluate) applies to reproduce the run's own evaluation, and
 how that evaluation prepared an image and named the classes (`saved["preprocess"]`), which
-petra_mpi.predict applies to a picture.
+petra_mpi.predict applies to a picture. It records no path of the machine that wrote it: the
+checkpoint by its name, the data file relative to the model file's folder.
+
+A model file may come from anyone: the commands read it as weights only (nothing in it runs
+code) and check it before building anything (checked_model).
 """
 import argparse
 import itertools
 import json
+import math
 import os
 import sys
 
 import torch
+from torch.overrides import TorchFunctionMode
 
-from .archs import LM_ARCHS
-from .run.checkpoint import LAYOUT_FREE, MANIFEST, complete_checkpoints, is_complete, read_blocks
-from .comm.compress import Codec
+from .archs import ARCH_NAMES, LM_ARCHS
+from .run.checkpoint import (LAYOUT_FREE, MANIFEST, UnreadableCheckpoint, complete_checkpoints,
+                             is_complete, read_blocks, resume_readable)
+from .run.torch_files import first_non_finite, state_misfit
+from .comm.compress import FORMATS, Codec
 from .files import OutputRefused, atomic_path, check_output
-from .models import build_network, set_precision
+from .models import PRECISIONS, build_network, set_precision
 
 MODEL_FORMAT = "petra_mpi.model/1"
+# The largest picture side (stored or cropped) predict and evaluate prepare: a picture of that
+# side is 50 MB of pixels; a crafted record of a million would take terabytes.
+MAX_SIDE = 4096
+DATA_TYPES = {"path": (str, type(None)), "batch_size": int, "synthetic_train": int,
+              "synthetic_val": int, "synthetic_seed": int, "crop": (int, type(None))}
+DTYPES = ("float32", "float64")  # run.dtype
 
 
 class ExportError(RuntimeError):
@@ -54,53 +68,231 @@ def find_checkpoint(run_dir: str, checkpoint: str | None = None) -> str:
 def exported_model(checkpoint: str) -> dict:
     """What `export` saves for a checkpoint: the network's arguments, its state_dict (on the
     CPU) and what evaluating it the way the run did needs (its data settings, dtype, and the
-    precision, forward compression and stage split of its evaluation)."""
+    precision, forward compression and stage split of its evaluation). UnreadableCheckpoint
+    when a file of it cannot be read back."""
     with open(os.path.join(checkpoint, MANIFEST)) as f:
         manifest = json.load(f)
     if manifest.get("format") != LAYOUT_FREE:
         raise ExportError(f"{checkpoint}: its manifest is not of the checkpoint format this "
                           f"version exports (\"format\": {LAYOUT_FREE})")
-    network = manifest["network"]
-    with open(os.path.join(checkpoint, "trainer.json")) as f:
-        trainer = json.load(f)
-    state = read_blocks(checkpoint, manifest, 0, sum(manifest["partition"]))["stage"]
-    config = manifest["config"]
-    data = {key: config["data"][key] for key in ("path", "batch_size", "synthetic_train",
-                                                 "synthetic_val", "synthetic_seed", "crop")}
-    # The run's evaluation: blocks in run.precision, each stage's output rounded to the nearest
-    # in comm.forward before the next stage (Outbox.put with evaluation=True).
-    evaluation = {"precision": config["run"].get("precision", "fp32"),
-                  "forward": config.get("comm", {}).get("forward", "none"),
-                  "partition": manifest["partition"]}
+    try:
+        with open(os.path.join(checkpoint, "trainer.json")) as f:
+            trainer = json.load(f)
+        position = {"epoch": trainer["epoch"], "position": trainer["position"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UnreadableCheckpoint(f"trainer.json: {e}") from None
+    try:
+        network, config = manifest["network"], manifest["config"]
+        state = read_blocks(checkpoint, manifest, 0, sum(manifest["partition"]))["stage"]
+        data = {key: config["data"][key] for key in DATA_TYPES}
+        # The run's evaluation: blocks in run.precision, each stage's output rounded to the
+        # nearest in comm.forward before the next stage (Outbox.put with evaluation=True).
+        evaluation = {"precision": config["run"].get("precision", "fp32"),
+                      "forward": config.get("comm", {}).get("forward", "none"),
+                      "partition": manifest["partition"]}
+        dtype, seed = config["run"]["dtype"], config["run"]["seed"]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ExportError(f"{checkpoint}/{MANIFEST}: not a manifest this version reads "
+                          f"({type(e).__name__}: {e})") from None
     return {"format": MODEL_FORMAT, "network": network, "state_dict": state,
-            "evaluation": evaluation, "preprocess": preprocessing_of(data),
-            "dtype": config["run"]["dtype"], "data": data, "seed": config["run"]["seed"],
-            "epoch": trainer["epoch"], "position": trainer["position"],
-            "checkpoint": os.path.abspath(checkpoint)}
+            "evaluation": evaluation, "preprocess": recorded_preprocessing(data), "dtype": dtype,
+            "data": data, "seed": seed, **position, "checkpoint": os.path.abspath(checkpoint)}
+
+
+def exported_run(run_dir: str, checkpoint: str | None = None) -> tuple[str, dict]:
+    """(the checkpoint read, exported_model of it): `checkpoint` if given, else RUN_DIR's
+    newest complete checkpoint, or where a file of it cannot be read back, the previous
+    complete one, with a line saying so (as a resumed run does, but the run is left as it is)."""
+    path = find_checkpoint(run_dir, checkpoint)
+    try:
+        return resume_readable(path, exported_model, fallback=checkpoint is None,
+                               read_only=True)
+    except UnreadableCheckpoint as e:
+        raise ExportError(str(e)) from None
+
+
+def model_file(saved: dict, out: str) -> dict:
+    """`saved` as the model file `out` records it, with no path of the machine that wrote it:
+    the checkpoint by its name, the data file relative to the model file's folder (a reader
+    finds it there while the two keep their places, copied together or not), and none where
+    only the file system's root holds both."""
+    path = saved["data"]["path"]
+    if path not in (None, "synthetic"):
+        folder, path = os.path.dirname(os.path.abspath(out)), os.path.abspath(path)
+        shared = os.path.commonpath([folder, path]) != os.path.sep
+        path = os.path.relpath(path, folder) if shared else None
+    return {**saved, "data": {**saved["data"], "path": path},
+            "checkpoint": os.path.basename(saved["checkpoint"])}
+
+
+def from_model_file(saved: dict, source: str) -> dict:
+    """`saved`, read from the model file `source`, with its data path as this process reaches
+    it (model_file records it relative to the model file's folder)."""
+    path = saved["data"]["path"]
+    if path not in (None, "synthetic"):
+        path = os.path.join(os.path.dirname(source), path)  # an absolute path stays as it is
+    return {**saved, "data": {**saved["data"], "path": path}}
 
 
 def preprocessing_of(data: dict) -> dict | None:
     """How the run's evaluation prepared an image of its data, for petra_mpi.predict to prepare
     a picture the same way: the kind of images ("jpeg" or "array"), their stored side (the JPEG
     variant's shorter side), the evaluation's centre crop (JPEG), the channel mean and std, and
-    the class names (None where the file has none). None for token files, and where the data
-    cannot be read here (predict then asks for it)."""
+    the class names (None where the file has none). None for token files; OSError or
+    ValueError where the data cannot be read."""
     from .data import open_split
     from .data.hdf5 import open_readonly
-    try:
-        src = open_split(data["path"], "val", seed=data["synthetic_seed"],
-                         synthetic_sizes=(data["synthetic_train"], data["synthetic_val"]))
-        classes = None
-        if data["path"] != "synthetic" and src.kind in ("jpeg", "array"):
-            with open_readonly(data["path"]) as f:
-                classes = [c.decode() for c in f["classes"][:]] if "classes" in f else None
-    except (OSError, ValueError):
-        return None
+    src = open_split(data["path"], "val", seed=data["synthetic_seed"],
+                     synthetic_sizes=(data["synthetic_train"], data["synthetic_val"]))
     if src.kind not in ("jpeg", "array"):
         return None
+    classes = None
+    if data["path"] != "synthetic":
+        with open_readonly(data["path"]) as f:
+            classes = [c.decode() for c in f["classes"][:]] if "classes" in f else None
     return {"kind": src.kind, "image_size": src.image_size, "mean": list(src.mean),
             "std": list(src.std), "crop": data["crop"] if src.kind == "jpeg" else None,
             "classes": classes}
+
+
+def recorded_preprocessing(data: dict) -> dict | None:
+    """preprocessing_of the run's data as export records it: None where the data cannot be read
+    here (predict then asks for it)."""
+    try:
+        return preprocessing_of(data)
+    except (OSError, ValueError):
+        return None
+
+
+def checked_model(saved, source: str) -> dict:
+    """`saved` (what the model file `source` holds) once it is a model of this format whose
+    network holds exactly its weights, all finite, and whose record of its data is of the
+    kinds and sizes the commands prepare; ExportError naming the file and what is wrong
+    otherwise. Nothing is built at the file's word before that: the network is compared with
+    the weights on the meta device, which allocates nothing."""
+    def wrong(why):
+        return ExportError(f"{source}: {why}")
+    if not isinstance(saved, dict) or saved.get("format") != MODEL_FORMAT:
+        raise wrong("not a model written by python -m petra_mpi.export (the state_dict format)")
+    saved = {"evaluation": {}, "preprocess": None, "dtype": "float32", "seed": 0, **saved}
+    network, state, data = (saved.get(k) for k in ("network", "state_dict", "data"))
+    if not (isinstance(state, dict) and all(isinstance(k, str) and torch.is_tensor(v)
+                                            for k, v in state.items())):
+        raise wrong("its state_dict is not tensors by name")
+    bad = first_non_finite(state)
+    if bad:
+        raise wrong(f"{bad} holds values that are not finite")
+    if not (isinstance(data, dict) and all(isinstance(data.get(k), kind)
+                                           for k, kind in DATA_TYPES.items())):
+        raise wrong(f"its data settings are not {', '.join(DATA_TYPES)}")
+    if saved["dtype"] not in DTYPES or not evaluated_as_recorded(saved["evaluation"]):
+        raise wrong("its dtype or its record of how the run evaluated is not one this version "
+                    "reads")
+    misfit = network_misfit(network, state)
+    if misfit:
+        raise wrong(misfit)
+    if saved["preprocess"] is not None:
+        check_fits(saved, checked_preprocess(saved["preprocess"], source), source)
+    return saved
+
+
+def evaluated_as_recorded(evaluation) -> bool:
+    """Whether `evaluation` is AsEvaluated's arguments: a precision, a forward format and a
+    split."""
+    partition = evaluation.get("partition", []) if isinstance(evaluation, dict) else None
+    return (isinstance(partition, list) and all(type(n) is int for n in partition) and
+            set(evaluation) <= {"precision", "forward", "partition"} and
+            evaluation.get("precision", "fp32") in PRECISIONS and
+            evaluation.get("forward", "none") in FORMATS)
+
+
+def network_misfit(network, state: dict):
+    """Why `network` (build_network's arguments) is not the network of the tensors `state`,
+    found on the meta device (nothing allocated); None when it is."""
+    if not (isinstance(network, dict) and network.get("arch") in ARCH_NAMES and
+            isinstance(network.get("num_classes"), int)):
+        return f"its network is not one of {', '.join(ARCH_NAMES)} with its num_classes"
+    depth = network.get("depth", 0)  # every transformer block holds tensors: bound the build
+    if not isinstance(depth, int) or not 0 <= depth <= len(state):
+        return f"its network's depth {depth!r} does not match its {len(state)} tensors"
+    side = network.get("image_size", 32)  # a language model's is its context
+    if network["arch"] not in LM_ARCHS and not (type(side) is int and 1 <= side <= MAX_SIDE):
+        return f"its network's image_size {side!r} is not a picture side (1 to {MAX_SIDE})"
+    try:
+        own = shapes_of(network)
+    except Exception as e:  # noqa: BLE001 - arguments from a file: any of them may be wrong
+        return f"its network does not build ({type(e).__name__}: {str(e).splitlines()[0]})"
+    misfit = state_misfit(own, state)
+    return f"its weights are not its network's: {misfit}" if misfit else None
+
+
+class _ValuesSkipped(TorchFunctionMode):
+    """Under it (and torch.device("meta")), building a module makes its tensors' shapes only:
+    the in-place ops that write values (every initialiser) are skipped, as meta tensors hold no
+    values; run, the meta kernels of the random draws import torch's compiler (seconds)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name.endswith("_") and not name.endswith("__"):
+            return args[0] if args else next(iter(kwargs.values()))
+        return func(*args, **kwargs)
+
+
+def shapes_of(network: dict) -> dict:
+    """The state_dict build_network(**network) would have, on the meta device: every tensor's
+    name and shape, with no memory allocated and nothing drawn."""
+    with torch.device("meta"), _ValuesSkipped():
+        return build_network(**network).state_dict()
+
+
+def checked_preprocess(pre, source: str) -> dict:
+    """`pre` (how images were prepared: a model's record, or preprocessing_of a data file) once
+    its values are of the kinds and sizes predict and evaluate prepare; ExportError naming
+    `source` otherwise."""
+    def wrong(why):
+        return ExportError(f"{source}: {why}")
+    if not isinstance(pre, dict) or pre.get("kind") not in ("jpeg", "array"):
+        raise wrong("its record of how images were prepared is not of this version")
+    for key in ("image_size", "crop") if pre["kind"] == "jpeg" else ("image_size",):
+        side = pre.get(key)
+        if not (type(side) is int and 1 <= side <= MAX_SIDE):
+            raise wrong(f"{key} {side!r} is not a picture side these commands prepare (1 to "
+                        f"{MAX_SIDE} pixels)")
+    stats = [pre.get("mean"), pre.get("std")]
+    if not (all(isinstance(v, list) and len(v) == 3 and
+                all(isinstance(x, (int, float)) and math.isfinite(x) for x in v) for v in stats)
+            and min(pre["std"]) > 0):
+        raise wrong("its channel mean and std are not 3 finite numbers each (std above 0)")
+    classes = pre.get("classes")
+    if not (classes is None or (isinstance(classes, list) and
+                                all(isinstance(c, str) for c in classes))):
+        raise wrong("its class names are not a list of names")
+    return pre
+
+
+def check_fits(saved: dict, pre: dict, source: str):
+    """ExportError unless the images `pre` describes (checked_preprocess) are of the kind the
+    model was trained on: as many class names as it has classes, arrays of its input side,
+    and what its record says (the kind of images, their stored side, the class names)."""
+    network, record = saved["network"], saved["preprocess"]
+    classes, count = pre["classes"], network["num_classes"]
+    if classes is not None and len(classes) != count:
+        raise ExportError(f"{source} has {len(classes)} classes, the model {count}")
+    side = network.get("image_size")
+    if pre["kind"] == "array" and side is not None and pre["image_size"] != side:
+        raise ExportError(f"{source} holds pictures of side {pre['image_size']}, the model "
+                          f"takes {side}")
+    if record is None:
+        return
+    for key, what in (("kind", "images are stored as"), ("image_size", "pictures' stored side")):
+        if pre[key] != record[key]:
+            raise ExportError(f"{source}: its {what} {pre[key]!r}, the model's data "
+                              f"{record[key]!r}")
+    if classes is not None and record["classes"] is not None and classes != record["classes"]:
+        theirs, mine = next((a, b) for a, b in zip(classes, record["classes"]) if a != b)
+        raise ExportError(f"{source}: its classes are not the model's ({theirs!r} where the "
+                          f"model has {mine!r})")
 
 
 def load_model(saved: dict) -> torch.nn.Module:
@@ -154,13 +346,14 @@ def write_torch_export(saved: dict, out: str):
 
 
 def export(run_dir: str, out: str, checkpoint: str | None = None, fmt: str = "state_dict") -> dict:
-    saved = exported_model(find_checkpoint(run_dir, checkpoint))
+    path, saved = exported_run(run_dir, checkpoint)
+    checked_model(saved, path)  # write only what the commands that read it accept
     # torch.export's writer wants the extension kept
     with atomic_path(out, keep_extension=True) as tmp:
         if fmt == "torch.export":
             write_torch_export(saved, tmp)
         else:
-            torch.save(saved, tmp)
+            torch.save(model_file(saved, out), tmp)
     return saved
 
 
@@ -182,9 +375,9 @@ def main(argv=None) -> int:
         return 2
     try:
         saved = export(args.run_dir, args.out, args.checkpoint, args.format)
-    except ExportError as e:
+    except (ExportError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     print(f"exported {saved['network']['arch']} from {saved['checkpoint']} (epoch "
           f"{saved['epoch']}, micro-batch {saved['position']}) to {args.out} ({args.format})",
           file=sys.stderr)

@@ -7,6 +7,9 @@ trained on (bytes, or the character vocabulary stored in that file; `--data` nam
 it has moved), then one token at a time is drawn from the softmax of the last position's logits
 over the last model.context tokens, divided by the temperature and cut to the k most likely.
 Prints the prompt and its continuation.
+
+The model file is read as weights only and checked first (export.checked_model): one it
+refuses ends the command with one line, status 2.
 """
 import argparse
 import sys
@@ -30,6 +33,8 @@ class Vocabulary:
     @classmethod
     def of(cls, path, size):
         try:
+            if path is None:  # a model exported away from its token file
+                raise ValueError("the model does not record where its token file is")
             from .data.text import TokenSource
             vocab = TokenSource(path, "val").vocab
         except (OSError, ValueError) as e:
@@ -88,14 +93,15 @@ def main(argv=None) -> int:
     try:
         if args.tokens < 0 or args.top_k < 0:
             raise GenerateError("--tokens and --top-k must be >= 0")
+        from .evaluate import load_saved
+        from .export import ExportError, load_model
         try:
-            saved = torch.load(args.model, map_location="cpu", weights_only=False)
-            network = saved["network"]
-        except (OSError, KeyError, TypeError, RuntimeError) as e:
-            raise GenerateError(f"{args.model}: not an exported model ({e})") from None
+            saved = load_saved(args.model)  # read as weights only, and checked
+        except (ExportError, ValueError) as e:
+            raise GenerateError(str(e)) from None
+        network = saved["network"]
         if network["arch"] not in LM_ARCHS:
             raise GenerateError(f"{args.model} is a {network['arch']}, not a language model")
-        from .export import load_model
         model = load_model(saved)
         vocab = Vocabulary.of(args.data or saved["data"]["path"], network["num_classes"])
         prompt = vocab.encode(args.prompt)

@@ -9,9 +9,11 @@ centre-cropped to data.crop (the JPEG variant) and normalised by the file's chan
 The model computes as the run evaluated (petra_mpi.evaluate), in batches, on the CPU unless
 --device says otherwise. Prints one line per picture: its path and the --top most likely
 classes with their probabilities (--json: one JSON object per line). A picture that cannot be
-read gets one line saying why and the others still answer; the exit status is then 1.
-The preprocessing and class names are recorded by export; a model exported where its data
-file could not be read takes them from --data.
+read, or whose outputs are not finite, gets one line saying why and the others still answer;
+the exit status is then 1. The preprocessing and class names are recorded by export; a model
+exported where its data file could not be read takes them from --data, which must then be of
+the kind the model was trained on. A model file is read as weights only and checked first
+(export.checked_model); one it refuses, or a --data file of another kind: one line, status 2.
 """
 import argparse
 import json
@@ -24,8 +26,11 @@ import torch
 from .archs import LM_ARCHS
 from .data.augment import center_box, decode_crop_pil, norm_constants, normalize
 from .evaluate import load_saved
-from .export import ExportError, as_evaluated, preprocessing_of
+from .export import ExportError, as_evaluated, check_fits, checked_preprocess, preprocessing_of
 from .prep.pictures import encode, image_extensions
+
+
+NOT_FINITE = "the model's outputs for it are not finite (they overflow or are NaN)"
 
 
 def pictures_in(paths):
@@ -101,7 +106,10 @@ def predict(predictor, paths, args):
         if pixels:
             probs = predictor.probabilities([p for _, p in pixels])
             for (path, _), row in zip(pixels, probs):
-                lines[path] = answer(path, row, predictor.names, args.top, args.json)
+                if bool(torch.isfinite(row).all()):
+                    lines[path] = answer(path, row, predictor.names, args.top, args.json)
+                else:  # no NaN printed, in JSON (where it is not a value) or not
+                    lines[path], failed = failure(path, NOT_FINITE, args.json), failed + 1
         for path in batch:
             print(lines[path], flush=True)
     return failed
@@ -114,13 +122,15 @@ def load(args):
     if arch in LM_ARCHS:
         raise ExportError(f"{args.model} holds a language model ({arch}): write text with it by "
                           f"python -m petra_mpi.generate {args.model} --prompt TEXT")
-    pre = saved.get("preprocess")
-    if args.data:
+    pre = saved["preprocess"]  # checked with the model (export.checked_model)
+    if args.data:  # a data file of the kind the model was trained on (check_fits)
         pre = preprocessing_of({**saved["data"], "path": args.data})
+        if pre is None:
+            raise ExportError(f"{args.data} holds tokens, not pictures")
+        check_fits(saved, checked_preprocess(pre, args.data), args.data)
     if pre is None:
         raise ExportError(f"{args.model} does not record how its data was prepared (its data "
-                          f"file {saved['data']['path']} could not be read at export): name the "
-                          f"file with --data")
+                          f"file could not be read at export): name the file with --data")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         raise ExportError("--device cuda: no CUDA device here")
     return Predictor(saved, args.device, pre)

@@ -23,3 +23,12 @@ def pytest_collection_modifyitems(items):
             item.add_marker(kind)
         if item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.extended)
+
+
+@pytest.fixture(scope="session")
+def picture_model(tmp_path_factory):
+    """(model.pt, the val folder, the packed file, the run directory) of a model trained briefly
+    on a packed folder of pictures (tests/support/model_files.py), shared: read it, never change
+    it (copy what a test damages)."""
+    from tests.support.model_files import train_picture_model
+    return train_picture_model(tmp_path_factory.mktemp("own"))

@@ -18,6 +18,10 @@ block's index in the network), its optimizer state keyed by the same parameter n
 optimizer's counters and the random state; the manifest says which blocks each file holds. A run
 with another number of stages, another split or another number of replicas reads the blocks it
 owns from whichever files hold them. A manifest of another format is refused.
+
+A stage file is read as weights only (torch_files.load_tensors: nothing in it can run code) and
+must be what save_blocks writes, with finite weights: any other file makes the checkpoint
+unreadable, as a damaged one is.
 """
 import itertools
 import json
@@ -29,9 +33,11 @@ import sys
 import torch
 
 from ..files import fsync_dir, write_atomic, write_json_atomic
+from .torch_files import UnreadableFile, first_non_finite, load_tensors, state_misfit
 
 MANIFEST = "manifest.json"
 CHECKPOINT_NAME = re.compile(r"ckpt-e\d+-b\d+")  # what checkpoint_dir names; nothing else counts
+BLOCK_KEY = re.compile(r"\w+\.\d+\..+")  # a state key under the network's names: blocks.{g}.{rest}
 CORRUPT = ".corrupt"  # the suffix of a checkpoint set aside because it could not be read back
 LAYOUT_FREE = 2  # the manifest's "format" of checkpoints keyed by the network's own names
 # Identity keys added after the first checkpoints were written, with the value those runs had.
@@ -71,13 +77,36 @@ def _write_stage_file(path: str, index: int, state: dict) -> tuple[str, int]:
 
 
 def _load_file(path: str, name: str, device):
-    """torch.load of one file of a checkpoint; whatever fails in reading it makes the
+    """One stage file of a checkpoint, read as weights only (nothing in it can run code) and
+    checked to be what save_blocks writes, with finite weights; anything else makes the
     checkpoint unreadable."""
     try:
-        return torch.load(os.path.join(path, name), map_location=device, weights_only=False)
-    except Exception as e:  # noqa: BLE001 - a damaged file fails in unzipping or unpickling
-        first_line = (str(e).splitlines() or [type(e).__name__])[0]
-        raise UnreadableCheckpoint(f"{name}: {first_line}") from e
+        part = load_tensors(os.path.join(path, name), device)
+    except UnreadableFile as e:
+        raise UnreadableCheckpoint(f"{name}: {e.why}") from None
+    why = _stage_file_problem(part)
+    if why:
+        raise UnreadableCheckpoint(f"{name}: {why}")
+    return part
+
+
+def _stage_file_problem(part):
+    """What makes a loaded stage file other than what save_blocks writes, or None."""
+    if not isinstance(part, dict):
+        return f"holds a {type(part).__name__}, not a stage's state"
+    stage, opt = part.get("stage"), part.get("optimizer")
+    if not (isinstance(stage, dict) and all(isinstance(k, str) and BLOCK_KEY.fullmatch(k) and
+                                            torch.is_tensor(v) for k, v in stage.items())):
+        return "its \"stage\" is not tensors under the network's block names"
+    names = [n for n in opt if n not in ("steps", "pending")] if isinstance(opt, dict) else []
+    if not (len(names) == 1 and isinstance(opt[names[0]], dict) and
+            isinstance(opt[names[0]].get("state"), dict) and
+            all(isinstance(opt.get(k), int) for k in ("steps", "pending"))):
+        return "its \"optimizer\" is not an optimizer's state and counters"
+    if not (torch.is_tensor(part.get("rng")) and part["rng"].dtype == torch.uint8):
+        return "its \"rng\" is not a random state"
+    bad = first_non_finite(stage)
+    return f"{bad} holds values that are not finite" if bad else None
 
 
 def block_offset(stage) -> int:
@@ -165,6 +194,11 @@ def load_blocks(path: str, manifest: dict, worker, device):
     if saved.get("name", opt.name) != opt.name:
         raise CheckpointError(f"the checkpoint holds {saved['name']} state, this run uses "
                               f"{opt.name}")
+    own = {_network_name(stage, k): v for k, v in stage.state_dict().items()}
+    misfit = state_misfit(own, saved["stage"])
+    if misfit:  # one line, not torch's list; no fallback: an older one of the run fits no better
+        raise CheckpointError(f"cannot resume from {path}: the blocks of stage {worker.index} do "
+                              f"not load: {misfit}")
     stage.load_state_dict({_stage_name(stage, k): v for k, v in saved["stage"].items()})
     if opt.torch_optimizer is not None:
         names = _param_names(worker)
@@ -319,11 +353,12 @@ def previous_complete(path: str):
     return older[-1] if older else None
 
 
-def resume_readable(path: str, load, fallback: bool = True, comm=None):
+def resume_readable(path: str, load, fallback: bool = True, comm=None, read_only: bool = False):
     """load(path) on every process of `comm` (None: this one alone); while any of them finds a
     file of the checkpoint unreadable, go back to the previous complete checkpoint and load
     that, every process alike, with one line on stderr saying which and why (`fallback` False:
-    raise instead). Returns (the checkpoint loaded, what load returned)."""
+    raise instead). The unreadable one is set aside, unless `read_only` (a command that only
+    reads the run: export, evaluate). Returns (the checkpoint loaded, what load returned)."""
     while True:
         result, error = None, None
         try:
@@ -338,16 +373,23 @@ def resume_readable(path: str, load, fallback: bool = True, comm=None):
         if comm:  # the directory as one process sees it: a shared file system may lag
             older = comm.bcast(older, root=0)
         if older is None:
-            raise UnreadableCheckpoint(f"cannot resume from {path}: {errors[0]}" +
+            raise UnreadableCheckpoint(f"cannot {'read' if read_only else 'resume from'} "
+                                       f"{path}: {errors[0]}" +
                                        ("; no earlier complete checkpoint" if fallback else ""))
-        if first:  # (a rename that fails only warns: the other ranks go on to the next read)
-            try:
-                aside = f"set aside as {set_aside(path)}"
-            except OSError as e:
-                aside = f"left in place, could not be set aside ({e})"
-            print(f"petra_mpi: checkpoint {path} cannot be read ({errors[0]}): {aside}; resuming "
-                  f"from the previous complete checkpoint {older}", file=sys.stderr, flush=True)
+        if first:
+            what = "reading" if read_only else f"{_set_aside_saying(path)}; resuming from"
+            print(f"petra_mpi: checkpoint {path} cannot be read ({errors[0]}): {what} the "
+                  f"previous complete checkpoint {older}", file=sys.stderr, flush=True)
         path = older
+
+
+def _set_aside_saying(path: str) -> str:
+    """set_aside(path), and what became of it, in words (a rename that fails only warns: the
+    other ranks go on to the next read)."""
+    try:
+        return f"set aside as {set_aside(path)}"
+    except OSError as e:
+        return f"left in place, could not be set aside ({e})"
 
 
 def set_aside(path: str) -> str:

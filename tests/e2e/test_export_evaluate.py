@@ -112,7 +112,7 @@ def test_the_documented_three_lines_load_the_checkpoints_weights(quickstart, tmp
     final = Path(complete_checkpoints(str(quickstart))[-1])
     stored = {}
     for f in final.glob("stage*.pt"):
-        stored.update(torch.load(f, weights_only=False)["stage"])
+        stored.update(torch.load(f, weights_only=True)["stage"])
     assert saved["state_dict"].keys() == stored.keys()
     for name, value in stored.items():
         assert torch.equal(saved["state_dict"][name], value), name
@@ -148,4 +148,4 @@ def test_evaluate_refuses_a_data_set_with_other_classes(quickstart, tmp_path):
                   "--out", data)
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = python("-m", "petra_mpi.evaluate", quickstart, "--data", data)
-    assert proc.returncode == 1 and "100 classes, the model 10" in proc.stderr
+    assert proc.returncode == 2 and "100 classes, the model 10" in proc.stderr

@@ -15,7 +15,7 @@ from tests.support.token_runs import pack_token_file, tiny_lm_run
 
 def final_stages(out):
     ckpt = sorted((out / "checkpoints").glob("ckpt-e00002-*"))[-1]
-    return [torch.load(p, weights_only=False)["stage"] for p in sorted(ckpt.glob("stage*.pt"))]
+    return [torch.load(p, weights_only=True)["stage"] for p in sorted(ckpt.glob("stage*.pt"))]
 
 
 @pytest.mark.extended  # two runs of the train command, one under mpirun: ~16 s on 2 cores

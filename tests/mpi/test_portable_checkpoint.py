@@ -49,7 +49,7 @@ def merged(directory, optimizer="sgd"):
     name, optimizer state by parameter name, the set of step counters)."""
     weights, state, steps = {}, {}, set()
     for f in sorted(Path(directory).glob("stage*.pt")):
-        part = torch.load(f, weights_only=False)
+        part = torch.load(f, weights_only=True)
         weights.update(part["stage"])
         state.update(part["optimizer"][optimizer]["state"])
         steps.add(part["optimizer"]["steps"])

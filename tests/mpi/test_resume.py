@@ -56,7 +56,7 @@ def signal_once_training(proc, out_dir, sig=signal.SIGUSR1, timeout=120):
 def final_state(out_dir, stages):
     path = Path(complete_checkpoints(str(out_dir))[-1])
     assert path.name == "ckpt-e00002-b00000000"
-    return [torch.load(path / f"stage{s}.pt", weights_only=False) for s in range(stages)]
+    return [torch.load(path / f"stage{s}.pt", weights_only=True) for s in range(stages)]
 
 
 def assert_same_states(a, b):

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.support.model_files import language_model_file
 from tests.support.paths import ROOT
 from tests.support.token_runs import pack_token_file, tiny_lm_run
 from tests.support.nets import (applied_gradients, end_to_end_gradients, flat_params, in_flight,
@@ -223,7 +224,6 @@ def test_generate_from_an_export(tmp_path):
     """generate: the prompt in the run's character vocabulary, then drawn tokens; seeded; top-k
     1 is greedy; a prompt outside the vocabulary is one line."""
     from petra_mpi.generate import main as generate
-    from petra_mpi.models import build_network
     text = tmp_path / "t.txt"
     text.write_text("ROMEO: wherefore art thou\n" * 20)
     data = tmp_path / "t.h5"
@@ -231,11 +231,7 @@ def test_generate_from_an_export(tmp_path):
                     str(data), "--vocab", "char"], check=True, capture_output=True, cwd=ROOT,
                    timeout=60)
     vocab = sorted(set(text.read_text()))
-    network = dict(arch="revlm", width=8, num_classes=len(vocab), depth=2, heads=2, context=8)
-    torch.manual_seed(0)
-    model = tmp_path / "model.pt"
-    torch.save({"network": network, "state_dict": build_network(**network).state_dict(),
-                "data": {"path": str(data)}}, model)
+    model = language_model_file(tmp_path / "model.pt", len(vocab), data)
 
     def run(*args):
         import contextlib

@@ -8,37 +8,17 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.launch import run_packer
-from tests.support.pictures import CLASSES, make_picture_folder
-from petra_mpi import evaluate, export, predict, train
+from tests.support.model_files import CROP, language_model_file
+from tests.support.pictures import CLASSES
+from petra_mpi import evaluate, predict
 from petra_mpi.data import BatchLoader, open_split
-from petra_mpi.export import MODEL_FORMAT, as_evaluated
-
-SIZE, CROP = 20, 16
+from petra_mpi.export import as_evaluated
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """(model.pt, the val folder, the packed file): configs/folder_example.yaml shrunk, one
-    short epoch in one process on 3 classes of 12 training pictures."""
-    root = tmp_path_factory.mktemp("own")
-    make_picture_folder(root / "photos" / "train", per_class=12)
-    make_picture_folder(root / "photos" / "val", per_class=5, seed=1)
-    data = root / "photos.h5"
-    status, _, err = run_packer("folder", "--source", root / "photos", "--out", data,
-                                "--size", SIZE, "--workers", 1)
-    assert status == 0, err
-    threads = torch.get_num_threads()
-    try:
-        sets = [f"data.path={data}", f"run.out_dir={root / 'run'}", f"data.crop={CROP}",
-                "data.batch_size=8", "model.width=4", "train.epochs=1", "run.threads=1",
-                "run.progress=false", "model.balance=estimate", "optim.warmup_epochs=0"]
-        code = train.main(["configs/folder_example.yaml"] + [a for s in sets for a in ("--set", s)])
-    finally:
-        torch.set_num_threads(threads)
-    assert code == 0
-    export.export(str(root / "run"), str(root / "model.pt"))
-    return root / "model.pt", root / "photos" / "val", data
+@pytest.fixture
+def model(picture_model):
+    """(model.pt, the val folder, the packed file): tests/conftest.py's picture_model."""
+    return picture_model[:3]
 
 
 def run_predict(capsys, *args):
@@ -84,8 +64,7 @@ def test_plain_lines_and_an_unreadable_picture(model, capsys, tmp_path):
 
 
 def test_a_language_model_points_to_generate(tmp_path, capsys):
-    lm = tmp_path / "lm.pt"
-    torch.save({"format": MODEL_FORMAT, "network": {"arch": "revlm"}, "data": {}}, lm)
+    lm = language_model_file(tmp_path / "lm.pt", vocab_size=256)
     status, lines, err = run_predict(capsys, lm, tmp_path)
     assert status == 2 and not lines
     assert err.strip() == (f"error: {lm} holds a language model (revlm): write text with it by "

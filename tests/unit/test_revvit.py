@@ -194,8 +194,8 @@ def test_adamw_cosine_checkpoint_resume_equals_running_on(tmp_path):
     assert proc.returncode == 0 and "resumed from" in proc.stderr, proc.stderr[-3000:]
     final = "checkpoints/ckpt-e00002-b00000000"
     for s in range(4):
-        a = torch.load(straight / final / f"stage{s}.pt", weights_only=False)
-        b = torch.load(resumed / final / f"stage{s}.pt", weights_only=False)
+        a = torch.load(straight / final / f"stage{s}.pt", weights_only=True)
+        b = torch.load(resumed / final / f"stage{s}.pt", weights_only=True)
         for key, value in a["stage"].items():
             assert torch.equal(value, b["stage"][key]), (s, key)
         sa, sb = a["optimizer"]["adamw"]["state"], b["optimizer"]["adamw"]["state"]
