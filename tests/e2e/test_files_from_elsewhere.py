@@ -216,13 +216,14 @@ def test_outputs_that_are_not_finite_are_never_printed_as_nan(inputs):
 
 
 def test_export_and_evaluate_read_the_previous_checkpoint_when_the_newest_is_damaged(inputs,
-                                                                                     capsys):
+                                                                                     capsys,
+                                                                                     tmp_path):
     """The newest checkpoint's stage file zero-filled at its size (a crash): export and evaluate
     of the run read the previous complete one, as a resumed run does, with its line, and leave
     the run as it is (a resumed run sets the damaged one aside; a command that only reads
     does not)."""
     folder, _, _ = inputs
-    run, out = folder / "run", folder / "model.pt"
+    run, out = folder / "run", tmp_path / "model.pt"
     damaged = run / "checkpoints" / NEWEST / "stage3.pt"
     damaged.write_bytes(bytes(damaged.stat().st_size))
     before = checksums(run)

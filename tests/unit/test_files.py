@@ -89,6 +89,6 @@ def test_export_keeps_an_existing_model_file_unless_forced(tmp_path, capsys):
     model.write_bytes(b"an earlier export")
     assert main([str(tmp_path / "run"), "--out", str(model)]) == 2
     assert capsys.readouterr().err == f"error: {model} exists: --force replaces it\n"
-    assert main([str(tmp_path / "run"), "--out", str(model), "--force"]) == 1  # no checkpoint
+    assert main([str(tmp_path / "run"), "--out", str(model), "--force"]) == 2  # no checkpoint: a one-line error too
     assert "no complete checkpoint" in capsys.readouterr().err
     assert model.read_bytes() == b"an earlier export"
