@@ -9,16 +9,34 @@ A daemon thread (prefetch.Prefetch) reads (and, for JPEG on the CPU, decodes and
 ahead into a queue of `prefetch` entries, so memory stays bounded; the main thread moves each
 uint8 batch to the device and augments / normalises it there.
 """
+import io
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 import numpy as np
 import torch
+from PIL import Image, UnidentifiedImageError
 
 from . import augment as A
+from .checks import DataError
 from .prefetch import NoPrefetch, Prefetch
 from .sampler import EpochSampler
+
+
+def undecodable(src, indices, blobs, error):
+    """The DataError of a batch of JPEGs that did not decode: names the file and the first
+    picture that does not (the batch's indices if each decodes alone)."""
+    for i, blob in zip(indices, blobs):
+        try:
+            with Image.open(io.BytesIO(blob)) as im:
+                im.load()
+        except Exception as e:
+            why = "not a picture" if isinstance(e, UnidentifiedImageError) else \
+                f"{type(e).__name__}: {e}"
+            return DataError(f"{src.path}: /{src.split}/jpeg image {i} does not decode ({why})")
+    return DataError(f"{src.path}: /{src.split}/jpeg images {indices[0]}..{indices[-1]}: "
+                     f"{type(error).__name__}: {error}")
 
 
 class BatchLoader:
@@ -118,8 +136,12 @@ class BatchLoader:
             else:
                 if self.decode_threads > 1 and self._pool is None:
                     self._pool = self._make_pool()
-                item["images"] = torch.from_numpy(A.decode_crop_batch_pil(
-                    images, self.crop, self.src.image_size, uniforms, self._pool))
+                try:
+                    decoded = A.decode_crop_batch_pil(images, self.crop, self.src.image_size,
+                                                      uniforms, self._pool)
+                except Exception as e:  # PIL's errors, re-raised by the pool
+                    raise undecodable(self.src, idx, images, e) from None
+                item["images"] = torch.from_numpy(decoded)
             if flip is not None:
                 item["flip"] = torch.from_numpy(flip & self.src.hflip)
         if self._pin:

@@ -168,7 +168,7 @@ KINDS = {
         ("usage", None),
     'python -m petra_mpi.prep.synthetic --out data/synthetic.h5 [--train 50000 --val 10000 --seed 0] [--size 32]':
         ("usage", None),
-    'python -m petra_mpi.prep.verify data/imagenet.h5 [--sample 1000]': ("usage", None),
+    'python -m petra_mpi.prep.verify data/imagenet.h5': ("download", None),
     'python -m petra_mpi.prep.idx --source /usr/share/datasets/fashion-mnist --out data/fashion_mnist.h5 [--dataset fashion-mnist|mnist|kmnist|emnist] [--prefix emnist-balanced-] [--num-classes N]':
         ("usage", None),
     # docs/design.md

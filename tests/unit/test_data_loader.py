@@ -325,7 +325,7 @@ def test_errors_name_the_path_and_problem(tmp_path):
         open_split(str(missing), "train")
     only_train = tmp_path / "t.h5"
     write_h5(only_train, splits=("train",))
-    with pytest.raises(ValueError, match=r"t\.h5.*no split 'val'"):
+    with pytest.raises(ValueError, match=r"t\.h5: /val is missing"):
         open_split(only_train, "val")
     old = tmp_path / "old.h5"
     write_h5(old, version=2)
@@ -423,7 +423,7 @@ def test_reads_a_file_another_process_holds_open_for_writing(tmp_path):
         images, labels = open_split(path, "train").take(np.arange(5))
         np.testing.assert_array_equal(images, data["train"][0][:5])
         np.testing.assert_array_equal(labels, data["train"][1][:5])
-        summary, bad = verify(str(path), sample=50)
+        summary, bad = verify(str(path))
         assert not [b for b in bad if "lock" in b] and summary
     finally:
         holder.stdin.close()
