@@ -86,6 +86,7 @@ def preprocessing_of(data: dict) -> dict | None:
     the class names (None where the file has none). None for token files, and where the data
     cannot be read here (predict then asks for it)."""
     from .data import open_split
+    from .data.augment import crop_side
     from .data.hdf5 import open_readonly
     try:
         src = open_split(data["path"], "val", seed=data["synthetic_seed"],
@@ -99,7 +100,8 @@ def preprocessing_of(data: dict) -> dict | None:
     if src.kind not in ("jpeg", "array"):
         return None
     return {"kind": src.kind, "image_size": src.image_size, "mean": list(src.mean),
-            "std": list(src.std), "crop": data["crop"] if src.kind == "jpeg" else None,
+            "std": list(src.std),
+            "crop": crop_side(src.image_size, data["crop"]) if src.kind == "jpeg" else None,
             "classes": classes}
 
 

@@ -44,8 +44,8 @@ class BatchLoader:
                  prefetch=2, decode_threads=None, decode_pool="thread", shard=(0, 1)):
         """src: a source from open_split. train: shuffled drop-last epochs with augmentation
         (if `augment`); else the split in order, unaugmented. crop: output side of JPEG data
-        (default 224); array data keep their size. prefetch: batches read ahead (0: read in the
-        consuming thread). decode_threads: PIL decode workers for JPEG data (None: one per CPU
+        (None or 0: about 7/8 of the stored side, augment.crop_side); array data keep their
+        size. prefetch: batches read ahead (0: read in the consuming thread). decode_threads: PIL decode workers for JPEG data (None: one per CPU
         of this process's affinity set, e.g. the task's --cpus-per-task under srun).
         decode_pool: "thread" or "process" (a process pool started by forkserver, for when
         threads stop scaling on the GIL). shard: (replica, replicas) of a training loader (see
@@ -61,7 +61,7 @@ class BatchLoader:
                                  "crop applies to JPEG data")
             self.crop = src.image_size
         else:
-            self.crop = int(crop or 224)
+            self.crop = A.crop_side(src.image_size, crop)
         self.prefetch = max(0, int(prefetch))
         self._gpu_decode = src.kind == "jpeg" and A.has_gpu_decode(self.device)
         if decode_threads is None:
