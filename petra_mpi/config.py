@@ -152,8 +152,10 @@ class DataConfig:
     runs with different seeds see the same data."""
     augment: bool = True
     """Random crop and flip on the training split."""
-    crop: Annotated[int, AtLeast(1)] = 224
-    """Crop size for full-size (JPEG) ImageNet."""
+    crop: Annotated[int, AtLeast(0)] = 0
+    """Side of the crops of JPEG-variant pictures (random-resized in training, centred in
+    evaluation); 0: about 7/8 of the file's stored side (224 of 256, 28 of 32). A crop above
+    the stored side upsamples every picture (a warning says so). Array files keep their size."""
     prefetch: Annotated[int, AtLeast(0)] = 2
     """Batches read ahead in the background."""
     decode_workers: Annotated[int, AtLeast(0)] = 0

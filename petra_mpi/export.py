@@ -141,6 +141,7 @@ def preprocessing_of(data: dict) -> dict | None:
     the class names (None where the file has none). None for token files; OSError or
     ValueError where the data cannot be read."""
     from .data import open_split
+    from .data.augment import crop_side
     from .data.hdf5 import open_readonly
     src = open_split(data["path"], "val", seed=data["synthetic_seed"],
                      synthetic_sizes=(data["synthetic_train"], data["synthetic_val"]))
@@ -151,7 +152,8 @@ def preprocessing_of(data: dict) -> dict | None:
         with open_readonly(data["path"]) as f:
             classes = [c.decode() for c in f["classes"][:]] if "classes" in f else None
     return {"kind": src.kind, "image_size": src.image_size, "mean": list(src.mean),
-            "std": list(src.std), "crop": data["crop"] if src.kind == "jpeg" else None,
+            "std": list(src.std),
+            "crop": crop_side(src.image_size, data["crop"]) if src.kind == "jpeg" else None,
             "classes": classes}
 
 

@@ -86,7 +86,8 @@ def main(argv=None) -> int:
     from .run.checkpoint import CheckpointError
     from .comm.compress import NonFiniteError
     from .run.errors import TrainingError
-    reported = (TrainingError, CheckpointError, NonFiniteError)  # one line, exit status 1
+    from .data import DataError  # a data file found wrong mid-run (a picture that does not decode)
+    reported = (TrainingError, CheckpointError, NonFiniteError, DataError)  # one line, status 1
     if world is None:
         try:
             return run(cfg, None, args.dry_run, stop, args.profile)

@@ -6,7 +6,7 @@ import importlib
 
 _WHERE = {"open_split": "source", "ArraySource": "source", "H5Source": "source",
           "channel_stats": "source", "BatchLoader": "loader", "make_synthetic": "synthetic",
-          "ChannelStats": "stats"}
+          "ChannelStats": "stats", "DataError": "checks"}
 __all__ = sorted(_WHERE)
 
 

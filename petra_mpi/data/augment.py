@@ -25,6 +25,14 @@ PAD = 4                                # zero padding of the 32x32 random crop (
 RRC_SCALE = (0.08, 1.0)                # random-resized-crop area fraction (Inception/torchvision)
 RRC_RATIO = (3 / 4, 4 / 3)             # and aspect ratio range
 RRC_TRIES = 10
+CROP_SHARE = 7 / 8                     # default crop of the stored side (ImageNet: 224 of 256)
+
+
+def crop_side(image_size, crop=0):
+    """The side JPEG pictures are cropped to, training and evaluation alike: `crop`, or when 0
+    about 7/8 of their stored shorter side (224 of 256, 56 of 64, 28 of 32), the share of
+    ImageNet's usual centre crop."""
+    return int(crop) if crop else max(1, int(image_size * CROP_SHARE))
 
 
 def crop_flip(x, dy, dx, flip, pad=PAD):

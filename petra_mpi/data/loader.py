@@ -9,16 +9,34 @@ A daemon thread (prefetch.Prefetch) reads (and, for JPEG on the CPU, decodes and
 ahead into a queue of `prefetch` entries, so memory stays bounded; the main thread moves each
 uint8 batch to the device and augments / normalises it there.
 """
+import io
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 import numpy as np
 import torch
+from PIL import Image, UnidentifiedImageError
 
 from . import augment as A
+from .checks import DataError
 from .prefetch import NoPrefetch, Prefetch
 from .sampler import EpochSampler
+
+
+def undecodable(src, indices, blobs, error):
+    """The DataError of a batch of JPEGs that did not decode: names the file and the first
+    picture that does not (the batch's indices if each decodes alone)."""
+    for i, blob in zip(indices, blobs):
+        try:
+            with Image.open(io.BytesIO(blob)) as im:
+                im.load()
+        except Exception as e:
+            why = "not a picture" if isinstance(e, UnidentifiedImageError) else \
+                f"{type(e).__name__}: {e}"
+            return DataError(f"{src.path}: /{src.split}/jpeg image {i} does not decode ({why})")
+    return DataError(f"{src.path}: /{src.split}/jpeg images {indices[0]}..{indices[-1]}: "
+                     f"{type(error).__name__}: {error}")
 
 
 class BatchLoader:
@@ -26,8 +44,8 @@ class BatchLoader:
                  prefetch=2, decode_threads=None, decode_pool="thread", shard=(0, 1)):
         """src: a source from open_split. train: shuffled drop-last epochs with augmentation
         (if `augment`); else the split in order, unaugmented. crop: output side of JPEG data
-        (default 224); array data keep their size. prefetch: batches read ahead (0: read in the
-        consuming thread). decode_threads: PIL decode workers for JPEG data (None: one per CPU
+        (None or 0: about 7/8 of the stored side, augment.crop_side); array data keep their
+        size. prefetch: batches read ahead (0: read in the consuming thread). decode_threads: PIL decode workers for JPEG data (None: one per CPU
         of this process's affinity set, e.g. the task's --cpus-per-task under srun).
         decode_pool: "thread" or "process" (a process pool started by forkserver, for when
         threads stop scaling on the GIL). shard: (replica, replicas) of a training loader (see
@@ -43,7 +61,7 @@ class BatchLoader:
                                  "crop applies to JPEG data")
             self.crop = src.image_size
         else:
-            self.crop = int(crop or 224)
+            self.crop = A.crop_side(src.image_size, crop)
         self.prefetch = max(0, int(prefetch))
         self._gpu_decode = src.kind == "jpeg" and A.has_gpu_decode(self.device)
         if decode_threads is None:
@@ -118,8 +136,12 @@ class BatchLoader:
             else:
                 if self.decode_threads > 1 and self._pool is None:
                     self._pool = self._make_pool()
-                item["images"] = torch.from_numpy(A.decode_crop_batch_pil(
-                    images, self.crop, self.src.image_size, uniforms, self._pool))
+                try:
+                    decoded = A.decode_crop_batch_pil(images, self.crop, self.src.image_size,
+                                                      uniforms, self._pool)
+                except Exception as e:  # PIL's errors, re-raised by the pool
+                    raise undecodable(self.src, idx, images, e) from None
+                item["images"] = torch.from_numpy(decoded)
             if flip is not None:
                 item["flip"] = torch.from_numpy(flip & self.src.hflip)
         if self._pin:

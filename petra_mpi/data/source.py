@@ -30,6 +30,8 @@ import threading
 import h5py
 import numpy as np
 
+from .checks import (DataError, describe_dataset, flag, load_whole, positive_int, shown,
+                     stored_problems, three_floats, virtual_problems)
 from .hdf5 import open_readonly
 from .schema import SCHEMA_VERSION, SPLITS
 from .stats import ChannelStats
@@ -76,26 +78,6 @@ def channel_stats(images):
     """Per-channel mean and std of uint8 NHWC images on a 0-1 scale, as two 3-tuples."""
     mean, std = ChannelStats().update(images).mean_std()
     return tuple(mean), tuple(std)
-
-
-def missing_virtual_sources(f, path):
-    """The source files of /<split>/jpeg virtual datasets (a joined shard set) that do not
-    exist: HDF5 would read their bytes as zeros without an error. Relative names are looked for
-    where HDF5 looks: under each folder of HDF5_VDS_PREFIX (':'-separated, ${ORIGIN} standing
-    for the folder of `path`), then in the folder of `path`, then in the working directory."""
-    folder, missing = os.path.dirname(os.path.abspath(path)), []
-    prefixes = [p.replace("${ORIGIN}", folder)
-                for p in os.environ.get("HDF5_VDS_PREFIX", "").split(":") if p]
-    for split in SPLITS:
-        ds = f.get(f"{split}/jpeg")
-        if isinstance(ds, h5py.Dataset) and ds.is_virtual:
-            for source in ds.virtual_sources():
-                if source.file_name == ".":
-                    continue
-                places = [os.path.join(p, source.file_name) for p in prefixes + [folder, "."]]
-                if not any(map(os.path.isfile, places)) and places[-2] not in missing:
-                    missing.append(places[-2])
-    return missing
 
 
 def _runs(idx):
@@ -183,7 +165,7 @@ class H5Source:
         try:
             f = open_readonly(self.path)
         except OSError as e:
-            raise ValueError(f"{self.path}: not a readable HDF5 file ({e})") from None
+            raise DataError(f"{self.path}: not a readable HDF5 file ({e})") from None
         with f:
             self._validate_and_load_meta(f, in_memory)
         self._h5 = None      # (pid, h5py.File, dataset): the reading handle, opened lazily
@@ -191,56 +173,93 @@ class H5Source:
         self._labels = self._offsets = self._images = None  # loaded on first read
         self._raw = None  # (memmap of the file, chunk start offsets, rows per chunk)
 
+    def _refuse(self, what):
+        raise DataError(f"{self.path}: {what}")
+
     def _validate_and_load_meta(self, f, in_memory):
-        p, s = self.path, self.split
-        version = f.attrs.get("schema_version")
-        if version is None or int(version) != SCHEMA_VERSION:
-            raise ValueError(f"{p}: schema_version is {version!r}, this reader needs {SCHEMA_VERSION}")
-        missing = [a for a in ("num_classes", "mean", "std") if a not in f.attrs]
-        if missing:
-            raise ValueError(f"{p}: missing root attribute(s) {', '.join(missing)}")
-        if s not in f:
-            raise ValueError(f"{p}: no split '{s}' (the file has: {', '.join(sorted(f)) or 'nothing'})")
-        g = f[s]
-        if "labels" not in g:
-            raise ValueError(f"{p}: missing /{s}/labels")
-        self.num_classes = int(f.attrs["num_classes"])
-        self.mean = tuple(float(v) for v in f.attrs["mean"])
-        self.std = tuple(float(v) for v in f.attrs["std"])
-        if len(self.mean) != 3 or len(self.std) != 3:
-            raise ValueError(f"{p}: mean and std must hold 3 floats each")
-        self.hflip = bool(f.attrs.get("hflip", True))
-        n = g["labels"].shape[0]
-        # Checked here, not by the loss mid-epoch: one line at start-up instead of a traceback.
-        labels = g["labels"][:]
-        if n and (labels.min() < 0 or labels.max() >= self.num_classes):
-            wrong = labels[(labels < 0) | (labels >= self.num_classes)]
-            raise ValueError(f"{p}: /{s}/labels holds {len(wrong)} label(s) outside [0, "
-                             f"{self.num_classes}) (num_classes), e.g. {int(wrong[0])}; "
-                             f"python -m petra_mpi.prep.verify {p} checks the whole file")
+        """Check the file as far as this split needs (docs/data.md, "Files from elsewhere") and
+        read its metadata; DataError names the first problem."""
+        self._read_root_attrs(f)
+        g = f.get(self.split)
+        if g is None:
+            self._refuse(f"/{self.split} is missing (the file has: "
+                         f"{', '.join(sorted(f)) or 'nothing'})")
+        if not isinstance(g, h5py.Group):
+            self._refuse(f"/{self.split} is not a group")
+        problems = virtual_problems(f, self.path) + stored_problems(
+            f, [f"{self.split}/{name}" for name in ("labels", "images", "offsets")])
+        if problems:
+            self._refuse(problems[0])
+        self._n = self._check_labels(g.get("labels"))
         if "images" in g:
-            d = g["images"]
-            if d.dtype != np.uint8 or d.ndim != 4 or d.shape[3] != 3:
-                raise ValueError(f"{p}: /{s}/images must be uint8 (N, H, W, 3), got {d.dtype}{d.shape}")
-            if d.shape[0] != n:
-                raise ValueError(f"{p}: /{s}/images has {d.shape[0]} rows but labels has {n}")
-            self.kind, self.image_size = "array", int(d.shape[1])
-            compressed = d.id.get_create_plist().get_nfilters() > 0  # gzip, lzf, shuffle...
-            self.in_memory = (compressed or d.size <= IN_MEMORY_BYTES) if in_memory is None else in_memory
+            self._check_images(g["images"], in_memory)
         elif "jpeg" in g and "offsets" in g:
-            if g["offsets"].shape != (n + 1,):
-                raise ValueError(f"{p}: /{s}/offsets must have N+1 = {n + 1} entries, "
-                                 f"has {g['offsets'].shape}")
-            if "image_size" not in f.attrs:
-                raise ValueError(f"{p}: JPEG-variant file lacks the root attribute image_size")
-            missing = missing_virtual_sources(f, p)
-            if missing:
-                raise ValueError(f"{p}: joins shard files that are missing: {', '.join(missing)}")
-            self.kind, self.image_size = "jpeg", int(f.attrs["image_size"])
-            self.in_memory = bool(in_memory)
+            self._check_jpeg(f, g["jpeg"], g["offsets"], in_memory)
         else:
-            raise ValueError(f"{p}: /{s} holds neither 'images' nor 'jpeg' + 'offsets'")
-        self._n = int(n)
+            self._refuse(f"/{self.split} holds neither 'images' nor 'jpeg' + 'offsets'")
+
+    def _read_root_attrs(self, f):
+        a = f.attrs
+        if positive_int(a.get("schema_version")) != SCHEMA_VERSION:
+            self._refuse(f"schema_version is {shown(a.get('schema_version'))}, this reader needs "
+                         f"{SCHEMA_VERSION}")
+        missing = [key for key in ("num_classes", "mean", "std") if key not in a]
+        if missing:
+            self._refuse(f"missing root attribute(s) {', '.join(missing)}")
+        self.num_classes = positive_int(a["num_classes"])
+        if self.num_classes is None:
+            self._refuse(f"attr num_classes is {shown(a['num_classes'])}, expected a positive "
+                         f"integer")
+        self.mean, self.std = three_floats(a["mean"]), three_floats(a["std"])
+        for key, value in (("mean", self.mean), ("std", self.std)):
+            if value is None or (key == "std" and min(value) <= 0):  # normalising divides by std
+                self._refuse(f"attr {key} is {shown(a[key])}, expected 3 finite floats"
+                             + (" above 0" if key == "std" else ""))
+        self.hflip = flag(a.get("hflip", True))
+        if self.hflip is None:
+            self._refuse(f"attr hflip is {shown(a['hflip'])}, expected 0 or 1")
+
+    def _check_labels(self, d):
+        """The split's label count, after checking every label lies in [0, num_classes): one
+        line at start-up, not an error of the loss mid-epoch."""
+        s = self.split
+        if not isinstance(d, h5py.Dataset) or d.ndim != 1 or not np.issubdtype(d.dtype, np.integer):
+            self._refuse(f"/{s}/labels is {describe_dataset(d)}, expected integers (N,)")
+        labels = load_whole(d, self.path)
+        if len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
+            wrong = labels[(labels < 0) | (labels >= self.num_classes)]
+            self._refuse(f"/{s}/labels holds {len(wrong)} label(s) outside [0, "
+                         f"{self.num_classes}) (num_classes), e.g. {int(wrong[0])}; python -m "
+                         f"petra_mpi.prep.verify {self.path} checks the whole file")
+        return len(labels)
+
+    def _check_images(self, d, in_memory):
+        s = self.split
+        if not isinstance(d, h5py.Dataset) or d.dtype != np.uint8 or d.ndim != 4 \
+                or d.shape[3] != 3 or d.shape[1] * d.shape[2] == 0:
+            self._refuse(f"/{s}/images is {describe_dataset(d)}, expected uint8 (N, H, W, 3) "
+                         f"with H, W >= 1")
+        if d.shape[0] != self._n:
+            self._refuse(f"/{s}/images has {d.shape[0]} rows but labels has {self._n}")
+        self.kind, self.image_size = "array", int(d.shape[1])
+        compressed = d.id.get_create_plist().get_nfilters() > 0  # gzip, lzf, shuffle...
+        self.in_memory = (compressed or d.size <= IN_MEMORY_BYTES) if in_memory is None else in_memory
+
+    def _check_jpeg(self, f, jpeg, d, in_memory):
+        s, n = self.split, self._n
+        if not isinstance(jpeg, h5py.Dataset) or jpeg.dtype != np.uint8 or jpeg.ndim != 1:
+            self._refuse(f"/{s}/jpeg is {describe_dataset(jpeg)}, expected uint8 (total bytes,)")
+        if not isinstance(d, h5py.Dataset) or d.shape != (n + 1,) \
+                or not np.issubdtype(d.dtype, np.integer):
+            self._refuse(f"/{s}/offsets is {describe_dataset(d)}, expected N+1 = {n + 1} integers")
+        offsets = load_whole(d, self.path)  # a read past the bytes would fail mid-epoch
+        if offsets[0] != 0 or offsets[-1] != jpeg.shape[0] or np.any(np.diff(offsets) <= 0):
+            self._refuse(f"/{s}/offsets must rise strictly from 0 to len(jpeg) = {jpeg.shape[0]}")
+        self.image_size = positive_int(f.attrs.get("image_size"))
+        if self.image_size is None:
+            self._refuse(f"attr image_size is {shown(f.attrs.get('image_size'))}, expected the "
+                         f"pictures' shorter side, a positive integer (the JPEG variant)")
+        self.kind, self.in_memory = "jpeg", bool(in_memory)
 
     def __len__(self):
         return self._n
@@ -253,11 +272,11 @@ class H5Source:
                 # rdcc_nbytes=0: no chunk cache, so a random read costs just its bytes (see top).
                 f = open_readonly(self.path, rdcc_nbytes=0)
                 g = f[self.split]
-                self._labels = g["labels"][:]
+                self._labels = load_whole(g["labels"], self.path).astype(np.int64, copy=False)
                 ds = g["jpeg" if self.kind == "jpeg" else "images"]
                 if self.kind == "jpeg":
-                    self._offsets = g["offsets"][:]
-                self._images = ds[:] if self.in_memory else None
+                    self._offsets = load_whole(g["offsets"], self.path).astype(np.int64, copy=False)
+                self._images = load_whole(ds, self.path) if self.in_memory else None
                 self._raw = None
                 if self.kind == "array" and not self.in_memory:
                     starts = _chunk_file_offsets(ds)

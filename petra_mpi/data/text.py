@@ -11,8 +11,11 @@ cross-entropy is the ordinary classification loss.
 """
 import os
 
+import h5py
 import numpy as np
 
+from .checks import (DataError, describe_dataset, load_whole, positive_int, shown,
+                     stored_problems, virtual_problems)
 from .hdf5 import open_readonly
 
 
@@ -24,13 +27,35 @@ class TokenSource:
         self.path, self.split = str(path), split
         with open_readonly(self.path) as f:
             if f.attrs.get("kind") != "tokens" or f"{split}/tokens" not in f:
-                raise ValueError(f"{self.path}: not a token file (pack one with "
-                                 f"python -m petra_mpi.prep.text, docs/data.md)")
+                raise DataError(f"{self.path}: not a token file (pack one with "
+                                f"python -m petra_mpi.prep.text, docs/data.md)")
+            self.num_classes = positive_int(f.attrs.get("num_classes"))
+            d = f[f"{split}/tokens"]
+            problems = virtual_problems(f, self.path) + stored_problems(f, [f"{split}/tokens"])
+            if self.num_classes is None:
+                problems.append(f"attr num_classes is {shown(f.attrs.get('num_classes'))}, "
+                                f"expected the vocabulary size, a positive integer")
+            if not isinstance(d, h5py.Dataset) or d.ndim != 1 \
+                    or not np.issubdtype(d.dtype, np.integer):
+                problems.append(f"/{split}/tokens is {describe_dataset(d)}, expected integers (N,)")
+            per_token = np.asarray(f.attrs.get("bytes_per_token", 1.0))
+            if per_token.ndim or not np.issubdtype(per_token.dtype, np.number):
+                problems.append(f"attr bytes_per_token is {shown(f.attrs['bytes_per_token'])}, "
+                                f"expected a number")
+            v = f.get("vocab")  # a char vocabulary: one string
+            vocab = v[()] if isinstance(v, h5py.Dataset) and v.shape == () else None
+            if v is not None and not isinstance(vocab, bytes):
+                problems.append("/vocab is not one string")
+            if problems:
+                raise DataError(f"{self.path}: {problems[0]}")
             # a token split is small next to images (1 byte per character): held in memory
-            self.tokens = f[f"{split}/tokens"][()]
-            self.num_classes = int(f.attrs["num_classes"])
-            self.bytes_per_token = float(f.attrs.get("bytes_per_token", 1.0))
-            self.vocab = f["vocab"][()].decode("utf-8") if "vocab" in f else None
+            self.tokens = load_whole(d, self.path)
+            ids = self.tokens
+            if len(ids) and (ids.min() < 0 or ids.max() >= self.num_classes):
+                raise DataError(f"{self.path}: /{split}/tokens holds ids outside [0, "
+                                f"{self.num_classes}) (num_classes)")
+            self.bytes_per_token = float(per_token)
+            self.vocab = vocab.decode("utf-8", "replace") if vocab is not None else None
         self.context = None
         # BatchLoader's normalisation constants, unused: token ids are not normalised
         self.mean, self.std, self.image_size = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), 0

@@ -19,20 +19,23 @@ from ..core.schedule import delay
 
 def input_side(cfg) -> tuple[int, str]:
     """(side of the images training feeds the net, where it was read). As the data loader
-    delivers them: JPEG data cropped to data.crop, array data (and the synthetic set) at their
-    stored size, read from data.path's header. A file that cannot be read here (a dry run away
-    from the data) falls back to what model.stem implies: data.crop for the ImageNet stem, else
-    32 (CIFAR, ImageNet 32x32)."""
+    delivers them: JPEG data cropped to data.crop (0: 7/8 of the stored side), array data (and
+    the synthetic set) at their stored size, read from data.path's header. A file that cannot be
+    read here (a dry run away from the data) falls back to what model.stem implies: data.crop
+    (0: 224) for the ImageNet stem, else 32 (CIFAR, ImageNet 32x32)."""
     from ..data import open_split
+    from ..data.augment import crop_side
     from ..data.synthetic import SIZE
     if cfg.data.path == "synthetic":
         return SIZE, "synthetic set"
     try:
         src = open_split(cfg.data.path, "train")
     except (OSError, ValueError):
-        guess = cfg.data.crop if cfg.model.stem == "imagenet" else 32
+        # ImageNet's stored side is 256
+        guess = crop_side(256, cfg.data.crop) if cfg.model.stem == "imagenet" else 32
         return guess, f"model.stem {cfg.model.stem}: {cfg.data.path} not readable here"
-    return (cfg.data.crop if src.kind == "jpeg" else src.image_size), cfg.data.path
+    return (crop_side(src.image_size, cfg.data.crop) if src.kind == "jpeg" else src.image_size), \
+        cfg.data.path
 
 
 def stage_table(cfg, num_stages: int, dtype=torch.float32, partition=None,

@@ -38,15 +38,18 @@ def open_data(cfg, device, shard=(0, 1), decoders=1):
         except ValueError as e:
             raise TrainingError(f"data.path {e}") from None
     jpeg = train.kind == "jpeg"
+    side = train.image_size
     if jpeg:
-        from ..data.augment import has_gpu_decode
-        warning = decode_cpu_warning(cfg, len(os.sched_getaffinity(0)), has_gpu_decode(device))
-        if warning:
-            print(warning, file=sys.stderr, flush=True)
-    common = dict(seed=cfg.run.seed, device=device, crop=cfg.data.crop if jpeg else None,
+        from ..data.augment import crop_side, has_gpu_decode
+        side = crop_side(train.image_size, cfg.data.crop)
+        cpus = len(os.sched_getaffinity(0))
+        for warning in (decode_cpu_warning(cfg, cpus, has_gpu_decode(device)),
+                        crop_warning(cfg, train.image_size)):
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
+    common = dict(seed=cfg.run.seed, device=device, crop=side if jpeg else None,
                   prefetch=cfg.data.prefetch, decode_threads=decoders,
                   decode_pool=cfg.data.decode_pool)
-    side = cfg.data.crop if jpeg else train.image_size
     shape = (cfg.model.context,) if train.kind == "tokens" else (3, side, side)
     return (BatchLoader(train, cfg.data.batch_size, train=True, augment=cfg.data.augment,
                         shard=shard, **common),
@@ -71,6 +74,18 @@ def decode_cpu_warning(cfg, cpus: int, gpu_decode: bool):
             f"{needed} that {wanted}: the pipeline will wait for data. Under SLURM give the "
             f"job --cpus-per-task={needed} and pass it to srun (slurm/common.sh does); the rank "
             f"map shows each rank's CPUs")
+
+
+def crop_warning(cfg, image_size: int):
+    """A warning when data.crop is larger than the JPEG pictures' stored side (every picture
+    upsampled: slower, no more detail), else None."""
+    if cfg.data.crop <= image_size:
+        return None
+    from ..data.augment import crop_side
+    return (f"petra_mpi: warning: data.crop {cfg.data.crop} is larger than the pictures' stored "
+            f"side {image_size} in {cfg.data.path}: every picture is upsampled "
+            f"{cfg.data.crop / image_size:.1f}x (slower, no more detail); leave data.crop at 0 "
+            f"for {crop_side(image_size)}, 7/8 of the side")
 
 
 def open_loaders(cfg, world, placement):

@@ -168,7 +168,7 @@ KINDS = {
         ("usage", None),
     'python -m petra_mpi.prep.synthetic --out data/synthetic.h5 [--train 50000 --val 10000 --seed 0] [--size 32]':
         ("usage", None),
-    'python -m petra_mpi.prep.verify data/imagenet.h5 [--sample 1000]': ("usage", None),
+    'python -m petra_mpi.prep.verify data/imagenet.h5': ("download", None),
     'python -m petra_mpi.prep.idx --source /usr/share/datasets/fashion-mnist --out data/fashion_mnist.h5 [--dataset fashion-mnist|mnist|kmnist|emnist] [--prefix emnist-balanced-] [--num-classes N]':
         ("usage", None),
     # docs/design.md
@@ -304,7 +304,7 @@ KINDS = {
     'python -m petra_mpi.prep.folder --source fashion_mnist_folder --out data/fm_folder.h5 '
     '--size 32 --workers 2 --force': ("download", None),
     'python -m petra_mpi.train configs/folder_example.yaml --set data.path=data/fm_folder.h5 '
-    '--set model.num_classes=10 --set data.crop=28 --set model.width=8 --set model.stages=4 '
+    '--set model.num_classes=10 --set model.width=8 --set model.stages=4 '
     '--set optim.warmup_epochs=0.5 --set train.epochs=2 --set run.threads=1 '
     '--set run.out_dir=runs/fm_folder': ("download", None),
     'python -m petra_mpi.export runs/fm_folder --out fm_model.pt': ("download", None),

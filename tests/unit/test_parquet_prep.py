@@ -190,9 +190,13 @@ def noise_png(rng):
 
 
 def test_memory_does_not_grow_with_the_data_set(tmp_path):
-    """The pictures are read one row group (here 10 rows, 0.5 MiB) at a time: pyarrow's peak
-    is about one group's, much below a file of 24 groups and no higher than for a file of 2
-    (reading whole files or columns would hold all of it)."""
+    """The pictures are read one row group (here 10 rows, 0.49 MB) at a time, so pyarrow's peak
+    does not grow with the file: files of 2 and 24 groups peak alike (measured: 2.77 MB both,
+    and in some runs one group more, 3.26 MB, the buffers of a group freed a little later). A
+    reader holding the whole file or column would peak higher by the 22 groups more, 10.9 MB.
+    The bound on the difference, half of that, lies ten groups away from either: the pass
+    depends neither on how busy the machine is nor on the constant part of the peak (against
+    the file's size, 2.97 MB for a quarter, the usual peak has a margin of 7 %)."""
     rng = np.random.default_rng(3)
     peaks, sizes = {}, {}
     for groups in (2, 24):
@@ -202,8 +206,7 @@ def test_memory_does_not_grow_with_the_data_set(tmp_path):
                  row_group_size=10)
         peaks[groups] = peak_arrow_bytes(path.parent, tmp_path / f"g{groups}.h5")
         sizes[groups] = path.stat().st_size
-    assert peaks[24] < sizes[24] / 4, (peaks, sizes)
-    assert peaks[24] < 1.5 * peaks[2], (peaks, sizes)
+    assert peaks[24] - peaks[2] < (sizes[24] - sizes[2]) / 2, (peaks, sizes)
 
 
 # ---------------------------------------------------------------- files from elsewhere

@@ -209,7 +209,11 @@ def test_training_prints_the_measured_split(tmp_path):
 
 def test_bench_data_cpu_seconds_count_worker_processes():
     """Images per CPU-second must count the decode workers: a process below this one that is
-    still running (not yet waited for) and its own child are both in cpu_seconds()."""
+    still running (not yet waited for) and its own child are both in cpu_seconds(). The
+    grandchild burns 0.5 s: counted, the figure is at least 0.48 s (/proc gives user and system
+    time each rounded down to 10 ms; measured 0.513 to 0.533 s with the other two processes),
+    left out it is the 0.03 s or so of those two. The bound lies midway (against 0.5 s, the
+    smallest figure measured has a margin of 0.013 s, which the rounding alone can take)."""
     from petra_mpi.perf.bench.data import cpu_seconds
     burn = ("import sys, time\n"
             "while time.process_time() < 0.5: pass\n"
@@ -221,7 +225,7 @@ def test_bench_data_cpu_seconds_count_worker_processes():
                              stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline() == "burnt\n"  # the grandchild burnt 0.5 s and waits
-        assert cpu_seconds() - before >= 0.5
+        assert cpu_seconds() - before > 0.25
     finally:
         child.stdin.close()
         child.wait(timeout=60)
