@@ -183,7 +183,7 @@ class World:
     def alone(self, ranks):
         """The ranks `ranks` (a list of this world's) as a world of their own (a benchmark's
         sub-run), None on the others. Collective over this world."""
-        group = self._group.subgroups([list(ranks)])
+        group = self._group.subgroups([list(ranks)], lanes=True)  # it carries a pipeline
         return None if group is None else World(group, self.transport)
 
     def pipeline(self):
@@ -326,7 +326,6 @@ def _abort(message: str):
     rank wrote to its stderr pipe, losing the line that says why the run stopped."""
     print(message, file=sys.stderr, flush=True)
     time.sleep(ABORT_GRACE_S)
-    mpi = sys.modules.get(f"{__package__}.mpi")
-    if mpi:
-        mpi.abort()
+    if "mpi4py.MPI" in sys.modules:  # MPI started, by this package or by the program
+        transport_module("mpi").abort()
     os._exit(1)
