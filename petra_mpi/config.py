@@ -250,8 +250,13 @@ CommFormat = Literal["none", "bf16", "fp16", "int8", "int8_channel"]  # compress
 
 @dataclass
 class CommConfig:
-    """Compression of what the stages send and store (docs/design.md, "Compressed messages").
-    Formats: none, bf16, fp16, int8 (one scale per tensor) or int8_channel (one per channel)."""
+    """How the stages talk, and the compression of what they send and store (docs/design.md,
+    "Compressed messages"). Formats: none, bf16, fp16, int8 (one scale per tensor) or
+    int8_channel (one per channel)."""
+    transport: Literal["mpi", "torch"] = "mpi"
+    """What carries the messages between ranks: mpi (mpi4py; started by mpirun or srun) or torch
+    (torch.distributed: gloo between CPUs, NCCL between GPUs; started by torchrun, mpirun or
+    srun). Both train the same, bitwise (docs/running.md, "Over torch.distributed")."""
     forward: CommFormat = "none"
     """Activations sent forward, to the next stage."""
     rebuilt: CommFormat = "none"

@@ -14,7 +14,7 @@ import sys
 
 from .config import ConfigError, load_config, validate
 from .engines.stopping import StopRequest
-from .comm.watchdog import begin_startup, startup_step
+from .run.watchdog import begin_startup, startup_step
 
 
 def parse_args(argv):
@@ -47,7 +47,7 @@ def checked_config(args, rank, size):
 
 
 def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
-    """Train on this process's stages (trainer.run); `world` is the MPI context (None in one
+    """Train on this process's stages (trainer.run); `world` holds the ranks (None in one
     process); `stop` is set by SIGUSR1/SIGTERM; `profile` (with dry_run) measures the blocks'
     costs. Returns the exit status."""
     from .run.trainer import run as train_run
@@ -67,16 +67,17 @@ def main(argv=None) -> int:
         cfg = checked_config(args, *launched)  # before torch loads (bind_early)
         if cfg is None:
             return 2
-        if not args.dry_run:  # from here a hang (MPI, the GPU, the data) ends the rank
+        if not args.dry_run:  # from here a hang (the transport, the GPU, the data) ends the rank
             begin_startup(cfg.run.startup_s, launched[0])
-    _bind_gpu_before_mpi(args)
+    early = cfg if launched else _early_config(args)
+    _bind_gpu_first(early)
     try:
-        world = World.from_environment()
+        world = World.from_environment(early.comm.transport if early else "mpi")
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rank, size = (world.rank, world.size) if world else (0, 1)
-    cfg = checked_config(args, rank, size)  # MPI's world size: a launcher not known above
+    cfg = checked_config(args, rank, size)  # the transport's size: a launcher not known above
     if cfg is None:
         return 2
     if cfg.run.keep_freed_memory:  # before the first tensor: block timing included
@@ -87,7 +88,8 @@ def main(argv=None) -> int:
     from .comm.compress import NonFiniteError
     from .run.errors import TrainingError
     from .data import DataError  # a data file found wrong mid-run (a picture that does not decode)
-    reported = (TrainingError, CheckpointError, NonFiniteError, DataError)  # one line, status 1
+    # one line, exit status 1 (LaunchError: a transport missing what the run's device needs)
+    reported = (TrainingError, CheckpointError, NonFiniteError, DataError, LaunchError)
     if world is None:
         try:
             return run(cfg, None, args.dry_run, stop, args.profile)
@@ -95,19 +97,26 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
     from .comm.world import run_guarded
-    return run_guarded(world.comm, lambda: run(cfg, world, args.dry_run, stop, args.profile),
-                       reported)
+    return run_guarded(lambda: run(cfg, world, args.dry_run, stop, args.profile), reported,
+                       world.rank)
 
 
-def _bind_gpu_before_mpi(args):
-    """Set this rank's CUDA device from the launcher's local rank before mpi4py initialises MPI
-    (CUDA-aware MPI picks its GPU at MPI_Init). A config error is reported later, after MPI."""
+def _early_config(args):
+    """The config as far as the start needs it before the world is known (the transport, the GPU
+    to bind), or None: its errors are reported once the world is, by rank 0 alone."""
     try:
-        device = load_config(args.config, args.set).run.device
+        return load_config(args.config, args.set)
     except ConfigError:
+        return None
+
+
+def _bind_gpu_first(cfg):
+    """Set this rank's CUDA device from the launcher's local rank before the transport starts
+    (CUDA-aware MPI picks its GPU at MPI_Init); cfg None: a config with errors, reported later."""
+    if cfg is None:
         return
     from .comm.devices import bind_early
-    bind_early(device)
+    bind_early(cfg.run.device)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""`python -m petra_mpi.watchdog --diagnose LOG`: who a hang report blames (petra_mpi/comm/watchdog.py)."""
+"""`python -m petra_mpi.watchdog --diagnose LOG`: who a hang report blames
+(petra_mpi/run/watchdog.py)."""
 import sys
 
-from .comm.watchdog import main
+from .run.watchdog import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,7 +12,8 @@
 #
 #   bash scripts/gpu_validate.sh            # all three GPU parts below, in this order
 #   bash scripts/gpu_validate.sh gpu        # the GPU tests, bench overhead in fp32 and bf16 at
-#                                           # micro-batch 64 and 256
+#                                           # micro-batch 64 and 256, the quick start over NCCL
+#                                           # (comm.transport torch, torchrun; 2 GPUs or more)
 #   bash scripts/gpu_validate.sh pipeline   # bench pipeline: 2 ranks sharing the GPU, then 4 ranks
 #                                           # under MPS (a quarter of the SMs each), fp32 and bf16
 #   bash scripts/gpu_validate.sh data       # the nvJPEG loader against what RevNet50's 18-stage
@@ -64,6 +65,12 @@ run_gpu() {
         # micro-batch 256, the paper's Table 5 setting: the tick is RevNet18's time per micro-batch
         step "overhead-mb256-$precision" "$PY" -m petra_mpi.bench overhead --device cuda --precision "$precision" --batch 256
     done
+    # the torch.distributed transport over NCCL: one GPU per rank (NCCL refuses two ranks on one)
+    if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+        step nccl-train "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 -m petra_mpi.train configs/quickstart.yaml --set comm.transport=torch --set run.device=cuda --set model.stages=2 --set train.epochs=1 --set run.out_dir="$OUT/nccl"
+    else
+        echo "one GPU: the NCCL steps need two (NCCL refuses two ranks on one GPU)" | tee -a "$log"
+    fi
 }
 
 run_pipeline() {

@@ -2,9 +2,9 @@
 
 CUDA-aware MPI libraries (UCX, MVAPICH2, Cray MPICH) pick the GPU their communication buffers and
 IPC handles live on when MPI_Init runs, so each rank binds its GPU first: `bind_early` runs in
-train.main before World.from_environment imports mpi4py. The binding rule is a pure function of
-the environment and of how many GPUs this process sees (`gpu_index`), so it is unit-tested without
-CUDA; pick_device in run/trainer.py applies the same rule, so the two always agree.
+train.main before World.from_environment starts the transport. The binding rule is a pure
+function of the environment and of how many GPUs this process sees (`gpu_index`), so it is
+unit-tested without CUDA; pick_device in run/trainer.py applies the same rule, so the two always agree.
 
 Rule (first that applies):
 - no visible GPU: no binding (the run uses the CPU, or fails if run.device is cuda);
@@ -26,6 +26,7 @@ LOCAL_RANK_VARS = (
     "PMI_LOCAL_RANK",               # PMI-2 launchers (Cray PALS sets it too)
     "PALS_LOCAL_RANKID",            # Cray PALS
     "PMIX_LOCAL_RANK",              # PMIx launchers that export it
+    "LOCAL_RANK",                   # torchrun (which an sbatch script may start: before SLURM's)
     "SLURM_LOCALID",                # srun
 )
 

@@ -10,10 +10,10 @@ therefore change at the same point of the schedule as without replicas, while th
 overlaps the sends of that backward and the wait for the next input.
 
 Arithmetic, the same in both reducers: sum the accumulated gradients over the replicas, divide by
-R (the optimizer then divides by the backwards accumulated). MPIMean lets MPI sum; LocalMean, the
-single-process reference, sums in replica order. IEEE addition is commutative, so for R = 2 the two
-agree bitwise; for R > 2 MPI's association order is its own (every rank gets the same result, but
-it may differ from the reference in the last bits).
+R (the optimizer then divides by the backwards accumulated). ReplicaMean lets the transport sum
+(MPI, gloo or NCCL); LocalMean, the single-process reference, sums in replica order. IEEE addition
+is commutative, so for R = 2 the two agree bitwise; for R > 2 the library's association order is
+its own (every rank gets the same result, but it may differ from the reference in the last bits).
 """
 import time
 from collections import deque
@@ -46,23 +46,24 @@ def average_path(device_type: str, cuda_aware: bool, device_collectives: bool) -
     buffer to Iallreduce) or "pinned-host-staging". A CUDA-aware library reads device memory in
     point-to-point transfers, but its non-blocking collectives may not (Open MPI's libnbc reduces
     on the CPU over the raw pointers), so the device path needs both, device_collectives being
-    an explicit opt-in (transport.device_collectives)."""
+    an explicit opt-in (mpi.device_collectives)."""
     if device_type != "cuda":
         return "cpu"
     return "cuda-aware" if cuda_aware and device_collectives else "pinned-host-staging"
 
 
-class MPIMean:
-    """One stage's average over its data-parallel communicator: one flattened bucket per step,
-    summed by a non-blocking Iallreduce. On a GPU the bucket (or its pinned host copy, queued
-    behind the backward) is handed to MPI once an event after it has completed: posted by a
-    poll between blocks, or before the rank blocks, polling the transport meanwhile. The host
-    never waits for the GPU. It joins the transport's boxes, so that polls and waits reach it."""
+class ReplicaMean:
+    """One stage's average over its data-parallel group (World.replica_mean): one flattened
+    bucket per step, summed by the group's non-blocking all-reduce. On a GPU the bucket (or its
+    pinned host copy, queued behind the backward, on the "pinned-host-staging" path) is handed
+    to the library once an event after it has completed: posted by a poll between blocks, or
+    before the rank blocks, polling the transport meanwhile. The host never waits for the GPU.
+    It joins the transport's boxes, so that polls and waits reach it."""
 
-    def __init__(self, comm, transport, path):
-        self.comm, self.transport, self.path = comm, transport, path
-        self.size = comm.Get_size()
-        self.unposted = None  # (buffer for MPI, CUDA event or None) not yet handed to MPI
+    def __init__(self, group, transport, path):
+        self.group, self.transport, self.path = group, transport, path
+        self.size = group.size
+        self.unposted = None  # (bucket for the library, CUDA event or None) not yet posted
         self.request = None
         self.held = None  # (flattened gradients, their host copy or None, parameters)
         self.waited = 0.0  # seconds blocked finishing all-reduces (for the benchmark)
@@ -72,16 +73,13 @@ class MPIMean:
         params = _with_grads(worker)
         flat = _flatten(params)
         host = ready = None
-        if self.path == "cpu":
-            buf = flat.numpy()
-        else:
+        buf = flat
+        if self.path != "cpu":
             if self.path == "pinned-host-staging":
                 host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
                 host.copy_(flat, non_blocking=True)
-                buf = host.numpy()
-            else:  # (a stage without parameters has an empty host bucket)
-                buf = flat if flat.is_cuda else flat.numpy()
-            ready = torch.cuda.Event()
+                buf = host
+            ready = torch.cuda.Event()  # (a stage without parameters has an empty host bucket)
             ready.record(torch.cuda.current_stream(self.transport.device))
         self.unposted, self.held = (buf, ready), (flat, host, params)
         self.post_ready(wait=False)
@@ -95,14 +93,13 @@ class MPIMean:
                     return
                 self.transport.wait_for(ready)
                 continue  # look again: a poll while waiting may have posted it already
-            from mpi4py import MPI
             self.unposted = None
-            self.request = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            self.request = self.group.iallreduce_sum(buf)
 
     def poll(self):
         self.post_ready(wait=False)
         if self.request is not None:
-            self.request.Get_status()  # drives MPI's progress
+            self.request.progress()
 
     def finish(self, worker):
         # both waits post the other boxes' sends as their data become ready (a neighbour may

@@ -1,66 +1,84 @@
-"""A rank's message streams to its neighbours, opened once per engine: the shapes and layouts each
-link carries are agreed first, then each stream this rank uses gets its Inbox or Outbox."""
+"""A rank's message streams to its pipeline neighbours, opened once per engine from the channel
+table (channels.py): the shapes and layouts each link carries are agreed first, then each stream
+this rank uses gets its Inbox or Outbox on the transport's link, with its channel's tag, codec
+and depth."""
 import torch
 
-from .transport import (CONTIGUOUS, TAG_ACTIVATION, TAG_GRADIENT, TAG_LABELS, TAG_REBUILT, Inbox,
-                        Outbox, in_layout, layout_of)
-
-STREAM_NAMES = {TAG_ACTIVATION: "activation", TAG_REBUILT: "rebuilt input",
-                TAG_GRADIENT: "gradient", TAG_LABELS: "labels"}
+from .channels import CHANNELS
+from .transport import CONTIGUOUS, Inbox, Outbox, message_bytes
 
 
-def open_streams(world, transport, worker, compression, dtype, input_shape, batch_size,
-                 labels_per_sample) -> dict:
-    """The streams of this rank, by the name the trace shows; a stream it does not use is absent.
-    Collective over the replica's pipeline (world.pipe): every rank calls it at start-up."""
-    comm, r, J = world.pipe, world.stage, world.stages
-    device = next(worker.stage.parameters()).device
+class Streams(dict):
+    """This rank's boxes by stream name ("activation in", "gradient out", ...: the tracer's rows;
+    a stream this rank does not use is absent), on one `transport`; `line`: what the run log
+    says of the transport."""
+
+    def __init__(self, boxes, transport, line):
+        super().__init__(boxes)
+        self.transport, self.line = transport, line
+
+    def pending(self, peer_name) -> list:
+        """(blocked, direction, stream, peer, count) of each stream with messages in flight, for
+        the watchdog's report (blocked: the rank waits on that stream now); peer_name(stage)
+        names a stage of the pipeline. Calls no library."""
+        blocked, rows = self.transport.blocked, []
+        for box in self.values():
+            receiving = box.direction == "receive"
+            count = len(box.pending) + (1 if receiving and box is blocked else 0)
+            if count:
+                rows.append((box is blocked, box.direction, box.name, peer_name(box.peer), count))
+        return rows
+
+    def sent_bytes(self) -> int:
+        """Bytes sent so far (compressed size where compression is on)."""
+        return sum(box.sent_bytes for box in self.values() if box.direction == "send")
+
+    def waited(self) -> float:
+        """Seconds blocked on the transport so far."""
+        return sum(box.waited for box in self.values())
+
+
+def open_streams(pipe, replica, *, device, compression, dtype, input_spec, output_spec,
+                 uses_rebuilt, labels_shape, poll_sleep=None) -> Streams:
+    """The streams of this rank, stage pipe.rank of the replica's pipeline `pipe` (a transport's
+    group). input_spec: (shape, layout) of stage 0's input; output_spec(shape, layout): this
+    stage's output (shape, layout) for such an input; uses_rebuilt: this stage takes the rebuilt
+    input x̃ of its backward; labels_shape: one micro-batch's labels. Collective over `pipe`:
+    every rank calls it at start-up."""
+    r, J = pipe.rank, pipe.size
+    transport, line = pipe.transport(device, poll_sleep)
     # Shapes and layouts are agreed once: each rank learns its input's from the previous one,
     # and every message of a link (activation forward, rebuilt input and gradient back)
     # travels in the layout its producer makes (channels-last on CUDA), so nobody converts.
-    in_shape, in_fmt = (((batch_size, *input_shape), CONTIGUOUS) if r == 0
-                        else comm.recv(source=r - 1, tag=1))
-    out_shape, out_fmt = output_spec(worker.stage, in_shape, in_fmt, device, dtype)
+    in_shape, in_fmt = input_spec if r == 0 else pipe.recv_object(r - 1)
+    out_shape, out_fmt = output_spec(in_shape, in_fmt)
     if r < J - 1:
-        comm.send((out_shape, out_fmt), dest=r + 1, tag=1)
-    # A stage whose last block is buffered ignores ỹ, so its successor need not send it.
-    wants_rebuilt = comm.sendrecv(worker.stage.needs_rebuilt_input, dest=(r + 1) % J,
-                                  source=(r - 1) % J)
-    send_rebuilt = r > 0 and wants_rebuilt
+        pipe.send_object((out_shape, out_fmt), r + 1)
+    # A stage whose last block is buffered ignores x̃, so its successor need not send it.
+    uses = pipe.allgather(uses_rebuilt)
 
-    def codec(direction, sender):  # of what `sender` sends; a receiver only decodes with it
-        return compression.codec(direction, sender, world.replica)
-    t, last = transport, r == J - 1
-    rebuilt_in = not last and worker.stage.needs_rebuilt_input
-    streams = {
-        "activation in": r > 0 and Inbox(comm, t, r - 1, TAG_ACTIVATION, in_shape, dtype,
-                                         layout=in_fmt, codec=codec("forward", r - 1)),
-        "rebuilt in": rebuilt_in and Inbox(comm, t, r + 1, TAG_REBUILT, out_shape, dtype,
-                                           layout=out_fmt, codec=codec("rebuilt", r + 1)),
-        "gradient in": not last and Inbox(comm, t, r + 1, TAG_GRADIENT, out_shape, dtype,
-                                          layout=out_fmt, codec=codec("gradient", r + 1)),
-        # with one stage (J = 1, replicas only) the labels never leave the rank
-        "labels in": last and J > 1 and Inbox(comm, t, 0, TAG_LABELS,
-                                              (batch_size * labels_per_sample,), torch.int64),
-        "activation out": not last and Outbox(comm, t, r + 1, TAG_ACTIVATION, layout=out_fmt,
-                                              codec=codec("forward", r)),
-        "rebuilt out": send_rebuilt and Outbox(comm, t, r - 1, TAG_REBUILT,
-                                               layout=in_fmt, codec=codec("rebuilt", r)),
-        "gradient out": r > 0 and Outbox(comm, t, r - 1, TAG_GRADIENT, layout=in_fmt,
-                                         codec=codec("gradient", r)),
-        "labels out": r == 0 and J > 1 and Outbox(comm, t, J - 1, TAG_LABELS, depth=J + 2),
-    }
-    return {name: box for name, box in streams.items() if box}
+    def carried(c, at):
+        """(shape, layout, dtype) of what channel c carries into stage `at`: r or a neighbour."""
+        if c.key == "labels":
+            return labels_shape, CONTIGUOUS, torch.int64
+        # forward: the input of the receiver; backward: the output of the receiver
+        own = (at == r) == (c.key != "activation")
+        return (out_shape, out_fmt, dtype) if own else (in_shape, in_fmt, dtype)
 
+    def codec(c, sender):  # of what `sender` sends; a receiver only decodes with it
+        return c.codec and compression.codec(c.codec, sender, replica)
 
-@torch.no_grad()
-def output_spec(stage, in_shape, in_fmt, device, dtype):
-    """(output shape, output layout) of `stage` for an input of in_shape in in_fmt."""
-    was_training = stage.training
-    stage.eval()  # running statistics: a shape probe must not touch anything
-    try:
-        probe = torch.zeros((1, *in_shape[1:]), device=device, dtype=stage.input_dtype or dtype)
-        out = stage.evaluate(in_layout(probe, in_fmt))
-        return (in_shape[0], *out.shape[1:]), layout_of(out)
-    finally:
-        stage.train(was_training)
+    boxes = {}
+    for c in CHANNELS:
+        if c.receives(r, J) and (not c.optional or uses[r]):
+            sender = c.sender(r, J)
+            shape, fmt, kind = carried(c, r)
+            link = pipe.link(sender, c, message_bytes(shape, kind, fmt, codec(c, sender)))
+            boxes[c.inbox] = Inbox(link, transport, shape, kind, c.ahead, fmt, codec(c, sender),
+                                   c.name)
+        if c.sends(r, J) and (not c.optional or uses[c.receiver(r, J)]):
+            receiver = c.receiver(r, J)
+            shape, fmt, kind = carried(c, receiver)
+            link = pipe.link(receiver, c, message_bytes(shape, kind, fmt, codec(c, r)))
+            boxes[c.outbox] = Outbox(link, transport, c.in_flight(J), fmt, codec(c, r), c.name)
+    return Streams(boxes, transport, line)

@@ -1,30 +1,39 @@
-"""Point-to-point transport between neighbouring stages over mpi4py.
+"""Point-to-point messages between neighbouring stages, whatever carries them: what every
+transport shares (comm/mpi.py over MPI, comm/torch_dist.py over torch.distributed).
 
-Inbox: a stream of tensors from one rank under one tag, with receives posted ahead (so transfers
-overlap compute) into fresh buffers sized for the largest batch; the true batch size of each
-message comes from the MPI status, so a smaller last evaluation batch needs no header.
-Outbox: non-blocking sends; a tensor stays referenced until its send completes.
+Inbox: a stream of tensors from one rank, with receives posted ahead (so transfers overlap
+compute) into fresh buffers sized for the largest batch; the true batch size of each message
+comes from its transport (MPI's status, a header under torch.distributed), so a smaller last
+evaluation batch needs no agreement. Outbox: non-blocking sends; a tensor stays referenced until
+its send completes. A box talks to its peer through a link (its transport's): link.irecv(buffer)
+and link.isend(buffer) post a transfer of a buffer in storage order and return a request:
 
-GPU tensors: with a CUDA-aware MPI the device buffers go to MPI directly, otherwise they are
-staged through pinned host buffers. MPI knows nothing of CUDA streams, so a send is posted only
-once an event recorded on the producing stream has completed. The host never blocks on the GPU:
-the send is posted by a later poll, or while the rank waits for a message (Transport.wait: it
-tests its request and posts sends as their events complete, whichever comes first, so a receive
-that arrives before the GPU is done returns at once and the host queues the next work). Only
-where nothing else can move (a stop vote, a send that must make room) does the rank poll the
-transport until the event completes (Transport.wait_for), so transfers in flight keep moving. Device receive buffers are allocated on a stream
-of their own, which no kernel uses, and handed to the compute stream with record_stream: the
-caching allocator then reuses their memory only once the compute stream is done with it, with no
-host synchronisation.
+  request.test() -> bool        whether it has completed (completing it)
+  request.wait(poll_sleep)      complete it (poll_sleep > 0: test, and sleep between tests)
+  request.progress()            drive the library's progress without completing it
+  request.received_bytes()      a completed receive's size in bytes
+
+GPU tensors: where the library reads device memory (a CUDA-aware MPI, NCCL) the device buffers
+go to it directly, otherwise they are staged through pinned host buffers. A library handed a
+buffer knows nothing of CUDA streams, so a send is posted only once an event recorded on the
+producing stream has completed. The host never blocks on the GPU: the send is posted by a later
+poll, or while the rank waits for a message (Transport.wait: it tests its request and posts
+sends as their events complete, whichever comes first, so a receive that arrives before the GPU
+is done returns at once and the host queues the next work). Only where nothing else can move (a
+stop vote, a send that must make room) does the rank poll the transport until the event
+completes (Transport.wait_for), so transfers in flight keep moving. Device receive buffers are
+allocated on a stream of their own, which no kernel uses, and handed to the compute stream with
+record_stream: the caching allocator then reuses their memory only once the compute stream is
+done with it, with no host synchronisation.
 
 Layout: a message travels in the memory format its producer made it in (channels-last on CUDA
-stages), agreed once per link at start-up, so neither side converts it. MPI is handed the tensor's
-memory in storage order (NHWC for channels-last: a view, not a copy) and the receiver gets an NCHW
-view with channels-last strides of an NHWC buffer.
+stages), agreed once per link at start-up, so neither side converts it. The library is handed
+the tensor's memory in storage order (NHWC for channels-last: a view, not a copy) and the
+receiver gets an NCHW view with channels-last strides of an NHWC buffer.
 
-Progress: large messages (rendezvous) move only while the library is inside an MPI call, so the
-engine calls Transport.poll() between blocks; it tests the pending requests (which drives MPI's
-progress engine) and posts the GPU sends whose data are ready.
+Progress: large MPI messages (rendezvous) move only while the library is inside an MPI call, so
+the engine calls Transport.poll() between blocks; it drives every pending request's progress
+and posts the GPU sends whose data are ready.
 
 CPU receive buffers come from a pool and are reused once every tensor viewing them is gone,
 instead of a fresh allocation (page faults on every large message) per message.
@@ -40,7 +49,6 @@ Waiting: MPI's blocking Wait spins a core until the message comes. Where many ra
 test its request and sleep that long between tests instead (Transport.poll_sleep).
 """
 import contextlib
-import ctypes
 import os
 import time
 import weakref
@@ -49,54 +57,10 @@ from collections import deque
 import numpy as np
 import torch
 
+from .channels import RECEIVE_DEPTH
 from .compress import Packed
 
-TAG_ACTIVATION, TAG_REBUILT, TAG_GRADIENT, TAG_LABELS = 11, 12, 13, 14
-RECEIVE_DEPTH = 2  # receives posted ahead per stream
 POLL_SLEEP_ENV = "PETRA_MPI_POLL_SLEEP"
-
-_MPI_DTYPES = {torch.float32: "f", torch.float64: "d", torch.int64: "q", torch.uint8: "B"}
-
-
-def cuda_aware_mpi() -> tuple[bool, str]:
-    """(whether MPI can read device memory, how that was decided). PETRA_MPI_CUDA_AWARE=0/1
-    overrides; else ask the library (MPIX_Query_cuda_support exists in Open MPI and MPICH)."""
-    forced = os.environ.get("PETRA_MPI_CUDA_AWARE")
-    if forced in ("0", "1"):
-        return forced == "1", "PETRA_MPI_CUDA_AWARE"
-    for path in _loaded_mpi_libraries():
-        try:
-            query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support")
-        except (OSError, AttributeError):
-            continue
-        query.restype = ctypes.c_int
-        return bool(query()), f"MPIX_Query_cuda_support in {os.path.basename(path)}"
-    return False, "no MPIX_Query_cuda_support in the MPI library"
-
-
-def device_collectives() -> tuple[bool, str]:
-    """(whether a non-blocking collective may be handed device memory, how that was decided).
-    MPIX_Query_cuda_support speaks for point-to-point (and in Open MPI blocking collectives)
-    only: Open MPI's non-blocking collectives (libnbc) reduce on the CPU over the raw device
-    pointers. So only an explicit PETRA_MPI_DEVICE_COLLECTIVES=1 says yes."""
-    if os.environ.get("PETRA_MPI_DEVICE_COLLECTIVES") == "1":
-        return True, "PETRA_MPI_DEVICE_COLLECTIVES=1"
-    return False, "non-blocking collectives on device memory not known to be safe"
-
-
-def _loaded_mpi_libraries():
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "libmpi" in line and ".so" in line}
-    except OSError:
-        return []
-    return sorted(paths)
-
-
-def _host_view(t: torch.Tensor):
-    """A buffer object mpi4py can read or write for a contiguous CPU tensor (no copy)."""
-    return t.numpy()
-
 
 CONTIGUOUS, CHANNELS_LAST = "contiguous", "channels_last"  # message layouts
 
@@ -117,8 +81,8 @@ def in_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def storage_order(t: torch.Tensor, layout: str) -> torch.Tensor:
-    """A C-contiguous view of t (dense in `layout`) over the same memory: what MPI reads or
-    writes, since mpi4py takes contiguous buffers only (NHWC for channels-last)."""
+    """A C-contiguous view of t (dense in `layout`) over the same memory: what a transport reads
+    or writes, since the libraries take contiguous buffers only (NHWC for channels-last)."""
     return t.permute(0, 2, 3, 1) if layout == CHANNELS_LAST else t
 
 
@@ -152,14 +116,20 @@ def from_wire(wire: torch.Tensor, codec, shape, dtype, layout: str):
     return Packed(codes, scale, dtype)
 
 
-def wait_for_request(request, poll_sleep, status=None):
-    """Complete `request`: in MPI's Wait (poll_sleep 0), or by testing it and sleeping poll_sleep
-    seconds between tests, so that a waiting rank leaves its core to the others."""
-    if poll_sleep <= 0:
-        request.Wait(status)
-        return
-    while not request.Test(status):
-        time.sleep(poll_sleep)
+def message_buffer(shape, dtype, layout: str = CONTIGUOUS, codec=None):
+    """(shape, dtype, layout) of the buffer that holds the largest message of a stream of
+    tensors of at most `shape`: the tensor itself, or with an active codec one byte buffer
+    (scales, then codes)."""
+    if codec is None or not codec.active:
+        return tuple(shape), dtype, layout
+    per_sample = int(np.prod(shape[1:], dtype=np.int64)) * codec.code_dtype.itemsize
+    return (codec.scale_bytes(shape, dtype) + shape[0] * per_sample,), torch.uint8, CONTIGUOUS
+
+
+def message_bytes(shape, dtype, layout: str = CONTIGUOUS, codec=None) -> int:
+    """The size of message_buffer's buffer in bytes."""
+    shape, dtype, _ = message_buffer(shape, dtype, layout, codec)
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
 
 class HostPool:
@@ -187,13 +157,18 @@ class HostPool:
 
 
 class Transport:
-    """How tensors reach MPI on this rank: CPU, CUDA-aware device buffers or pinned staging."""
+    """How tensors reach the library on this rank: CPU buffers, device buffers handed over
+    directly, or pinned host staging; and the waits and polls of every box on it."""
 
-    def __init__(self, device: torch.device, cuda_aware: bool, poll_sleep=None):
-        """poll_sleep: seconds between tests of a request this rank waits for (None: the
-        environment's PETRA_MPI_POLL_SLEEP, else 0: MPI's Wait, which spins a core)."""
+    def __init__(self, device: torch.device, direct: bool, poll_sleep=None,
+                 direct_name="cuda-aware"):
+        """direct: the library reads device memory (a CUDA-aware MPI, NCCL); direct_name: what
+        the run log calls that path. poll_sleep: seconds between tests of a request this rank
+        waits for (None: the environment's PETRA_MPI_POLL_SLEEP, else 0: the library's blocking
+        wait, which spins a core under MPI)."""
         self.device = device
-        self.direct = device.type != "cuda" or cuda_aware
+        self.direct = device.type != "cuda" or direct
+        self.direct_name = direct_name
         self.pool = HostPool() if device.type != "cuda" else None
         # device receive buffers come from this stream's share of the caching allocator
         self.receive_stream = (torch.cuda.Stream(device)
@@ -201,7 +176,7 @@ class Transport:
         # every Inbox and Outbox on this transport, and the replicas' average (replicas.py):
         # poll() drives them all; those with a post_ready method may hold work not yet posted
         self.boxes = []
-        self.blocked = None  # the box whose message the rank is waiting for now (watchdog.py)
+        self.blocked = None  # the box whose message the rank is waiting for now (the watchdog's)
         self.poll_sleep = (float(os.environ.get(POLL_SLEEP_ENV) or 0) if poll_sleep is None
                            else float(poll_sleep))
 
@@ -215,25 +190,26 @@ class Transport:
         finally:
             self.blocked = None
 
-    def wait(self, request, status=None):
+    def wait(self, request):
         """Complete `request`. Sends still waiting for their GPU data are posted as soon as
         their data are ready meanwhile (the neighbour this rank waits for may be waiting for one
         of them), but the rank never waits for that data: its receive may come first."""
         while self._unposted():
-            if request.Test(status):
+            if request.test():
                 return
             self.poll()
             if self.poll_sleep > 0:
                 time.sleep(self.poll_sleep)
-        wait_for_request(request, self.poll_sleep, status)
+        request.wait(self.poll_sleep)
 
     def _unposted(self) -> bool:
-        """Whether a box holds work not yet handed to MPI (boxes with a post_ready method keep
-        it in `unposted`)."""
+        """Whether a box holds work not yet handed to the library (boxes with a post_ready
+        method keep it in `unposted`)."""
         return any(getattr(box, "unposted", None) for box in self.boxes)
 
     def poll(self):
-        """Drive MPI's progress and post the sends whose GPU data are ready (between blocks)."""
+        """Drive the library's progress and post the sends whose GPU data are ready (between
+        blocks)."""
         for box in self.boxes:
             box.poll()
 
@@ -247,40 +223,40 @@ class Transport:
     def mode(self):
         if self.device.type != "cuda":
             return "cpu"
-        return "cuda-aware" if self.direct else "pinned-host-staging"
+        return self.direct_name if self.direct else "pinned-host-staging"
 
     def send_buffer(self, t: torch.Tensor, layout: str = CONTIGUOUS):
-        """(the object to hand to MPI, what must stay alive until the send completes, a CUDA
-        event that must complete before the send is posted or None). t is sent in `layout`:
-        no copy when its producer made it so."""
+        """(the C-contiguous tensor to hand to the library, what must stay alive until the send
+        completes, a CUDA event that must complete before the send is posted or None). t is
+        sent in `layout`: no copy when its producer made it so."""
         t = in_layout(t.detach(), layout)
         if t.device.type != "cuda":
-            return _host_view(storage_order(t, layout)), t, None
+            return storage_order(t, layout), t, None
         if not self.direct:
             host = empty_in_layout(t.shape, layout, lambda shape: torch.empty(
                 shape, dtype=t.dtype, pin_memory=True))
             host.copy_(t, non_blocking=True)
-            t, buf = host, _host_view(storage_order(host, layout))
-        else:
-            buf = storage_order(t, layout)
+            t = host
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
-        return buf, t, ready
+        return storage_order(t, layout), t, ready
 
     def recv_buffer(self, shape, dtype, layout: str = CONTIGUOUS):
-        """(the tensor MPI writes into, dense in `layout`, the object to hand to MPI)."""
+        """(the tensor the library writes into, dense in `layout`, its C-contiguous view to hand
+        to the library)."""
         if self.device.type != "cuda":
             t = empty_in_layout(shape, layout, lambda s: self.pool.tensor(s, dtype))
-            return t, _host_view(storage_order(t, layout))
-        if self.direct:
-            # MPI writes outside any stream: memory the compute stream freed may still be read
-            # by its queued kernels, so take it from a stream no kernel runs on (see hand_over)
+        elif self.direct:
+            # the library writes outside any stream: memory the compute stream freed may still
+            # be read by its queued kernels, so take it from a stream no kernel runs on
+            # (see hand_over)
             with torch.cuda.stream(self.receive_stream):
                 t = empty_in_layout(shape, layout, lambda s: torch.empty(
                     s, dtype=dtype, device=self.device))
-            return t, storage_order(t, layout)
-        t = empty_in_layout(shape, layout, lambda s: torch.empty(s, dtype=dtype, pin_memory=True))
-        return t, _host_view(storage_order(t, layout))
+        else:
+            t = empty_in_layout(shape, layout, lambda s: torch.empty(s, dtype=dtype,
+                                                                      pin_memory=True))
+        return t, storage_order(t, layout)
 
     def hand_over(self, t: torch.Tensor):
         """A received tensor, on this rank's device, for the compute stream."""
@@ -294,34 +270,34 @@ class Transport:
 
 
 class Inbox:
-    """Receives `count` tensors of at most `shape` from `source` under `tag`, posted ahead, in
-    the layout the sender sends; with an active `codec` (compress.Codec), compressed messages
-    that get() decodes."""
+    """Receives tensors of at most `shape` over `link` (from its peer), posted ahead, in the
+    layout the sender sends; with an active `codec` (compress.Codec), compressed messages that
+    get() decodes. `name`: the stream's (the watchdog's report names it)."""
+    direction = "receive"
 
-    def __init__(self, comm, transport, source, tag, shape, dtype, depth=RECEIVE_DEPTH,
-                 layout=CONTIGUOUS, codec=None):
-        self.comm, self.transport, self.source, self.tag = comm, transport, source, tag
+    def __init__(self, link, transport, shape, dtype, depth=RECEIVE_DEPTH, layout=CONTIGUOUS,
+                 codec=None, name=""):
+        self.link, self.transport, self.name = link, transport, name
         self.shape, self.dtype, self.depth, self.layout = tuple(shape), dtype, depth, layout
         self.per_sample = int(np.prod(self.shape[1:], dtype=np.int64))
         self.codec = codec if codec is not None and codec.active else None
+        self.buffer = message_buffer(self.shape, dtype, layout, self.codec)
         if self.codec is not None:  # one byte buffer: scales, then codes
             self.head = self.codec.scale_bytes(self.shape, dtype)
             self.sample_bytes = self.per_sample * self.codec.code_dtype.itemsize
-            size = self.head + self.shape[0] * self.sample_bytes
-            self.buffer = ((size,), torch.uint8, CONTIGUOUS)
-        else:
-            self.buffer = (self.shape, dtype, layout)
-        self.pending = deque()
+        self.pending = deque()  # (request, tensor)
         self.remaining = 0
-        self.waited = 0.0  # seconds blocked in MPI, for the pipeline benchmark
+        self.waited = 0.0  # seconds blocked in the transport, for the pipeline benchmark
         self.received_bytes = self.last_bytes = 0  # what came over the wire
         transport.boxes.append(self)
 
+    @property
+    def peer(self) -> int:
+        return self.link.peer
+
     def poll(self):
         if self.pending:
-            # Get_status drives MPI's progress engine without completing the request (a Test
-            # that succeeded would free it, and with it the status that tells the batch size).
-            self.pending[0][0].Get_status()
+            self.pending[0][0].progress()
 
     def expect(self, count: int):
         """Announce the next `count` messages and post the first receives."""
@@ -335,46 +311,42 @@ class Inbox:
         self.remaining -= fewer
 
     def _post(self):
-        from mpi4py import MPI
         while self.remaining > 0 and len(self.pending) < self.depth:
             tensor, buf = self.transport.recv_buffer(*self.buffer)
-            req = self.comm.Irecv(buf, source=self.source, tag=self.tag)
-            self.pending.append((req, tensor, MPI.Status()))
+            self.pending.append((self.link.irecv(buf), tensor))
             self.remaining -= 1
 
     def get(self) -> torch.Tensor:
-        req, tensor, status = self.pending.popleft()
+        request, tensor = self.pending.popleft()
         start = time.perf_counter()
         with self.transport.waiting_on(self):
-            self.transport.wait(req, status)
+            self.transport.wait(request)
         self.waited += time.perf_counter() - start
         self._post()
+        self.last_bytes = request.received_bytes()
+        self.received_bytes += self.last_bytes
         if self.codec is not None:
-            self.last_bytes = status.Get_count(_mpi_datatype(torch.uint8))
-            self.received_bytes += self.last_bytes
             n = (self.last_bytes - self.head) // max(1, self.sample_bytes)
             wire = self.transport.hand_over(tensor[:self.last_bytes])
             return self.codec.unpack(from_wire(wire, self.codec, (n, *self.shape[1:]),
                                                self.dtype, self.layout))
-        count = status.Get_count(_mpi_datatype(self.dtype))
-        self.last_bytes = count * self.dtype.itemsize
-        self.received_bytes += self.last_bytes
-        n = count // max(1, self.per_sample)
+        n = self.last_bytes // max(1, self.per_sample * self.dtype.itemsize)
         # the first n samples: the batch dimension is outermost in every layout's storage order
         return self.transport.hand_over(tensor[:n] if n != self.shape[0] else tensor)
 
 
 class Outbox:
-    """Non-blocking sends to `dest` under `tag` in `layout`; at most `depth` in flight (posted or
-    waiting for their GPU data). Sends are posted in order: MPI matches messages of one tag in
-    posting order. With an active `codec` (compress.Codec) each tensor is compressed first, on
-    the producing stream, into one byte message (to_wire)."""
+    """Non-blocking sends over `link` (to its peer) in `layout`; at most `depth` in flight
+    (posted or waiting for their GPU data). Sends are posted in order: a stream's messages are
+    matched in posting order. With an active `codec` (compress.Codec) each tensor is compressed
+    first, on the producing stream, into one byte message (to_wire). `name`: the stream's."""
+    direction = "send"
 
-    def __init__(self, comm, transport, dest, tag, depth=2, layout=CONTIGUOUS, codec=None):
-        self.comm, self.transport, self.dest, self.tag, self.depth = comm, transport, dest, tag, depth
+    def __init__(self, link, transport, depth=2, layout=CONTIGUOUS, codec=None, name=""):
+        self.link, self.transport, self.depth, self.name = link, transport, depth, name
         self.layout = layout
         self.codec = codec if codec is not None and codec.active else None
-        self.unposted = deque()  # (buffer, tensor kept alive, CUDA event) not yet handed to MPI
+        self.unposted = deque()  # (buffer, tensor kept alive, CUDA event) not yet posted
         self.pending = deque()   # (request, tensor kept alive)
         # GPU int8 and fp16 messages: a host copy of each unposted message's guard (its scales,
         # its largest fp16 value), checked for inf and NaN once its event has completed, just
@@ -383,6 +355,10 @@ class Outbox:
         self.waited = 0.0
         self.sent_bytes = 0  # what went over the wire
         transport.boxes.append(self)
+
+    @property
+    def peer(self) -> int:
+        return self.link.peer
 
     def put(self, t: torch.Tensor, evaluation: bool = False) -> int:
         """Send t (evaluation: a stochastic codec rounds to the nearest). Returns its bytes."""
@@ -407,7 +383,7 @@ class Outbox:
     def poll(self):
         self.post_ready(wait=False)
         if self.pending:
-            self.pending[0][0].Get_status()
+            self.pending[0][0].progress()
 
     def flush(self):
         self._drain(0)
@@ -426,7 +402,7 @@ class Outbox:
             guard = self.scales.popleft() if self.scales else None
             if guard is not None:  # its event has completed: so has the copy queued before it
                 self.codec.check_guard(guard)
-            self.pending.append((self.comm.Isend(buf, dest=self.dest, tag=self.tag), keep))
+            self.pending.append((self.link.isend(buf), keep))
 
     def _drain(self, keep: int):
         """Return once at most `keep` sends are in flight: the oldest posted send completing
@@ -442,8 +418,3 @@ class Outbox:
                     self.transport.wait_for(self.unposted[0][2])
                     self.post_ready(wait=False)
         self.waited += time.perf_counter() - start
-
-
-def _mpi_datatype(dtype):
-    from mpi4py import MPI
-    return MPI.Datatype.fromcode(_MPI_DTYPES[dtype])

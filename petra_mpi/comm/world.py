@@ -1,14 +1,21 @@
-"""The MPI context of a run: ranks, node-local binding, start-up agreement and fault handling.
+"""The ranks of a run: `World` is the one object that talks across them (rank facts, bcast,
+gather, barrier, the stop votes, the replicas' average, the pipeline's channels), over the
+transport the config names (comm.transport); launcher detection, CPU shares and fault handling.
 
-mpi4py is imported only when the process was started by an MPI launcher, so single-process runs
-need no MPI library at all.
+A transport is one module of comm/ and a line of TRANSPORTS: its `start(srun_tasks)` returns the
+group of every rank (or None for one rank alone), a group being what World calls (mpi.MPIGroup
+shows every method). Nothing is imported before a launcher is seen, so single-process runs need
+neither MPI nor torch.distributed.
 """
+import importlib
 import os
 import sys
 import time
 import traceback
 
-# Seconds a failing rank waits between printing why and MPI_Abort (see World._abort).
+# comm.transport -> the module of comm/ that carries it
+TRANSPORTS = {"mpi": "mpi", "torch": "torch_dist"}
+# Seconds a failing rank waits between printing why and ending every rank (see _abort).
 ABORT_GRACE_S = 1.0
 _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS",
                   "MV2_COMM_WORLD_SIZE", "PETRA_MPI")
@@ -16,6 +23,17 @@ _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRA
 
 class LaunchError(RuntimeError):
     pass
+
+
+def transport_module(name: str):
+    """The module of comm/ that carries comm.transport `name`."""
+    return importlib.import_module(f"{__package__}.{TRANSPORTS[name]}")
+
+
+def started_by_torchrun(env=None) -> bool:
+    """Whether torchrun (torch.distributed.elastic) started this process."""
+    env = os.environ if env is None else env
+    return "TORCHELASTIC_RUN_ID" in env
 
 
 def _srun_step_tasks() -> int:
@@ -41,6 +59,9 @@ def launcher_rank_and_size(env=None):
         rank, size = env.get(rank_var, "").strip(), env.get(size_var, "").strip()
         if rank.isdigit() and size.isdigit():
             return int(rank), int(size)
+    rank, size = env.get("RANK", "").strip(), env.get("WORLD_SIZE", "").strip()
+    if started_by_torchrun(env) and rank.isdigit() and size.isdigit():
+        return int(rank), int(size)  # before srun's: an srun task may run a torchrun
     step = env.get("SLURM_STEP_ID", "")
     rank, size = env.get("SLURM_PROCID", ""), env.get("SLURM_STEP_NUM_TASKS", "")
     if step.isdigit() and int(step) < 0xFFFFFFF0 and rank.isdigit() and size.isdigit():
@@ -116,46 +137,58 @@ def oversubscribed(mine, node_sets, threads: int, busy: float) -> str | None:
 
 
 class World:
-    def __init__(self, comm):
-        from mpi4py import MPI
-        self.comm = comm
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
-        self.node_cpus = node.allgather(sorted(cpu_affinity()))  # CPU sets of this node's ranks
-        node.Free()
+    """This rank's view of the run's ranks, over a transport's `group` of all of them. The only
+    object outside comm/ that talks across ranks: every method that does is collective over the
+    ranks it names, called by each of them at the same point of the program."""
+
+    def __init__(self, group, transport="mpi"):
+        self._group = group  # the transport's (mpi.MPIGroup, torch_dist.TorchGroup)
+        self.transport = transport
+        self.rank, self.size = group.rank, group.size
+        self.local_rank, self.local_size, self.node_cpus = group.node(sorted(cpu_affinity()))
         self.placement = None  # rank -> host, stage and replica, once map_ranks ran
         self.split(self.size)  # one pipeline over every rank until the trainer says otherwise
 
     def split(self, stages: int):
         """Lay the ranks out as R = size / stages replicas of a `stages`-rank pipeline, rank =
         replica · J + stage (so under SLURM's block distribution a replica's consecutive stages
-        share a node). `pipe` is this replica's pipeline (its ranks are the stage indices), `dp`
-        the stage's data-parallel group (one rank per replica, in replica order; None for R = 1).
-        `comm` stays the whole world: stop votes and checkpoints involve every rank."""
+        share a node). The pipeline (the channels) and the stage's data-parallel group (the
+        replicas' average; none for R = 1) are groups of their own; stop votes, checkpoints and
+        the other collectives stay on the whole world. Collective."""
         assert self.size % stages == 0, (self.size, stages)
         self.stages, self.replicas = stages, self.size // stages
         self.replica, self.stage = divmod(self.rank, stages)
-        if self.replicas == 1:
-            self.pipe, self.dp = self.comm, None
+        R, J = self.replicas, stages
+        if R == 1:  # (a transport's group of the whole world carries a pipeline already)
+            self._pipe, self._dp = self._group, None
         else:
-            self.pipe = self.comm.Split(color=self.replica, key=self.stage)
-            self.dp = self.comm.Split(color=self.stage, key=self.replica)
+            self._pipe = self._group.subgroups([[r * J + s for s in range(J)] for r in range(R)],
+                                               lanes=True)
+            self._dp = self._group.subgroups([[r * J + s for r in range(R)] for s in range(J)])
 
     @classmethod
-    def from_environment(cls):
-        """The world when launched by mpirun/srun with more than one rank, else None."""
+    def from_environment(cls, transport="mpi"):
+        """The world when a launcher (mpirun, srun, torchrun) started more than one rank, over
+        comm.transport `transport`; else None. LaunchError (one line) when it cannot start."""
+        torchrun = started_by_torchrun()
+        if torchrun and transport == "mpi":
+            raise LaunchError("started by torchrun, which starts no MPI: set comm.transport: "
+                              "torch (--set comm.transport=torch), or launch with mpirun or srun")
         srun_tasks = _srun_step_tasks()
-        if not any(v in os.environ for v in _LAUNCHER_VARS) and srun_tasks <= 1:
+        if not torchrun and not any(v in os.environ for v in _LAUNCHER_VARS) and srun_tasks <= 1:
             return None
-        from mpi4py import MPI
-        if MPI.COMM_WORLD.Get_size() == 1:
-            if srun_tasks > 1:  # else each task would train the whole net on its own
-                raise LaunchError(f"started by srun as one of {srun_tasks} tasks, but MPI sees a "
-                                  f"single rank: give srun the PMI of your MPI (srun --mpi=pmix "
-                                  f"or --mpi=pmi2; `srun --mpi=list` shows them)")
-            return None
-        return cls(MPI.COMM_WORLD)
+        group = transport_module(transport).start(srun_tasks)
+        return None if group is None else cls(group, transport)
+
+    def alone(self, ranks):
+        """The ranks `ranks` (a list of this world's) as a world of their own (a benchmark's
+        sub-run), None on the others. Collective over this world."""
+        group = self._group.subgroups([list(ranks)], lanes=True)  # it carries a pipeline
+        return None if group is None else World(group, self.transport)
+
+    def pipeline(self):
+        """This rank's pipeline as a world of its own (its replica alone). Collective."""
+        return World(self._pipe, self.transport)
 
     @property
     def writer_rank(self) -> int:
@@ -173,7 +206,7 @@ class World:
         """Gather every rank's `mine` (its host first) and keep the placement, rank -> (host,
         stage, replica), as self.placement: the run's metrics record it, and the hang watchdog
         names a silent neighbour's host from it. Returns the gathered rows. Collective."""
-        rows = self.comm.allgather(mine)
+        rows = self.allgather(mine)
         self.placement = [{"rank": r, "host": row[0], "stage": r % self.stages,
                            "replica": r // self.stages} for r, row in enumerate(rows)]
         return rows
@@ -185,41 +218,114 @@ class World:
 
     def node_sets(self) -> list:
         """The CPU sets of this node's ranks."""
-        return getattr(self, "node_cpus", None) or [cpu_affinity()] * self.local_size
+        return self.node_cpus or [cpu_affinity()] * self.local_size
+
+    # ---------------------------------------------------------------- collectives of every rank
+    def bcast(self, obj, root: int = 0):
+        """Rank `root`'s obj, on every rank."""
+        return self._group.bcast(obj, root)
+
+    def gather(self, obj, root: int = 0):
+        """Every rank's obj in rank order on `root`, None elsewhere."""
+        return self._group.gather(obj, root)
+
+    def allgather(self, obj) -> list:
+        """Every rank's obj in rank order, on every rank."""
+        return self._group.allgather(obj)
+
+    def barrier(self, poll_sleep=None):
+        """Return once every rank is here; poll_sleep: seconds between tests of the wait, so a
+        waiting rank leaves its core to those still working (None: the library's wait)."""
+        self._group.barrier(poll_sleep)
 
     def share_lengths(self, lengths):
         """Rank 0 (the data reader) tells everyone the segment lengths and input shape."""
-        return self.comm.bcast(lengths, root=0)
+        return self.bcast(lengths)
 
     def gather_to_writer(self, items: list):
         """Every rank's list, concatenated in rank order on the writing rank (None elsewhere)."""
-        gathered = self.comm.gather(items, root=self.writer_rank)
+        gathered = self.gather(items, root=self.writer_rank)
         return [x for part in gathered for x in part] if self.is_writer else None
 
+    def vote(self, level: int) -> int:
+        """The highest of every rank's `level` (a stop vote at a drain), on every rank; the wait
+        leaves Python's interpreter lock to the watchdog's thread."""
+        return self._group.allreduce_max(level)
 
-def run_guarded(comm, fn, expected_errors=()) -> int:
-    """Run fn(); on any exception print it once from the failing rank and abort every rank of
-    comm (no rank is left waiting for a neighbour that died). Abort is called inside the except
-    blocks: there the traceback still holds the engine, so buffers of sends in flight stay
-    valid while the neighbours may still be reading them."""
-    from mpi4py import MPI
-    rank = comm.Get_rank()
+    def post_vote(self, level: int):
+        """Post this rank's `level` to a non-blocking vote of every rank: a request (see
+        transport.py) whose value() is the highest level once it has completed."""
+        return self._group.iallreduce_max(level)
+
+    # ---------------------------------------------------------------- ranks to ranks
+    def send_bytes(self, array, dest: int, poll_sleep: float = 0.0):
+        """Send a numpy array to rank `dest` (a benchmark's ping-pong), blocking."""
+        self._group.send_bytes(array, dest, poll_sleep)
+
+    def receive_bytes(self, array, source: int, poll_sleep: float = 0.0):
+        """Receive into a numpy array from rank `source`, blocking."""
+        self._group.receive_bytes(array, source, poll_sleep)
+
+    def torch_distributed(self):
+        """torch.distributed over this world's ranks (gloo; NCCL too on GPUs), for what runs on
+        it (torch's pipelining schedules): the transport's own under comm.transport torch, else
+        started now at an address rank 0 tells the others. Returns the module. Collective."""
+        from . import torch_dist
+        if not torch_dist.dist.is_initialized():
+            torch_dist.init_over(self._group, torch_dist.backend())
+        return torch_dist.dist
+
+    def open_streams(self, **kw):
+        """This rank's streams to its pipeline neighbours (streams.open_streams, whose keywords
+        these are). Collective over the pipeline."""
+        from .streams import open_streams
+        return open_streams(self._pipe, self.replica, **kw)
+
+    def replica_mean(self, streams):
+        """The average of this stage's gradients over its replicas (replicas.ReplicaMean, on the
+        transport of `streams`) and a line for the run log."""
+        from .replicas import ReplicaMean
+        path, why = self._group.average_path(streams.transport)
+        line = f"replica average {path}" + (f" ({why})" if why else "")
+        return ReplicaMean(self._dp, streams.transport, path), line
+
+
+def run_guarded(fn, expected_errors=(), rank=None) -> int:
+    """Run fn() on a rank that a launcher started (`rank`: its number; None: the launcher's);
+    on any exception print it once from the failing rank and end every rank of the job (none is
+    left waiting for a neighbour that died). The end is called inside the except blocks: there
+    the traceback still holds the engine, so buffers of sends in flight stay valid while the
+    neighbours may still be reading them."""
+    rank = (launcher_rank_and_size() or (0, 1))[0] if rank is None else rank
     try:
         return fn()
     except expected_errors as e:
-        _abort(comm, f"error (rank {rank}): {e}")
-    except MPI.Exception as e:  # most often a neighbour that is being aborted: one line
-        _abort(comm, f"rank {rank}: MPI error "
-                     f"({e.Get_error_string().splitlines()[0]}); aborting")
-    except BaseException:  # noqa: B036 - KeyboardInterrupt must abort the others too
-        _abort(comm, f"rank {rank} failed:\n{traceback.format_exc()}")
+        _abort(f"error (rank {rank}): {e}")
+    except BaseException as e:  # noqa: B036 - KeyboardInterrupt must abort the others too
+        library = _library_error(e)
+        _abort(f"rank {rank}: {library}; aborting" if library else
+               f"rank {rank} failed:\n{traceback.format_exc()}")
     return 1
 
 
-def _abort(comm, message: str):
-    """Print why, then abort every rank. The pause lets the launcher forward the message
-    first: on MPI_Abort the launcher may tear the job down before it has read what the rank
-    wrote to its stderr pipe, losing the line that says why the run stopped."""
+def _library_error(e):
+    """One line for an error of a loaded transport's library (most often a neighbour being
+    ended), or None for any other error."""
+    for module in TRANSPORTS.values():
+        loaded = sys.modules.get(f"{__package__}.{module}")
+        line = loaded.library_error(e) if loaded else None
+        if line:
+            return line
+    return None
+
+
+def _abort(message: str):
+    """Print why, then end every rank: MPI_Abort where MPI has started, else this rank's exit,
+    on which the launcher (torchrun, mpirun) ends the others. The pause lets the launcher
+    forward the message first: on an abort it may tear the job down before it has read what the
+    rank wrote to its stderr pipe, losing the line that says why the run stopped."""
     print(message, file=sys.stderr, flush=True)
     time.sleep(ABORT_GRACE_S)
-    comm.Abort(1)
+    if "mpi4py.MPI" in sys.modules:  # MPI started, by this package or by the program
+        transport_module("mpi").abort()
+    os._exit(1)

@@ -23,6 +23,8 @@ import argparse
 from dataclasses import dataclass
 from enum import Enum
 
+from ..comm.channels import CHANNELS, of_action
+
 METHODS = ("petra", "backprop", "delayed")
 
 
@@ -48,7 +50,8 @@ class Kind(str, Enum):
 
 SYMBOLS = {Kind.FORWARD: "F", Kind.BACKWARD: "B", Kind.FORWARD_BACKWARD: "FB", Kind.STEP: "S",
            Kind.EVALUATE: "E"}
-RECEIVER = {Kind.SEND_F: Kind.RECV_F, Kind.SEND_B: Kind.RECV_B, Kind.SEND_L: Kind.RECV_L}
+# the receive of each send, from the channel table (comm/channels.py)
+RECEIVER = {Kind(c.send): Kind(c.receive) for c in CHANNELS}
 
 
 @dataclass(frozen=True)
@@ -149,26 +152,35 @@ class TickSchedule:
             out += self._inputs(action) + [action] + self._outputs(action)
         return out
 
+    def _message(self, kind: Kind, s: int, b: int) -> Action:
+        """Stage s's send or receive of `kind` for micro-batch b, with the peer the channel table
+        gives it (comm/channels.py)."""
+        channel = of_action(kind.value)[0]
+        sends = kind.value == channel.send
+        return Action(kind, s, b, channel.receiver(s, self.J) if sends
+                      else channel.sender(s, self.J))
+
     def _inputs(self, a: Action) -> list:
         s, b, last = a.stage, a.microbatch, a.stage == self.J - 1
         if a.kind is Kind.BACKWARD:
-            return [Action(Kind.RECV_B, s, b, s + 1)]
+            return [self._message(Kind.RECV_B, s, b)]
         if a.kind is Kind.STEP:
             return []
         # a forward of some kind: stage 0 reads the data and passes the labels to the last stage
         if s == 0:
-            return [Action(Kind.LOAD, s, b)] + ([] if last else [Action(Kind.SEND_L, s, b, self.J - 1)])
-        return [Action(Kind.RECV_F, s, b, s - 1)] + ([Action(Kind.RECV_L, s, b, 0)] if last else [])
+            return [Action(Kind.LOAD, s, b)] + ([] if last else [self._message(Kind.SEND_L, s, b)])
+        return [self._message(Kind.RECV_F, s, b)] + ([self._message(Kind.RECV_L, s, b)]
+                                                     if last else [])
 
     def _outputs(self, a: Action) -> list:
         s, b, last = a.stage, a.microbatch, a.stage == self.J - 1
-        down = [Action(Kind.SEND_B, s, b, s - 1)] if s > 0 else []  # stage 0 sends nothing down
+        down = [self._message(Kind.SEND_B, s, b)] if s > 0 else []  # stage 0 sends nothing down
         if a.kind is Kind.BACKWARD:
             return down
         if a.kind is Kind.FORWARD_BACKWARD:  # the report after the send: .item() waits there
             return down + [Action(Kind.REPORT, s, b)]
         if a.kind in (Kind.FORWARD, Kind.EVALUATE):
-            return [Action(Kind.REPORT, s, b)] if last else [Action(Kind.SEND_F, s, b, s + 1)]
+            return [Action(Kind.REPORT, s, b)] if last else [self._message(Kind.SEND_F, s, b)]
         return []
 
     def receives(self, stage: int, n: int) -> dict:

@@ -20,6 +20,7 @@ import sys
 import time
 from contextlib import nullcontext
 
+from ..comm.channels import streams
 from ..files import write_atomic
 
 # Kinds of spans; each gets its own row (tid) within a rank, in this order.
@@ -27,10 +28,9 @@ FORWARD, BACKWARD, STEP, LOSS, LOG, EVAL, CHECKPOINT, WAIT, PLAN = (
     "forward", "backward", "step", "loss", "log", "eval", "checkpoint", "wait", "plan")
 COMPUTE_TIDS = {PLAN: 0, FORWARD: 1, BACKWARD: 2, STEP: 3, LOSS: 4, LOG: 5, EVAL: 6,
                 CHECKPOINT: 7}
-# The MPI engine's streams (the keys of MPIEngine.streams) and their rows: one row per stream, so
-# a rank waiting on its gradients is told apart from one waiting on its activations.
-STREAMS = ("activation in", "rebuilt in", "gradient in", "labels in", "activation out",
-           "rebuilt out", "gradient out", "labels out")
+# The MPI engine's streams (the channel table's, comm/channels.py) and their rows: one row per
+# stream, so a rank waiting on its gradients is told apart from one waiting on its activations.
+STREAMS = streams()
 WAIT_TIDS = {name: 10 + i for i, name in enumerate(STREAMS)}
 # Recording stops at this many events per process, so a long run cannot fill memory (about
 # 100 bytes each in memory, 150 in the file); trace a short run to look at the schedule.
@@ -150,8 +150,8 @@ class Tracer:
 
 
 def start(enabled: bool, world, stages, device=None) -> list:
-    """One tracer per stage of this process (NULL_TRACER each when disabled). Under MPI this is
-    collective: every rank must call it (it agrees on the time origin with a Barrier)."""
+    """One tracer per stage of this process (NULL_TRACER each when disabled). Over ranks this is
+    collective: every rank must call it (it agrees on the time origin with a barrier)."""
     if not enabled:
         return [NULL_TRACER for _ in stages]
     sync = None
@@ -159,7 +159,7 @@ def start(enabled: bool, world, stages, device=None) -> list:
         import torch
         sync = torch.cuda.synchronize
     if world is not None:
-        world.comm.Barrier()
+        world.barrier()
     log = TraceLog(time.perf_counter())
     return [Tracer(log, s, f"rank {s}" if world else f"stage {s}", sync) for s in stages]
 
@@ -173,7 +173,7 @@ def finish(tracers: list, world, path: str, meta: dict | None = None) -> str | N
     log = tracers[0].log
     part = (log.events, log.names, log.origin, log.dropped)
     writer = 0 if world is None else world.writer_rank
-    parts = [part] if world is None else world.comm.gather(part, root=writer)
+    parts = [part] if world is None else world.gather(part, root=writer)
     if world is not None and not world.is_writer:
         return None
     write(path, parts, {**(meta or {}), "writer_rank": writer})

@@ -76,12 +76,12 @@ def build_workers(stages, lr_schedule=None, accumulation: int = 1, momentum: flo
 def build_engine(workers, method: str, world, input_shape, batch_size: int, *,
                  dtype=torch.float32, compression=NO_COMPRESSION, replicas: int = 1,
                  **mpi_options):
-    """The engine that runs `workers` with `method`: under MPI (world given) this rank's single
-    worker on the MPIEngine (mpi_options: its watchdog_s, poll_between_blocks, poll_sleep,
+    """The engine that runs `workers` with `method`: over ranks (world given) this rank's single
+    worker on the MPIEngine (mpi_options: its heartbeat, poll_between_blocks, poll_sleep,
     labels_per_sample), else every worker (R replicas of J stages, in rank order) in one
     process. Several engines may share a worker: benchmarks alternate methods on one stage."""
     if world:
-        from .mpi import MPIEngine  # imports MPI only when a world exists
+        from .mpi import MPIEngine
         return MPIEngine(workers[0], method, world, dtype, input_shape, batch_size,
                          compression, **mpi_options)
     from .local import LocalEngine

@@ -15,8 +15,9 @@ through the codec itself), and arrives with its micro-batch, which the receive c
 """
 from collections import Counter, defaultdict, deque
 
+from ..comm.channels import CHANNELS, of_action
 from ..comm.compress import NO_COMPRESSION
-from ..core.schedule import RECEIVER, ForwardOnlySchedule, Kind, schedule_for
+from ..core.schedule import RECEIVER, ForwardOnlySchedule, schedule_for
 from . import segment
 from .evaluation import EvalTotals
 from .tick import StageRun
@@ -32,9 +33,10 @@ class LocalEngine:
         self.J = len(workers) // replicas
         self.schedule = schedule_for(method, self.J, workers[0].k)
         self.evaluation = ForwardOnlySchedule(self.J)
-        # per worker, the codecs of what it sends: {direction: Codec}
-        self.codecs = [{d: compression.codec(d, i % self.J, i // self.J)
-                        for d in ("forward", "rebuilt", "gradient")} for i in range(len(workers))]
+        # per worker, the codecs of what it sends: {direction: Codec} (comm/channels.py)
+        directions = {c.codec for c in CHANNELS if c.codec}
+        self.codecs = [{d: compression.codec(d, i % self.J, i // self.J) for d in directions}
+                       for i in range(len(workers))]
         if replicas > 1:
             from ..comm.replicas import link_local
             link_local(workers, replicas)
@@ -67,7 +69,7 @@ class LocalEngine:
         for r, batches in enumerate(feeds):
             ranks, links = slice(r * J, (r + 1) * J), _Links()
             for s, (worker, codecs) in enumerate(zip(self.workers[ranks], self.codecs[ranks])):
-                port = _StagePort(s, self.workers[ranks], codecs, links)
+                port = _QueuePort(s, self.workers[ranks], codecs, links)
                 runs.append(StageRun(worker, port, batches if s == 0 else None,
                                      report if r == 0 else None, evaluating))
         return runs
@@ -101,9 +103,10 @@ class _Links:
                 if to == receiver and q]
 
 
-class _StagePort:
-    """One stage's port (engines/tick.py) onto its replica's links: it receives from and sends to
-    the stage each action names, and receives exactly what expect() announced."""
+class _QueuePort:
+    """One stage's port (engines/tick.py) onto the queues of its replica's links: it receives
+    from and sends to the stage each action names, and receives exactly what expect()
+    announced."""
 
     def __init__(self, stage, pipeline, codecs, links):
         """pipeline: the replica's workers by stage; codecs: this stage's, of what it sends."""
@@ -123,17 +126,13 @@ class _StagePort:
                        self._encoded(action, tensors, evaluation))
 
     def _encoded(self, action, tensors, evaluation):
-        """What the receiver gets: the round trip of this stage's codec of the direction."""
-        if action.kind is Kind.SEND_F:
-            (y,) = tensors
-            return (self.codecs["forward"].roundtrip(y, evaluation),)
-        if action.kind is Kind.SEND_B:
-            x, grad_x = tensors
-            # as the MPI engine: ỹ only to a stage that uses it (its streams carry no other)
-            wanted = self.pipeline[action.peer].stage.needs_rebuilt_input
-            return (self.codecs["rebuilt"].roundtrip(x) if wanted else None,
-                    self.codecs["gradient"].roundtrip(grad_x))
-        return tensors  # the labels, as they are
+        """What the receiver gets: each tensor after the round trip of this stage's codec of
+        its channel; an optional channel's only where the receiver uses it (as the MPI engine's
+        streams carry no other)."""
+        wanted = self.pipeline[action.peer].stage.needs_rebuilt_input
+        return tuple(None if c.optional and not wanted else
+                     self.codecs[c.codec].roundtrip(t, evaluation) if c.codec else t
+                     for c, t in zip(of_action(action.kind.value), tensors))
 
     def compute(self, work, *args):
         return work(*args)

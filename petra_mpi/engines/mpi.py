@@ -1,83 +1,76 @@
-"""One rank per stage: the paper's Algorithm 1 over comm/transport.py.
+"""One rank per stage: the paper's Algorithm 1 over the run's transport (comm.transport: MPI, or
+torch.distributed).
 
 Rank r runs stage r of J = world size, through the segment driver both engines share
 (engines/segment.py); what is this engine's own is its port, MPIPort below: each lowered action
-of the schedule that sends or receives (core/schedule.py) goes to or comes from the MPI stream
-its kind names, to or from the rank its peer names. Waiting on a neighbour's message is the only
-synchronisation. Rank 0 reads the data and sends each micro-batch's labels straight to the last
-rank.
+of the schedule that sends or receives (core/schedule.py) goes to or comes from the streams of its
+channels (comm/channels.py), to or from the rank its peer names. Waiting on a neighbour's message
+is the only synchronisation. Rank 0 reads the data and sends each micro-batch's labels straight
+to the last rank.
 
-With R replicas (world.split) the pipeline is the replica's own communicator, `world.pipe`, and
-each stage also averages its gradients over `world.dp` before a step (replicas.py); stop votes
+With R replicas (World.split) the pipeline is the replica's own group, and each stage also
+averages its gradients over its data-parallel group before a step (comm/replicas.py); stop votes
 stay on the whole world, so every replica shortens a segment at the same tick.
 """
 import functools
 import sys
 import time
 
-import numpy as np
+import torch
 
-from ..comm.streams import STREAM_NAMES, open_streams
-from ..comm.transport import Inbox, Outbox, Transport, cuda_aware_mpi
+from ..comm.channels import CHANNELS, of_action
 from ..comm.compress import NO_COMPRESSION
+from ..comm.transport import CONTIGUOUS, in_layout, layout_of
 from ..core.schedule import ForwardOnlySchedule, Kind, schedule_for
 from . import segment
 from .evaluation import EvalTotals
+from .segment import NO_HEARTBEAT
 from .tick import StageRun
-from ..comm.watchdog import start_watchdog
 
 STOP_VOTE = object()  # what the rank waits on (Transport.blocked) during a stop vote
 
 
 class MPIEngine:
     def __init__(self, worker, method, world, dtype, input_shape, batch_size,
-                 compression=NO_COMPRESSION, watchdog_s=0, poll_between_blocks=True,
+                 compression=NO_COMPRESSION, heartbeat=NO_HEARTBEAT, poll_between_blocks=True,
                  labels_per_sample=1, poll_sleep=None):
-        """watchdog_s: run.watchdog_s (0: none; None: automatic). poll_between_blocks: drive
-        MPI's progress between the blocks of a stage (off only to measure what that brings);
-        poll_sleep: the transport's (comm/transport.py).
+        """heartbeat: what watches the loops (the run's watchdog, run/watchdog.py).
+        poll_between_blocks: drive the transport's progress between the blocks of a stage (off
+        only to measure what that brings); poll_sleep: the transport's (comm/transport.py).
         labels_per_sample: targets per input sample (a language model's context: one per
         token)."""
         self.w, self.method, self.world = worker, method, world
+        self.heartbeat = heartbeat
         self.poll_between_blocks = poll_between_blocks
         self.schedule = schedule_for(method, world.stages, worker.k)
         J = world.stages
         device = next(worker.stage.parameters()).device
-        aware, why = cuda_aware_mpi() if device.type == "cuda" else (False, "")
-        self.transport = t = Transport(device, aware, poll_sleep)
-        line = f"transport {t.mode}" + (f" ({why})" if why else "")
+        self.streams = world.open_streams(
+            device=device, compression=compression, dtype=dtype, poll_sleep=poll_sleep,
+            input_spec=((batch_size, *input_shape), CONTIGUOUS),
+            output_spec=functools.partial(output_spec, worker.stage, device=device, dtype=dtype),
+            uses_rebuilt=worker.stage.needs_rebuilt_input,
+            labels_shape=(batch_size * labels_per_sample,))
+        self.transport = self.streams.transport
+        line = self.streams.line
         if world.replicas > 1:
-            from ..comm.transport import device_collectives
-            from ..comm.replicas import MPIMean, average_path
-            allowed, why_avg = device_collectives() if t.mode == "cuda-aware" else (False, "")
-            path = average_path(device.type, t.direct, allowed)
-            worker.average_with(MPIMean(world.dp, t, path))
-            line += f", replica average {path}" + (f" ({why_avg})" if why_avg else "")
+            mean, average = world.replica_mean(self.streams)
+            worker.average_with(mean)
+            line += ", " + average
         line += ", " + compression.describe()
         if world.rank == 0:
             ranks = f"{world.replicas} replicas x {J} stages" if world.replicas > 1 else f"{J} ranks"
             print(f"petra_mpi: {ranks}, {line}", file=sys.stderr, flush=True)
-        self.streams = open_streams(world, t, worker, compression, dtype, input_shape,
-                                    batch_size, labels_per_sample)
         self.port = MPIPort(worker, self.streams)
         self.evaluation = ForwardOnlySchedule(J)
-        # ends this rank with a report when it hangs (watchdog.py)
-        self.watchdog = start_watchdog(watchdog_s, world, self.pending_messages,
-                                       self.schedule.num_ticks(1))
 
     def pending_messages(self):
         """(blocked, direction, stream, peer, count) of each stream with messages in flight, for
-        the watchdog's report; blocked: the rank is waiting on that stream now. Reads no MPI."""
-        blocked, rows = self.transport.blocked, []
-        if blocked is STOP_VOTE:
-            rows.append((True, "receive", "stop vote", "every rank", 1))
-        for box in self.streams.values():
-            receive = isinstance(box, Inbox)
-            count = len(box.pending) + (1 if receive and box is blocked else 0)
-            if count:
-                peer = box.source if receive else box.dest
-                rows.append((box is blocked, "receive" if receive else "send",
-                             STREAM_NAMES[box.tag], self._name(peer), count))
+        the watchdog's report; blocked: the rank is waiting on that stream now. Calls no
+        library."""
+        rows = self.streams.pending(self._name)
+        if self.transport.blocked is STOP_VOTE:
+            rows.insert(0, (True, "receive", "stop vote", "every rank", 1))
         return rows
 
     def _name(self, stage):
@@ -88,11 +81,11 @@ class MPIEngine:
 
     def sent_bytes(self) -> int:
         """Bytes this rank sent so far (compressed size where compression is on)."""
-        return sum(box.sent_bytes for box in self.streams.values() if isinstance(box, Outbox))
+        return self.streams.sent_bytes()
 
     def wait_seconds(self) -> float:
-        """Time this rank spent blocked on MPI so far."""
-        return sum(box.waited for box in self.streams.values())
+        """Time this rank spent blocked on its transport so far."""
+        return self.streams.waited()
 
     @property
     def compute_seconds(self) -> float:
@@ -104,11 +97,12 @@ class MPIEngine:
         request agreed by all ranks ends it early. Returns the micro-batches trained."""
         run = StageRun(self.w, self.port, batches, on_loss)
         vote = None if stop is None else functools.partial(
-            post_stop_vote, self.world, self.transport, self.watchdog, stop)
-        # Large messages move only while MPI is called: poll between blocks (docs/performance.md).
+            post_stop_vote, self.world, self.transport, self.heartbeat, stop)
+        # Large MPI messages move only while MPI is called: poll between blocks
+        # (docs/performance.md).
         poll = self.transport.poll if self.poll_between_blocks else None
         with self.w.stage.calling_between_blocks(poll):
-            return segment.train_segment(self.schedule, [run], n, vote, self.watchdog)
+            return segment.train_segment(self.schedule, [run], n, vote, self.heartbeat)
 
     def evaluate(self, batches, m):
         """Forward-only pass over m batches by replica 0 (whose batch-norm running statistics
@@ -119,36 +113,30 @@ class MPIEngine:
         totals = EvalTotals() if self.w.is_last else None
         report = None if totals is None else (lambda b, logits, labels: totals.add(logits, labels))
         run = StageRun(self.w, self.port, batches, report, evaluating=True)
-        segment.evaluate(self.evaluation, [run], m, self.watchdog)
+        segment.evaluate(self.evaluation, [run], m, self.heartbeat)
         return totals
-
-
-# The streams that carry each kind of message, in the order they are sent (and received); a
-# stream in OPTIONAL is absent where the receiver has no use for it (comm/streams.py).
-STREAMS = {Kind.SEND_F: ("activation out",), Kind.RECV_F: ("activation in",),
-           Kind.SEND_B: ("rebuilt out", "gradient out"),
-           Kind.RECV_B: ("rebuilt in", "gradient in"),
-           Kind.SEND_L: ("labels out",), Kind.RECV_L: ("labels in",)}
-OPTIONAL = {"rebuilt out", "rebuilt in"}
 
 
 class MPIPort:
     """This rank's port (engines/tick.py): each message of a lowered action over the streams of
-    its kind, to or from the rank of its peer; the tracer records how long MPI made it wait."""
+    its channels (comm/channels.py), to or from the rank of its peer; the tracer records how long
+    the transport made it wait."""
 
     def __init__(self, worker, streams):
         self.w, self.streams = worker, streams
         self.compute_seconds = 0.0  # in the stage's own work (forward, backward, optimizer step)
 
     def _boxes(self, action):
-        """The streams of `action`'s message (None for an optional one this rank lacks), each
-        checked against the action's peer: the schedule says where a message goes."""
+        """The streams of `action`'s message, in the order its channels travel (None for an
+        optional one this rank lacks), each checked against the action's peer: the schedule says
+        where a message goes."""
         boxes = []
-        for name in STREAMS[action.kind]:
-            box = self.streams.get(name) if name in OPTIONAL else self.streams[name]
+        for c in of_action(action.kind.value):
+            name = c.outbox if action.kind.value == c.send else c.inbox
+            box = self.streams.get(name) if c.optional else self.streams[name]
             if box is not None:
-                peer = box.source if isinstance(box, Inbox) else box.dest
-                assert peer == action.peer, f"{name} is with stage {peer}, not {action.peer}"
+                assert box.peer == action.peer, \
+                    f"{name} is with stage {box.peer}, not {action.peer}"
             boxes.append((name, box))
         return boxes
 
@@ -161,7 +149,7 @@ class MPIPort:
             if box is not None:
                 self._put(name, box, t, evaluation)
 
-    def compute(self, work, *args):  # the stage's own work, apart from the waits on MPI
+    def compute(self, work, *args):  # the stage's own work, apart from the transport's waits
         start = time.perf_counter()
         out = work(*args)
         self.compute_seconds += time.perf_counter() - start
@@ -178,19 +166,20 @@ class MPIPort:
 
     def _inboxes(self):
         """(receive kind, box) of each stream this rank receives on."""
-        return [(kind, self.streams[name]) for kind in (Kind.RECV_F, Kind.RECV_B, Kind.RECV_L)
-                for name in STREAMS[kind] if name in self.streams]
+        return [(Kind(c.receive), self.streams[c.inbox]) for c in CHANNELS
+                if c.inbox in self.streams]
 
     def flush(self):
         for name, box in self.streams.items():
-            if isinstance(box, Outbox):  # the tracer records the wait for the last sends
+            if box.direction == "send":  # the tracer records the wait for the last sends
                 before = box.waited
                 box.flush()
                 end = time.perf_counter()
                 self.w.tracer.wait(name, end - (box.waited - before), end, -1)
 
     def _get(self, name, box):
-        """The next message of `box`; the tracer records how long MPI made us wait."""
+        """The next message of `box`; the tracer records how long the transport made us
+        wait."""
         if not self.w.tracer.enabled:
             return box.get()
         before, start = box.waited, time.perf_counter()
@@ -210,18 +199,30 @@ class MPIPort:
         self.w.tracer.wait(name, end - (box.waited - before), end, nbytes)
 
 
-def post_stop_vote(world, transport, watchdog, stop, tick):
-    """Posts this rank's stop flag to a non-blocking all-reduce over every rank; returns the
-    wait for its result, which SegmentVotes reads one check later: all ranks see the same
-    result at the same tick and shorten the segment identically, with no extra waiting in
-    the common case."""
-    from mpi4py import MPI
-    flag = np.array([int(stop.requested)], dtype=np.int32)
-    request = world.comm.Iallreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
+def post_stop_vote(world, transport, heartbeat, stop, tick):
+    """Posts this rank's stop flag to a non-blocking vote of every rank (World.post_vote);
+    returns the wait for its result, which SegmentVotes reads one check later: all ranks see
+    the same result at the same tick and shorten the segment identically, with no extra waiting
+    in the common case."""
+    request = world.post_vote(int(stop.requested))
 
     def result():
         with transport.waiting_on(STOP_VOTE):
             transport.wait(request)
-        watchdog.agreed(tick)  # every rank is past the ticks before `tick`
-        return int(flag[0])
+        heartbeat.agreed(tick)  # every rank is past the ticks before `tick`
+        return request.value()
     return result
+
+
+@torch.no_grad()
+def output_spec(stage, in_shape, in_fmt, device, dtype):
+    """(output shape, output layout) of `stage` for an input of in_shape in in_fmt: a probe of
+    one sample in evaluation mode, which touches no running statistics."""
+    was_training = stage.training
+    stage.eval()
+    try:
+        probe = torch.zeros((1, *in_shape[1:]), device=device, dtype=stage.input_dtype or dtype)
+        out = stage.evaluate(in_layout(probe, in_fmt))
+        return (in_shape[0], *out.shape[1:]), layout_of(out)
+    finally:
+        stage.train(was_training)

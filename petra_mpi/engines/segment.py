@@ -12,13 +12,17 @@ from .tick import run_action
 
 
 class NoHeartbeat:
-    """Where no watchdog watches the loop (one process)."""
+    """Where no watchdog watches the loop (one process, the benchmarks): what an engine tells
+    its watchdog (run/watchdog.py), said to no one."""
 
     def beat(self, tick, action, microbatch):
-        pass
+        """About to run `action` of `microbatch` at `tick`."""
 
     def idle(self):
-        pass
+        """Out of the loops until the next beat."""
+
+    def agreed(self, tick=None):
+        """Every rank has come to a stop vote posted at `tick` (None: at a drain)."""
 
 
 NO_HEARTBEAT = NoHeartbeat()

@@ -8,12 +8,12 @@ import time
 
 EXIT_REQUEUE = 3  # checkpointed on SIGUSR1: requeue to resume
 EXIT_STOPPED = 4  # checkpointed on SIGTERM (a cancel, a preemption): stop here
-STOP_CHECK_TICKS = 8  # ticks between agreements on a stop request (MPI: one Iallreduce each)
+STOP_CHECK_TICKS = 8  # ticks between agreements on a stop request (one all-reduce each)
 # Micro-batches a stopped segment keeps beyond what has entered stage 0 when the stop applies.
 # At least 1: micro-batch entered_before(t) - 1 may already have had its backward on some stage
 # (J = 1, backprop), which decided "no step" with the old length, and must not become the last.
-# At least RECEIVE_DEPTH (comm/transport.py, 2) under MPI: a stream posts receives up to
-# RECEIVE_DEPTH micro-batches past the last one it received, and every posted receive must still
+# At least a channel's `ahead` (comm/channels.py, 2) over ranks: a stream posts receives up to
+# that many micro-batches past the last one it received, and every posted receive must still
 # get its message (tests/unit/test_messages.py checks it at every tick). 3 keeps one micro-batch
 # of slack over both bounds. Both engines use this one margin, so a stop leaves the same state.
 STOP_MARGIN = 3
@@ -118,14 +118,6 @@ class Interrupts:
 
 
 def agree(world, interrupts) -> int:
-    """At a drain point: the vote over every rank (a blocking all-reduce), the same everywhere."""
+    """At a drain point: the vote over every rank (World.vote, blocking), the same everywhere."""
     level = interrupts.requested
-    if world is None:
-        return level
-    import numpy as np
-    from mpi4py import MPI
-    # The buffer form: mpi4py's pickle-based allreduce keeps the GIL while it waits, which would
-    # silence the watchdog thread of a rank whose neighbour never comes to the vote.
-    levels = np.array([level], dtype=np.int32)
-    world.comm.Allreduce(MPI.IN_PLACE, levels, op=MPI.MAX)
-    return int(levels[0])
+    return level if world is None else world.vote(level)

@@ -1,5 +1,6 @@
-"""A run's engine from (config, world, placement): its stages, their workers and optimizers, the
-learning-rate schedule, the tracers, and the engine that runs them (MPI or one process)."""
+"""A run's parts from (config, world, placement): its stages, their workers and optimizers, the
+learning-rate schedule, the tracers, the watchdog and the engine that runs them (over ranks or in
+one process)."""
 import dataclasses
 import sys
 
@@ -9,12 +10,13 @@ from ..config import model_kwargs
 from ..core.compensation import DelayCompensation
 from ..engines.build import build_engine, build_stages, build_workers
 from ..core.optim import LRSchedule, peak_lr
-from ..comm.watchdog import NoWatchdog
+from ..core.schedule import schedule_for
 from ..core import trace
+from .watchdog import start_watchdog
 
 
 @dataclasses.dataclass
-class RunEngine:
+class RunParts:
     stages: list
     workers: list
     pipeline_workers: list  # one pipeline's (replica 0's in one process, this rank's under MPI)
@@ -22,7 +24,7 @@ class RunEngine:
     lr_schedule: LRSchedule
     tracers: list
     engine: object          # MPIEngine or LocalEngine
-    watchdog: object        # the MPI engine's (the trainer's collectives are watched too)
+    watchdog: object        # watches the engine's loops and the trainer's collectives
 
     @property
     def tracer(self):
@@ -38,8 +40,8 @@ def run_lr_schedule(cfg, steps_per_epoch: int, replicas: int = 1) -> LRSchedule:
                       total_steps=steps_per_epoch * cfg.train.epochs)
 
 
-def build_run_engine(cfg, world, placement, partition, input_shape, microbatches_per_epoch,
-                     diagnostics=None, kept=None) -> RunEngine:
+def assemble_run(cfg, world, placement, partition, input_shape, microbatches_per_epoch,
+                 diagnostics=None, kept=None) -> RunParts:
     """The stages (in one process: R identical replicas, in rank order; under MPI this rank's),
     their workers and the engine. diagnostics: a callback for train.diag_every's records; kept:
     the kept plan of every stage (None: build_stages plans model.memory_budget itself)."""
@@ -61,7 +63,7 @@ def build_run_engine(cfg, world, placement, partition, input_shape, microbatches
                                batch_size=cfg.data.batch_size,
                                rebuild_last_stage=cfg.model.rebuild_last_stage)
     steps_per_epoch = -(-microbatches_per_epoch // cfg.train.accumulation)
-    schedule = run_lr_schedule(cfg, steps_per_epoch, R)
+    lr_schedule = run_lr_schedule(cfg, steps_per_epoch, R)
     # Collective (a Barrier fixes the common time origin); NULL_TRACERs when run.trace is off.
     tracers = trace.start(cfg.run.trace, world,
                           [placement.rank] if world else list(range(len(stages))),
@@ -70,21 +72,26 @@ def build_run_engine(cfg, world, placement, partition, input_shape, microbatches
     if cfg.train.diag_every:
         from .diagnostics import Diagnostics
         hooks.append(Diagnostics(cfg.train.diag_every, cfg.train.accumulation, emit=diagnostics))
-    workers = build_workers(stages, schedule, cfg.train.accumulation, cfg.optim.momentum,
+    workers = build_workers(stages, lr_schedule, cfg.train.accumulation, cfg.optim.momentum,
                             cfg.optim.nesterov, cfg.optim.weight_decay, optimizer=cfg.optim.name,
                             betas=tuple(cfg.optim.betas), tracers=tracers, hooks=hooks,
                             method=cfg.train.method,
                             compensation=DelayCompensation.from_config(cfg.optim,
                                                                        steps_per_epoch))
+    # ends this rank with a report when it hangs (watchdog.py); its first micro-batch through
+    # every stage ends the start-up
+    watchdog = start_watchdog(cfg.run.watchdog_s if world else 0, world, schedule_for(
+        cfg.train.method, J, cfg.train.accumulation).num_ticks(1))
     engine = build_engine(workers, cfg.train.method, world, input_shape, cfg.data.batch_size,
                           dtype=placement.dtype, replicas=R,
                           compression=compression,  # the MPI engine's start-up line shows it
-                          **({"watchdog_s": cfg.run.watchdog_s,
+                          **({"heartbeat": watchdog,
                               "labels_per_sample": (cfg.model.context
                                                     if cfg.model.arch in LM_ARCHS else 1)}
                              if world else {}))
-    watchdog = engine.watchdog if world else NoWatchdog()
-    if not world and compression.active:
+    if world:
+        watchdog.watch_messages(engine.pending_messages)
+    elif compression.active:
         print(f"petra_mpi: {compression.describe()}", file=sys.stderr, flush=True)
-    return RunEngine(stages, workers, workers[:J], steps_per_epoch, schedule, tracers, engine,
-                     watchdog)
+    return RunParts(stages, workers, workers[:J], steps_per_epoch, lr_schedule, tracers, engine,
+                    watchdog)

@@ -353,10 +353,10 @@ def previous_complete(path: str):
     return older[-1] if older else None
 
 
-def resume_readable(path: str, load, fallback: bool = True, comm=None, read_only: bool = False):
-    """load(path) on every process of `comm` (None: this one alone); while any of them finds a
-    file of the checkpoint unreadable, go back to the previous complete checkpoint and load
-    that, every process alike, with one line on stderr saying which and why (`fallback` False:
+def resume_readable(path: str, load, fallback: bool = True, world=None, read_only: bool = False):
+    """load(path) on every rank of `world` (None: this process alone); while any of them finds
+    a file of the checkpoint unreadable, go back to the previous complete checkpoint and load
+    that, every rank alike, with one line on stderr saying which and why (`fallback` False:
     raise instead). The unreadable one is set aside, unless `read_only` (a command that only
     reads the run: export, evaluate). Returns (the checkpoint loaded, what load returned)."""
     while True:
@@ -365,13 +365,13 @@ def resume_readable(path: str, load, fallback: bool = True, comm=None, read_only
             result = load(path)
         except UnreadableCheckpoint as e:
             error = str(e)
-        errors = [e for e in (comm.allgather(error) if comm else [error]) if e]
+        errors = [e for e in (world.allgather(error) if world else [error]) if e]
         if not errors:
             return path, result
-        first = comm is None or comm.Get_rank() == 0
+        first = world is None or world.rank == 0
         older = previous_complete(path) if fallback and first else None
-        if comm:  # the directory as one process sees it: a shared file system may lag
-            older = comm.bcast(older, root=0)
+        if world:  # the directory as one rank sees it: a shared file system may lag
+            older = world.bcast(older)
         if older is None:
             raise UnreadableCheckpoint(f"cannot {'read' if read_only else 'resume from'} "
                                        f"{path}: {errors[0]}" +

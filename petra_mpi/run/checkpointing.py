@@ -3,7 +3,7 @@ may differ in (its layout, reported when it does), and the collective, atomic wr
 from .checkpoint import (LAYOUT_FREE, block_files, checkpoint_dir, invalidate, prune, save_blocks,
                          write_manifest)
 from ..config import model_kwargs
-from ..comm.watchdog import CHECKPOINT_GRACE_S
+from .watchdog import CHECKPOINT_GRACE_S
 from ..core import trace
 
 
@@ -62,7 +62,7 @@ class RunCheckpoints:
         if self.placement.rank == 0:
             invalidate(path)
         if world:
-            world.comm.Barrier()
+            world.barrier()
         files = ([save_blocks(path, w) for w in self.pipeline_workers]
                  if self.placement.replica == 0 else [])
         if world:
@@ -72,4 +72,4 @@ class RunCheckpoints:
             prune(cfg.run.out_dir, cfg.run.keep_checkpoints)
             self.writer.write("checkpoint", path=path, epoch=epoch, position=position)
         if world:
-            world.comm.Barrier()  # the checkpoint is complete when any rank returns
+            world.barrier()  # the checkpoint is complete when any rank returns

@@ -234,7 +234,7 @@ def print_delays(cfg, num_stages: int):
 def report(cfg, num_stages: int, world=None, device="cpu", dtype=torch.float32,
            profile=False) -> int:
     if world is not None and world.rank != 0:
-        world.comm.barrier()
+        world.barrier()
         return 0
     side, where = input_side(cfg)
     # PETRA's split and the one training uses (None: the estimate), the plan's units
@@ -268,5 +268,5 @@ def report(cfg, num_stages: int, world=None, device="cpu", dtype=torch.float32,
         print_delays(cfg, num_stages)
     sys.stdout.flush()
     if world is not None:
-        world.comm.barrier()
+        world.barrier()
     return 0

@@ -37,7 +37,7 @@ def choose_layout(cfg, J, world, device, dtype, input_shape, resume):
         chosen = (measured_layout(cfg, J, device, dtype, input_shape, fixed)
                   if cfg.model.balance == "measure" else
                   estimated_layout(cfg, J, device, dtype, input_shape, fixed))
-    return world.comm.bcast(chosen, root=0) if world else chosen
+    return world.bcast(chosen) if world else chosen
 
 
 def resumed_layout(manifest, J, budget):

@@ -12,7 +12,7 @@ checkpoint manifests.
 Start-up, one function per step, in the order every rank calls them; under MPI each is a
 collective: `find_placement` (the world split into stages and replicas, the rank map),
 `open_loaders` (the epoch's lengths from rank 0), `locate_resume` (the checkpoint rank 0 found),
-`choose_layout` (the split and kept plan rank 0 chose), `build_run_engine` (the tracers' common
+`choose_layout` (the split and kept plan rank 0 chose), `assemble_run` (the tracers' common
 clock, the MPI engine's streams), `load_resume` (every rank can read the checkpoint, or all fall
 back to an older one).
 """
@@ -35,8 +35,8 @@ from ..engines.stopping import (EVAL_CHECK_BATCHES, EXIT_STOPPED, STOP, Interrup
                                 stop_status)
 from .checkpointing import RunCheckpoints, describe_run
 from .layout import choose_layout, layout_changes
-from .assemble import build_run_engine
-from ..comm.watchdog import END_GRACE_S, EVALUATION_GRACE_S, end_startup, startup_step
+from .assemble import assemble_run
+from .watchdog import END_GRACE_S, EVALUATION_GRACE_S, end_startup, startup_step
 from ..core import trace
 
 
@@ -154,7 +154,7 @@ class TrainLog:
 
 
 def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
-    """Train on this process's stages; `world` is the MPI context (None in one process);
+    """Train on this process's stages; `world` holds the ranks (None in one process);
     `stop` is set by SIGUSR1/SIGTERM; `profile` (with dry_run) measures the blocks' costs.
     Returns the exit status: 0 when the run finished, stopping.stop_status when it stopped on
     request."""
@@ -178,7 +178,7 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
 def locate_resume(cfg, world, rank):
     """The checkpoint to resume from (run.resume; rank 0 looks, every rank learns), or None."""
     resume = find_resume(cfg.run.out_dir, cfg.run.resume) if rank == 0 else None
-    return world.comm.bcast(resume, root=0) if world else resume
+    return world.bcast(resume) if world else resume
 
 
 def load_resume(cfg, world, resume, identity, layout, workers, device):
@@ -187,7 +187,7 @@ def load_resume(cfg, world, resume, identity, layout, workers, device):
     startup_step(f"loading the checkpoint {resume}")
     resume, (state, changes) = resume_readable(
         resume, lambda path: resume_from(path, identity, layout, workers, device),
-        fallback=cfg.run.resume == "auto", comm=world.comm if world else None)
+        fallback=cfg.run.resume == "auto", world=world)
     return resume, state, changes
 
 
@@ -237,23 +237,23 @@ class Trainer:
                                         placement.dtype, self.input_shape, resume)
         self.epoch = 0  # the epoch being trained: diagnostics records carry it
         startup_step("building the stages")
-        run = build_run_engine(cfg, world, placement, partition, self.input_shape,
-                               self.microbatches_per_epoch, diagnostics=self._write_diagnostics,
-                               kept=kept)
-        self.engine, self.watchdog, self.tracers = run.engine, run.watchdog, run.tracers
-        self.pipeline_workers = run.pipeline_workers  # what checkpoints and reports hold
+        parts = assemble_run(cfg, world, placement, partition, self.input_shape,
+                             self.microbatches_per_epoch, diagnostics=self._write_diagnostics,
+                             kept=kept)
+        self.engine, self.watchdog, self.tracers = parts.engine, parts.watchdog, parts.tracers
+        self.pipeline_workers = parts.pipeline_workers  # what checkpoints and reports hold
         self.writer = MetricsWriter(cfg.run.out_dir, cfg.run.tensorboard) if self.writes else None
         self.identity, self.layout, manifest_head = describe_run(
-            cfg, placement, run.stages[0].partition, self.microbatches_per_epoch,
-            run.steps_per_epoch, run.lr_schedule.peak, self.input_shape[-1], kept)
+            cfg, placement, parts.stages[0].partition, self.microbatches_per_epoch,
+            parts.steps_per_epoch, parts.lr_schedule.peak, self.input_shape[-1], kept)
         self.checkpoints = RunCheckpoints(cfg, world, placement, self.pipeline_workers,
-                                          manifest_head, self.writer, run.tracer, self.watchdog)
+                                          manifest_head, self.writer, parts.tracer, self.watchdog)
         self.load_state_dict({"epoch": 0, "position": 0, "best_val_acc": None, "history": [],
                               "wall_time_s": 0.0})
         changes = []
         if resume:
             resume, state, changes = load_resume(cfg, world, resume, self.identity, self.layout,
-                                                 run.workers, placement.device)
+                                                 parts.workers, placement.device)
             self.load_state_dict(state)
         # A finished run's directory: the same command again has nothing left to train.
         self.already_finished = bool(resume) and self.state["epoch"] >= cfg.train.epochs
@@ -381,7 +381,7 @@ class Trainer:
         with self.watchdog.collective("end of the run", END_GRACE_S):
             self.close()
             if self.world:  # every rank here first: the gathers below keep the GIL as they wait
-                self.world.comm.Barrier()
+                self.world.barrier()
             memory = ([stage_memory(w.stage, w.optimizer) for w in self.pipeline_workers]
                       if placement.replica == 0 else [])
             if self.world:
@@ -393,7 +393,7 @@ class Trainer:
                               "accumulation": cfg.train.accumulation})
             status = self._final_outputs(memory)
             if self.world:  # the ranks leave together, once the outputs are written: srun ends
-                self.world.comm.Barrier()  # the others once the first one exits
+                self.world.barrier()  # the others once the first one exits
         return status
 
     def _final_outputs(self, memory) -> int:

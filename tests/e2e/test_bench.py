@@ -137,15 +137,20 @@ def test_bench_data_times_every_loader_and_the_jpeg_path():
 
 
 @pytest.mark.extended
-def test_bench_peers_on_the_language_model():
+def test_bench_peers_on_the_language_model_over_one_transport():
     """--model revlm: PETRA on the reversible LM against the pipelines on the plain LM, fed
-    windows of token ids with a label per token; speeds also in tokens per second."""
+    windows of token ids with a label per token; speeds also in tokens per second. With
+    --transport torch PETRA's messages go over gloo, as the pipelines' do (the test below
+    races over MPI)."""
     proc = mpirun(2, ["-m", "petra_mpi.bench", "peers", "--model", "revlm", "--width", "16",
                       "--depth", "2", "--heads", "2", "--context", "8", "--batch", "4",
                       "--microbatches", "4", "--accumulation", "1", "--rounds", "1",
-                      "--threads", "1", "--no-zero-bubble"], timeout=600)
+                      "--threads", "1", "--no-zero-bubble", "--transport", "torch"], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert record["transport"] == {"ours": "gloo", "pipelining": "gloo"}
+    assert "messages: ours over gloo, pipelining over gloo" in proc.stdout
+    assert "transport torch.distributed gloo" in proc.stderr
     assert (record["model"], record["plain_model"], record["context"]) == ("revlm", "lm", 8)
     # embedding + 2 decoder blocks + head, on 2 ranks each
     assert sum(record["partition"]) == sum(record["pt_partition"]) == 4
@@ -186,6 +191,7 @@ def test_bench_peers_runs_every_contender(tmp_path):
         for r in w["per_rank"]:
             assert 0 < r["compute_s"] < r["wall_s"] and 0 <= r["wait_s"] < r["wall_s"], name
     assert record["bench"] == "peers" and record["ranks"] == 2
+    assert record["transport"] == {"ours": "mpi", "pipelining": "gloo"}
     # one update per K micro-batches for every contender: a pipelining step runs max(K, J)
     assert record["accumulation"] == 2 and record["pt_microbatches"] == 2
     # the pipelines on PETRA's own net take its split when the splits are given

@@ -221,6 +221,8 @@ KINDS = {
     '[mpirun -n P] python -m petra_mpi.bench scaling': ("usage", None),
     'mpirun -n J python -m petra_mpi.bench emulate': ("usage", None),
     'mpirun -n J python -m petra_mpi.bench peers': ("usage", None),
+    'torchrun --standalone --nproc-per-node 2 -m petra_mpi.train configs/quickstart.yaml --set comm.transport=torch --set run.device=cuda --set model.stages=2 --set run.out_dir=runs/quickstart_nccl':
+        ("gpu", None),
     # docs/plots.md, revvit.md
     "pip install -e '.[plot]'": ("install", None),
     'python -m petra_mpi.plot RUN_DIR [RUN_DIR ...] [--out DIR] [--labels A,B] [--trace-window S] [--trace-start S]':
@@ -238,6 +240,9 @@ KINDS = {
     'mpirun -n 10 python -m petra_mpi.train configs/table2/imagenet32/revnet18_petra.yaml --set train.accumulation=8 --set run.out_dir=runs/table2/imagenet32/revnet18_petra_k8':
         ("download", None),
     'python -m petra_mpi.export RUN_DIR [--checkpoint PATH] --out model.pt': ("usage", None),
+    'torchrun --standalone --nproc-per-node 4 -m petra_mpi.train configs/quickstart.yaml --set comm.transport=torch --set run.out_dir=runs/quickstart_torch':
+        ("run", r"petra_mpi: 4 ranks, transport torch\.distributed gloo, compression none"
+                r"[\s\S]*outputs in runs/quickstart_torch$"),
     'python -m petra_mpi.watchdog --diagnose RUN_DIR': ("usage", None),
     # docs/testing.md
     'python -m pytest -q -m extended': ("suite", None),

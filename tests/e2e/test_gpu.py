@@ -1,12 +1,15 @@
 """GPU paths: device tensors through the MPI transport, pinned host staging, and CUDA-aware MPI
-when the library supports it. These need CUDA and skip without it (this project's CI machines
-have no GPU; they run on the GPU machine, see the README)."""
+when the library supports it; the torch.distributed transport over NCCL. These need CUDA and
+skip without it (this project's CI machines have no GPU; they run on the GPU machine, see the
+README)."""
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from tests.support.launch import mpirun
+from tests.support.launch import mpirun, torchrun
 from tests.support.outputs import check_run_outputs
 from tests.support.paths import PROGRAMS, QUICK, ROOT
 
@@ -47,6 +50,19 @@ def assert_states_close(want, got, rtol, atol):
 PINNED_SPLIT = "model.partition=[5, 5]"
 
 
+def assert_trains_as_one_gpu_process(tmp_path, args, ranks_dir):
+    """The training `args` (train's arguments) in one GPU process ends where the ranks' run in
+    ranks_dir ended: same device and kernels, so only non-deterministic reductions (atomics in
+    cuDNN's weight gradients) may differ, and every parameter and BN buffer of both stages must
+    agree closely."""
+    local = subprocess.run([sys.executable, *args, "--set", f"run.out_dir={tmp_path / 'local'}"],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert local.returncode == 0, local.stderr[-3000:]
+    assert_states_close(final_stage_states(tmp_path / "local", 2),
+                        final_stage_states(ranks_dir, 2), rtol=1e-4, atol=1e-6)
+
+
 def final_stage_states(out_dir, stages):
     """Every stage's parameters and buffers from the run's last checkpoint (end of epoch 1)."""
     from petra_mpi.run.checkpoint import complete_checkpoints
@@ -58,7 +74,7 @@ def final_stage_states(out_dir, stages):
 
 @pytest.mark.parametrize("aware", ["0", "1"])
 def test_mpi_training_on_gpu(tmp_path, aware):
-    from petra_mpi.comm.transport import cuda_aware_mpi
+    from petra_mpi.comm.mpi import cuda_aware_mpi
     if aware == "1" and not cuda_aware_mpi()[0]:
         pytest.skip("the MPI library is not CUDA-aware")
     proc = mpirun(2, ["-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",
@@ -73,23 +89,25 @@ def test_mpi_training_on_gpu(tmp_path, aware):
 def test_mpi_equivalence_cpu_vs_gpu_staging(tmp_path):
     """The same training on GPU ranks (staged through pinned memory) and in one GPU process ends
     with the same parameters and buffers on every stage."""
-    env = {"PETRA_MPI_CUDA_AWARE": "0"}
-    proc = mpirun(2, ["-m", "petra_mpi.train", "configs/quickstart.yaml", "--set",
-                      f"run.out_dir={tmp_path / 'mpi'}", *QUICK, "--set", "run.device=cuda",
-                      "--set", PINNED_SPLIT], timeout=300, env=env)
+    args = ["-m", "petra_mpi.train", "configs/quickstart.yaml", *QUICK, "--set",
+            "run.device=cuda", "--set", PINNED_SPLIT]
+    proc = mpirun(2, [*args, "--set", f"run.out_dir={tmp_path / 'mpi'}"], timeout=300,
+                  env={"PETRA_MPI_CUDA_AWARE": "0"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    import subprocess
-    import sys
-    local = subprocess.run([sys.executable, "-m", "petra_mpi.train", "configs/quickstart.yaml",
-                            "--set", f"run.out_dir={tmp_path / 'local'}", *QUICK, "--set",
-                            "run.device=cuda", "--set", PINNED_SPLIT], capture_output=True,
-                           text=True, timeout=300, cwd=ROOT,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert local.returncode == 0, local.stderr[-3000:]
-    # Same device and kernels, so only non-deterministic reductions (atomics in cuDNN's weight
-    # gradients) may differ: every parameter and BN buffer of both stages must agree closely.
-    assert_states_close(final_stage_states(tmp_path / "local", 2),
-                        final_stage_states(tmp_path / "mpi", 2), rtol=1e-4, atol=1e-6)
+    assert_trains_as_one_gpu_process(tmp_path, args, tmp_path / "mpi")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL wants one GPU per rank")
+def test_nccl_training_equals_one_gpu_process(tmp_path):
+    """comm.transport torch on GPUs (NCCL, started by torchrun): the training of one GPU process,
+    every stage's parameters and buffers."""
+    args = ["-m", "petra_mpi.train", "configs/quickstart.yaml", *QUICK, "--set",
+            "run.device=cuda", "--set", PINNED_SPLIT]
+    proc = torchrun(2, [*args, "--set", "comm.transport=torch",
+                        "--set", f"run.out_dir={tmp_path / 'nccl'}"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "transport torch.distributed nccl" in proc.stderr
+    assert_trains_as_one_gpu_process(tmp_path, args, tmp_path / "nccl")
 
 
 def test_gpu_jpeg_decode_is_stream_safe(tmp_path):
@@ -97,8 +115,6 @@ def test_gpu_jpeg_decode_is_stream_safe(tmp_path):
     kernels still read. The side-stream decode must train stage 0 bitwise as a run that
     synchronises the whole device before every decode."""
     pytest.importorskip("torchvision.io")
-    import subprocess
-    import sys
     script = PROGRAMS / "decode_training.py"
     for sync in ("0", "1"):
         proc = subprocess.run([sys.executable, str(script), str(tmp_path / f"sync{sync}.pt"), sync],
@@ -129,8 +145,6 @@ def test_bench_pipeline_on_gpu(precision):
 def test_bench_data_decodes_jpeg_on_the_gpu():
     pytest.importorskip("torchvision.io")
     import json
-    import subprocess
-    import sys
     proc = subprocess.run([sys.executable, "-m", "petra_mpi.bench", "data", "synthetic",
                            "--device", "cuda", "--seconds", "0.5", "--synthetic-n", "512",
                            "--jpeg-demo", "--decode-pool", "thread"], capture_output=True,
@@ -147,7 +161,7 @@ def test_bench_data_decodes_jpeg_on_the_gpu():
 def test_channels_last_messages_keep_their_layout_on_gpu(aware):
     """Sent from the producer's memory (or its pinned copy in the same layout), received with
     channels-last strides, a short batch into the full-size buffer."""
-    from petra_mpi.comm.transport import cuda_aware_mpi
+    from petra_mpi.comm.mpi import cuda_aware_mpi
     if aware == "1" and not cuda_aware_mpi()[0]:
         pytest.skip("the MPI library is not CUDA-aware")
     proc = mpirun(2, [PROGRAMS / "layout.py", "cuda"], timeout=300,
@@ -184,7 +198,7 @@ def test_waiting_for_gpu_data_polls_mpi():
     until the GPU passes the event, and returns only then: the data the kernels before the event
     wrote is there when it returns."""
     from petra_mpi.comm.transport import Transport
-    transport = Transport(torch.device("cuda"), cuda_aware=False)
+    transport = Transport(torch.device("cuda"), False)
     box = CountingBox()
     transport.boxes.append(box)
     written = torch.ones(1, device="cuda")
@@ -209,7 +223,7 @@ def test_received_gpu_buffer_stays_reserved_while_the_compute_stream_reads_it():
     with record_stream: freed while a queued kernel still reads them, their memory must not go to
     the next receive (which MPI would write at once) until the compute stream has passed."""
     from petra_mpi.comm.transport import Transport
-    transport = Transport(torch.device("cuda"), cuda_aware=True)
+    transport = Transport(torch.device("cuda"), True)
     shape = (64, 1024)
     cycles = 10**8
     while True:
@@ -238,11 +252,9 @@ def test_received_gpu_buffer_stays_reserved_while_the_compute_stream_reads_it():
 def test_replica_average_on_gpu(tmp_path, aware, collectives, path):
     """2 replicas x 2 stages on the GPU: the average takes the path the library is trusted with,
     and training ends where one GPU process simulating both replicas ends (the same average)."""
-    from petra_mpi.comm.transport import cuda_aware_mpi
+    from petra_mpi.comm.mpi import cuda_aware_mpi
     if aware == "1" and not cuda_aware_mpi()[0]:
         pytest.skip("the MPI library is not CUDA-aware")
-    import subprocess
-    import sys
     args = ["-m", "petra_mpi.train", "configs/quickstart.yaml", *QUICK, "--set",
             "run.device=cuda", "--set", "train.replicas=2", "--set", PINNED_SPLIT]
     proc = mpirun(4, [*args, "--set", f"run.out_dir={tmp_path / 'mpi'}"], timeout=300,
@@ -250,13 +262,7 @@ def test_replica_average_on_gpu(tmp_path, aware, collectives, path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"replica average {path}" in proc.stderr
     check_run_outputs(tmp_path / "mpi", epochs=1, stages=2)
-    local = subprocess.run([sys.executable, *args, "--set", f"run.out_dir={tmp_path / 'local'}"],
-                           capture_output=True, text=True, timeout=300, cwd=ROOT,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert local.returncode == 0, local.stderr[-3000:]
-    # as in test_mpi_equivalence_cpu_vs_gpu_staging: only cuDNN's atomics may differ
-    assert_states_close(final_stage_states(tmp_path / "local", 2),
-                        final_stage_states(tmp_path / "mpi", 2), rtol=1e-4, atol=1e-6)
+    assert_trains_as_one_gpu_process(tmp_path, args, tmp_path / "mpi")
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp16", "int8", "int8_channel"])

@@ -20,7 +20,7 @@ from tests.support import slurm_cluster
 from petra_mpi.config import load_config, num_replicas, num_stages, validate
 from tests.support import paths
 from tests.support.outputs import printed_rank_map
-from petra_mpi.comm.watchdog import startup_report
+from petra_mpi.run.watchdog import startup_report
 
 ROOT = str(paths.ROOT)
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "slurm", "*.sh")))

@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.launch import mpirun
 from tests.support.paths import PROGRAMS, QUICK, ROOT
-from petra_mpi.comm.watchdog import EXIT_STALLED, diagnose, read_rank_map, read_reports
+from petra_mpi.run.watchdog import EXIT_STALLED, diagnose, read_rank_map, read_reports
 
 
 # What mpirun passes on: EXIT_STALLED, or, when a rank's exit made it kill the others before they
@@ -22,20 +22,23 @@ from petra_mpi.comm.watchdog import EXIT_STALLED, diagnose, read_rank_map, read_
 ENDED_BY_WATCHDOG = (EXIT_STALLED, 9)
 
 
-def stalled_run(fault, microbatch, tmp_path):
-    """3 ranks of the quick start, rank 1 stalled (tests/programs/faulty_train.py), watchdog 3 s:
-    the finished process and its output."""
+def stalled_run(fault, microbatch, tmp_path, transport="mpi"):
+    """3 ranks of the quick start, rank 1 stalled (tests/programs/faulty_train.py), watchdog 3 s,
+    messages over comm.transport `transport`: the finished process and its output."""
     proc = mpirun(3, [PROGRAMS / "faulty_train.py", fault, 1, microbatch,
                       "configs/quickstart.yaml", "--set", f"run.out_dir={tmp_path}",
-                      "--set", "run.watchdog_s=3", *QUICK], timeout=120)
+                      "--set", "run.watchdog_s=3", "--set", f"comm.transport={transport}",
+                      *QUICK], timeout=120)
     return proc, proc.stdout + proc.stderr
 
 
-def test_a_stalled_rank_ends_the_job_and_every_rank_reports(tmp_path):
+@pytest.mark.parametrize("transport", ["mpi", pytest.param("torch", marks=pytest.mark.extended)])
+def test_a_stalled_rank_ends_the_job_and_every_rank_reports(tmp_path, transport):
     """Rank 1's forward of micro-batch 5 sleeps for an hour; with run.watchdog_s=3 each rank
     prints its last action and pending messages: rank 1 that its own work stalled, ranks 0 and 2
-    that they wait on rank 1. The job ends (ENDED_BY_WATCHDOG) instead of hanging."""
-    proc, out = stalled_run("stall", 5, tmp_path)
+    that they wait on rank 1. The job ends (ENDED_BY_WATCHDOG) instead of hanging, over either
+    transport."""
+    proc, out = stalled_run("stall", 5, tmp_path, transport)
     assert proc.returncode in ENDED_BY_WATCHDOG, out[-3000:]
     heads = dict(re.findall(r"petra_mpi: watchdog: rank (\d) \(\S+, stage \d\): (.*)", out))
     assert sorted(heads) == ["0", "1", "2"], out[-3000:]

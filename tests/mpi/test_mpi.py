@@ -1,6 +1,7 @@
 """The MPI engine under real mpirun: invariant 3 (same parameters as the single-process engine,
-bitwise on CPU: RevNet18 with each method, the reversible ViT, bf16), faults that must end every
-rank, bad world sizes, and the transport's real messages."""
+bitwise on CPU: RevNet18 with each method, the reversible ViT, bf16; over MPI and over
+torch.distributed), faults that must end every rank, bad world sizes, and the transport's real
+messages."""
 import json
 
 import pytest
@@ -44,7 +45,8 @@ EXTENDED = pytest.mark.extended
 # The runs of equivalence.py, by world size: one launch per size trains them all in turn.
 RUNS = {
     2: ["petra:1", "backprop:1", "delayed:2:buffer",
-        "petra:1:irevnet:rebuild_last"],  # its last stage: reversible blocks one after another
+        "petra:1:irevnet:rebuild_last",  # its last stage: reversible blocks one after another
+        "petra:2:torch:short_eval"],  # over torch.distributed (gloo): a header per message
     3: ["petra:2", "backprop:2", "delayed:1:buffer:stash",
         "petra:1:short_eval",  # evaluation's last batch has 2 samples, not 4
         "petra:2:revvit", "petra:2:bf16",
@@ -52,7 +54,8 @@ RUNS = {
         "petra:2:compress:short_eval",  # every compression format, stochastic rounding on
         "petra:2:compensate"],  # every delay compensation at once
     4: ["petra:1", "petra:2", "backprop:1", "delayed:2:stash", "delayed:1:buffer:compress",
-        "petra:1:compensate:adamw", "delayed:2:buffer:stash:compensate"],
+        "petra:1:compensate:adamw", "delayed:2:buffer:stash:compensate",
+        "petra:2:torch:compress:short_eval", "backprop:1:torch"],
 }
 
 

@@ -121,9 +121,12 @@ def params(state):
     pytest.param(2, 2, "backprop", 2, (), marks=pytest.mark.extended),
     # every delay compensation acts after the replicas' average, the same on each replica
     pytest.param(2, 3, "petra", 2, ("compensate",), marks=pytest.mark.extended),
+    # over torch.distributed: gloo's sum of two gradients is a + b too
+    pytest.param(2, 2, "petra", 2, ("torch",), marks=pytest.mark.extended),
 ])
 def test_replicas_equal_the_local_reference_bitwise(tmp_path, R, J, method, k, flags):
-    """R = 2: MPI's sum of two gradients is a + b in either order, as the reference's is."""
+    """R = 2: the transport's sum of two gradients is a + b in either order, as the reference's
+    is."""
     n = 5  # with k = 2 the last step of each segment averages one micro-batch per replica
     got = launch(tmp_path, R, J, method, k, n, *flags)
     stages, ref_eval = local_reference(R, J, method, k, n, flags=flags)

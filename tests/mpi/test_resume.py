@@ -86,8 +86,11 @@ def events(out_dir):
     return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_signal_checkpoint_resume_equals_running_on(tmp_path):
-    cadence = ["--set", "run.checkpoint_every_microbatches=8"]
+@pytest.mark.parametrize("transport", ["mpi", pytest.param("torch", marks=pytest.mark.extended)])
+def test_signal_checkpoint_resume_equals_running_on(tmp_path, transport):
+    """Over either transport (comm.transport): its stop votes, checkpoint and resume."""
+    cadence = ["--set", "run.checkpoint_every_microbatches=8",
+               "--set", f"comm.transport={transport}"]
     stopped, straight = tmp_path / "stopped", tmp_path / "straight"
     stop_mid_epoch(3, stopped, *cadence)
 

@@ -7,7 +7,8 @@ RUN is METHOD:K[:FLAG...], FLAG one of buffer, stash (the delayed method's switc
 irevnet (the fully invertible irevnet18 instead of RevNet18), bf16 (the blocks compute in bf16),
 compress (COMPRESSED below on every message and buffer), compensate (COMPENSATED below: every
 delay compensation on), adamw (AdamW instead of SGD), rebuild_last (model.rebuild_last_stage: the
-last stage holds no graph). Run RUN writes OUT_DIR/RUN/rank{r}.pt.
+last stage holds no graph), torch (the messages over torch.distributed, comm.transport torch,
+instead of MPI). Run RUN writes OUT_DIR/RUN/rank{r}.pt.
 """
 import os
 import sys
@@ -94,10 +95,13 @@ def main():
     out, n, runs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    world = World.from_environment()
+    worlds = {}  # comm.transport -> the world over it, started when a run first asks for it
     for run in runs:
         method, k, *flags = run.split(":")
-        train_and_save(world, os.path.join(out, run), method, int(k), n, flags)
+        transport = "torch" if "torch" in flags else "mpi"
+        if transport not in worlds:
+            worlds[transport] = World.from_environment(transport)
+        train_and_save(worlds[transport], os.path.join(out, run), method, int(k), n, flags)
 
 
 if __name__ == "__main__":

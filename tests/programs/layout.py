@@ -9,12 +9,15 @@ import sys
 import torch
 from mpi4py import MPI
 
-from petra_mpi.comm.transport import (CHANNELS_LAST, CONTIGUOUS, TAG_ACTIVATION, TAG_GRADIENT, Inbox,
-                            Outbox, Transport, cuda_aware_mpi)
+from petra_mpi.comm.channels import BY_KEY
+from petra_mpi.comm.mpi import MPIGroup, cuda_aware_mpi
+from petra_mpi.comm.transport import CHANNELS_LAST, CONTIGUOUS, Inbox, Outbox, Transport
 
 comm = MPI.COMM_WORLD
 device = torch.device(sys.argv[1])
 transport = Transport(device, cuda_aware_mpi()[0] if device.type == "cuda" else False)
+activation, gradient = (MPIGroup(comm).link(1 - comm.rank, BY_KEY[key], 0)
+                        for key in ("activation", "gradient"))
 shape = (4, 3, 2, 5)
 base = torch.arange(4 * 3 * 2 * 5, dtype=torch.float32, device=device).reshape(shape)
 full = base.contiguous(memory_format=torch.channels_last)
@@ -28,8 +31,8 @@ def fail(message):
 
 
 if comm.rank == 0:
-    last = Outbox(comm, transport, 1, TAG_ACTIVATION, depth=4, layout=CHANNELS_LAST)
-    nchw = Outbox(comm, transport, 1, TAG_GRADIENT, layout=CONTIGUOUS)
+    last = Outbox(activation, transport, depth=4, layout=CHANNELS_LAST)
+    nchw = Outbox(gradient, transport, layout=CONTIGUOUS)
     for t in (full, short):
         last.put(t)
         kept = (last.unposted or last.pending)[-1][1]
@@ -41,8 +44,8 @@ if comm.rank == 0:
     last.flush()
     nchw.flush()
 else:
-    last = Inbox(comm, transport, 0, TAG_ACTIVATION, shape, torch.float32, layout=CHANNELS_LAST)
-    nchw = Inbox(comm, transport, 0, TAG_GRADIENT, shape, torch.float32, layout=CONTIGUOUS)
+    last = Inbox(activation, transport, shape, torch.float32, layout=CHANNELS_LAST)
+    nchw = Inbox(gradient, transport, shape, torch.float32, layout=CONTIGUOUS)
     last.expect(2)
     nchw.expect(1)
     for want in (full, short):

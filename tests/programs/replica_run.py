@@ -5,7 +5,8 @@ gradients every step applied.
 Usage: mpirun -n R*J python tests/programs/replica_run.py OUT_DIR METHOD K N R [flags]
 flags: float64; lr0 (lr = 0, no momentum: record the applied gradients); revvit (the tiny
 BN-free reversible ViT); noreduce (negative control: the replicas never average); compensate
-(every delay compensation on, as equivalence.py's flag).
+(every delay compensation on, as equivalence.py's flag); torch (over torch.distributed:
+comm.transport torch).
 The data: the global sequence global_batches(R * n, seed), replica r reading micro-batches
 r, r + R, r + 2R, ... (as the sampler's shares do).
 """
@@ -62,7 +63,7 @@ def main():
     dtype = torch.float64 if "float64" in flags else torch.float32
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    world = World.from_environment()
+    world = World.from_environment("torch" if "torch" in flags else "mpi")
     world.split(world.size // R)
     J = world.stages
     stages = build(flags, J, dtype, only=world.stage)

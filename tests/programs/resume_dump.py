@@ -46,7 +46,7 @@ def main():
     else:
         sys.exit("the run did not resume from a checkpoint")
     if world:
-        world.comm.Barrier()
+        world.barrier()
 
 
 if __name__ == "__main__":

@@ -85,11 +85,12 @@ def run_mpi(world, out, method, k, n, stage, tick):
 
 def main():
     from mpi4py import MPI
+    from petra_mpi.comm.mpi import MPIGroup
     from petra_mpi.comm.world import World
     out, runs = sys.argv[1], sys.argv[2:]
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    world = World(MPI.COMM_WORLD)  # also with one rank: the MPI engine at J = 1
+    world = World(MPIGroup(MPI.COMM_WORLD))  # also with one rank: the MPI engine at J = 1
     for run in runs:
         method, k, n, stage, tick = run.split(":")
         run_mpi(world, os.path.join(out, run), method, int(k), int(n), int(stage), int(tick))

@@ -25,13 +25,13 @@ if world.launcher_rank_and_size()[0] == stop_rank:
     if where == "mpi":
         start_mpi = world.World.from_environment.__func__
 
-        def stopped_in_mpi_start(cls):
+        def stopped_in_mpi_start(cls, *args, **kw):
             stop()
-            return start_mpi(cls)
+            return start_mpi(cls, *args, **kw)
 
         world.World.from_environment = classmethod(stopped_in_mpi_start)
     else:  # (the trainer, not imported yet, takes the step function from the watchdog)
-        from petra_mpi.comm import watchdog
+        from petra_mpi.run import watchdog
         step = watchdog.startup_step
 
         def stopped_before_training(what):

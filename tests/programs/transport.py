@@ -9,18 +9,21 @@ import sys
 import torch
 from mpi4py import MPI
 
-from petra_mpi.comm.transport import TAG_ACTIVATION, Inbox, Outbox, Transport
+from petra_mpi.comm.channels import BY_KEY
+from petra_mpi.comm.mpi import MPIGroup
+from petra_mpi.comm.transport import Inbox, Outbox, Transport
 
 comm = MPI.COMM_WORLD
-transport = Transport(torch.device("cpu"), cuda_aware=False)
+transport = Transport(torch.device("cpu"), False)
+link = MPIGroup(comm).link(1 - comm.rank, BY_KEY["activation"], 0)
 sent = torch.arange(6, dtype=torch.float32).reshape(3, 2)
 if comm.rank == 0:
-    box = Outbox(comm, transport, 1, TAG_ACTIVATION)
+    box = Outbox(link, transport)
     box.put(sent)
     box.flush()
     comm.Barrier()
 else:
-    box = Inbox(comm, transport, 0, TAG_ACTIVATION, (4, 2), torch.float32)
+    box = Inbox(link, transport, (4, 2), torch.float32)
     box.expect(1)
     comm.Barrier()
     for _ in range(3):

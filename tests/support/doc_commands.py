@@ -33,7 +33,8 @@ SHORTEN = ["--set", "train.epochs=1", "--set", "train.limit_batches=8",
 
 # What an untagged block's command line starts with (its other lines are output or code).
 COMMAND_WORDS = ("python -", "mpirun ", "pip ", "sbatch ", "srun ", "squeue ", "bash ",
-                 "module ", "tail ", "slurm/", "nvidia-cuda-mps-control", "echo ", "[mpirun ")
+                 "module ", "tail ", "slurm/", "nvidia-cuda-mps-control", "echo ", "[mpirun ",
+                 "torchrun ")
 _ENV = re.compile(r"^(?:[A-Z_][A-Z0-9_]*=\S*\s+)+")  # leading VAR=value assignments
 _INLINE = re.compile(r"`([^`\n]+)`")
 # An inline span that is a command, not a mention of a program: a module run, a launch of one,

@@ -21,6 +21,16 @@ def mpirun(n, args, timeout=180, env=None):
                           env=full_env)
 
 
+def torchrun(n, args, timeout=180, env=None):
+    """torchrun of n processes for real, under a timeout; --standalone: its rendezvous on a free
+    port, so launches beside each other do not meet."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(n)] + [str(a) for a in args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=full_env)
+
+
 def run_plot(*args):
     return subprocess.run([sys.executable, "-m", "petra_mpi.plot", *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)

@@ -40,7 +40,7 @@ def check_png(path):
 def printed_rank_map(hosts) -> str:
     """The rank map that rank 0 of a run prints at start-up (comm/devices.rank_map, through
     World.map_ranks) for one rank on each of `hosts`, lines ending in a newline; map_ranks'
-    allgather answered as those ranks would."""
+    allgather answered by a stand-in for the transport's group, as those ranks would."""
     import torch
     from petra_mpi.comm.devices import rank_map
     from petra_mpi.comm.world import World
@@ -50,6 +50,6 @@ def printed_rank_map(hosts) -> str:
             return [(host, *mine[1:]) for host in hosts]
 
     world = World.__new__(World)
-    world.comm, world.rank, world.local_rank = Gathered(), 0, 0
+    world._group, world.rank, world.local_rank = Gathered(), 0, 0
     world.stages, world.replicas = len(hosts), 1
     return rank_map(world, torch.device("cpu")) + "\n"

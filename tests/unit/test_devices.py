@@ -27,6 +27,8 @@ from petra_mpi.comm.devices import gpu_index, launcher_local_rank
     # mpirun inside sbatch: the MPI launcher's local rank wins over the batch step's SLURM_LOCALID
     ({"SLURM_LOCALID": "0", "OMPI_COMM_WORLD_LOCAL_RANK": "2"}, 4, None, 2),
     ({"SLURM_LOCALID": "0", "MPI_LOCALRANKID": "3"}, 4, None, 3),
+    # torchrun inside sbatch: its LOCAL_RANK, not the batch step's SLURM_LOCALID
+    ({"SLURM_LOCALID": "0", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "7"}, 4, None, 1),
     # no launcher variable: MPI's node-local rank once known, else undecided with several GPUs
     ({}, 4, 2, 2),
     ({}, 4, None, None),

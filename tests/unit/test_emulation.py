@@ -12,6 +12,7 @@ from petra_mpi.core.blockcost import BlockCosts
 from petra_mpi.perf.emulation import (Clock, Profile, WaitingStage, balanced_profile,
                                       file_profile, paper_profile, probe_shapes)
 from petra_mpi.engines.build import build_stages
+from petra_mpi.comm.mpi import MPIRequest
 from petra_mpi.comm.transport import Transport
 
 
@@ -137,6 +138,8 @@ def test_a_wait_polls_between_sleeps_and_a_zero_scale_does_not_wait(monkeypatch)
 
 
 class _Request:
+    """An MPI request (what mpi4py gives) that completes at its tests_before_done-th test."""
+
     def __init__(self, tests_before_done):
         self.left, self.waited = tests_before_done, False
 
@@ -152,13 +155,13 @@ def test_transport_wait_sleeps_between_tests_only_when_asked(monkeypatch):
     monkeypatch.delenv("PETRA_MPI_POLL_SLEEP", raising=False)
     plain = Transport(torch.device("cpu"), False)
     request = _Request(3)
-    plain.wait(request)
+    plain.wait(MPIRequest(request))
     assert request.waited  # MPI's own Wait by default
     monkeypatch.setenv("PETRA_MPI_POLL_SLEEP", "0.0001")
     sleeping = Transport(torch.device("cpu"), False)
     assert sleeping.poll_sleep == 0.0001
     request = _Request(3)
-    sleeping.wait(request)
+    sleeping.wait(MPIRequest(request))
     assert not request.waited and request.left == -1  # tested until done, never Wait
 
 

@@ -1,5 +1,7 @@
 """The package's layers (docs/design.md, "Module map"): a module imports only from its own layer
-or the layers below it, so each folder can be read, and tested, without the ones above."""
+or the layers below it, so each folder can be read, and tested, without the ones above; and only
+comm/ talks across ranks (mpi4py is imported there alone, and no one else reaches for a world's
+communicator: World is the one object that talks across ranks)."""
 import ast
 import pathlib
 
@@ -66,3 +68,37 @@ def test_the_check_sees_an_upward_import():
     found = list(imports_of("from ..run.trainer import Trainer\nfrom . import schedule\n", module))
     assert found == [("run", "trainer"), ("core", "schedule")]
     assert layer_of(found[0]) > layer_of(module) == layer_of(found[1])
+
+
+def talks_across_ranks(source):
+    """What `source` does that only comm/ may: imports of mpi4py, and uses of a world's
+    communicator (world.comm, self.world.comm, bench.world.comm...)."""
+    def names_a_world(node):
+        return (isinstance(node, ast.Name) and node.id == "world"
+                or isinstance(node, ast.Attribute) and node.attr == "world")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            yield from (f"imports {a.name}" for a in node.names
+                        if a.name.split(".")[0] == "mpi4py")
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module.split(".")[0] == "mpi4py":
+                yield f"imports from {node.module}"
+        elif isinstance(node, ast.Attribute) and node.attr == "comm" and names_a_world(node.value):
+            yield f"line {node.lineno}: uses {ast.unparse(node)}"
+
+
+def test_only_comm_talks_across_ranks():
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts[0] != "comm":
+            wrong += [f"{'/'.join(parts)}: {what}" for what in talks_across_ranks(path.read_text())]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_check_sees_mpi_and_a_worlds_communicator():
+    found = list(talks_across_ranks(
+        "import mpi4py\nfrom mpi4py import MPI\nx = world.comm.bcast(1)\n"
+        "self.world.comm.Barrier()\nn = cfg.comm.forward\nfrom .comm import world\n"))
+    assert found == ["imports mpi4py", "imports from mpi4py", "line 3: uses world.comm",
+                     "line 4: uses self.world.comm"]

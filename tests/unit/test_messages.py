@@ -1,18 +1,19 @@
 """Communication as data: the schedule lowered with its messages (TickSchedule.lowered) pairs
-every send with its receive across the stages, for every method, J <= 10, k <= 4, in a whole
-segment and in one a stop shortened at any tick, and every receive a rank posts ahead still gets
-its message. The engines run exactly these lowered actions (engines/segment.py), so a schedule
-whose messages do not pair fails here, not as a hang under mpirun."""
+every send with its receive across the stages, channel by channel of the channel table
+(comm/channels.py), for every method, J <= 10, k <= 4, in a whole segment and in one a stop
+shortened at any tick, and every receive a rank posts ahead still gets its message. The engines
+run exactly these lowered actions (engines/segment.py), so a schedule whose messages do not pair
+fails here, not as a hang under mpirun."""
 from collections import Counter, defaultdict
 
 import pytest
 
-from petra_mpi.comm.transport import RECEIVE_DEPTH
+from petra_mpi.comm.channels import CHANNELS, of_action
 from petra_mpi.core.schedule import (METHODS, RECEIVER, Action, ForwardOnlySchedule, Kind,
                                      PetraSchedule, schedule_for)
 from petra_mpi.engines.stopping import stop_count
 
-RECEIVES = set(RECEIVER.values())
+RECEIVES = {Kind(c.receive) for c in CHANNELS}
 
 
 def plan_of(schedule, n, stop_tick=None, cache=None):
@@ -32,24 +33,28 @@ def plan_of(schedule, n, stop_tick=None, cache=None):
     return plan, length
 
 
-def channels(plan):
-    """(sends, receives): per (receive kind, sender, receiver), the (tick, micro-batch) of each
-    message in the order its sender sends it, or its receiver receives it."""
+def channels(schedule, plan):
+    """(sends, receives): per (channel of the table, sender, receiver), the (tick, micro-batch)
+    of each message in the order its sender sends it, or its receiver receives it. Each send
+    goes to, and each receive comes from, the stage the table's channel names."""
     sends, receives = defaultdict(list), defaultdict(list)
     for s, actions in plan.items():
         for t, a in actions:
             assert a.stage == s
-            if a.kind in RECEIVER:
-                sends[(RECEIVER[a.kind], s, a.peer)].append((t, a.microbatch))
-            elif a.kind in RECEIVES:
-                receives[(a.kind, a.peer, s)].append((t, a.microbatch))
+            for c in of_action(a.kind.value):
+                if a.kind.value == c.send:
+                    assert a.peer == c.receiver(s, schedule.J), (c.key, a)
+                    sends[(c.key, s, a.peer)].append((t, a.microbatch))
+                else:
+                    assert a.peer == c.sender(s, schedule.J), (c.key, a)
+                    receives[(c.key, a.peer, s)].append((t, a.microbatch))
     return sends, receives
 
 
 def check_pairs(schedule, plan, length):
     """Every send has its receive, on the stage it names, in order, at a later tick; each stage
     receives what TickSchedule.receives says; the data enters and the results leave once each."""
-    sends, receives = channels(plan)
+    sends, receives = channels(schedule, plan)
     assert sends.keys() == receives.keys(), (sorted(sends), sorted(receives))
     for key, sent in sends.items():
         got = receives[key]
@@ -64,13 +69,14 @@ def check_pairs(schedule, plan, length):
 
 
 def check_posted_receives(schedule, plan, n, length, stop_tick):
-    """What a rank's streams posted before the stop applied (up to RECEIVE_DEPTH ahead of what
-    they received, never more than announced) must still come in the shortened segment."""
+    """What a rank's streams posted before the stop applied (up to their channel's `ahead` past
+    what they received, never more than announced) must still come in the shortened segment."""
     for s, actions in plan.items():
         before, after = schedule.receives(s, n), schedule.receives(s, length)
         received = Counter(a.kind for t, a in actions if t < stop_tick and a.kind in RECEIVES)
         for kind in RECEIVES:
-            posted = min(before[kind], received[kind] + RECEIVE_DEPTH)
+            ahead = max(c.ahead for c in of_action(kind.value))
+            posted = min(before[kind], received[kind] + ahead)
             assert posted <= after[kind], (s, kind, stop_tick)
 
 
@@ -130,3 +136,22 @@ class SwappedSend(PetraSchedule):
 def test_the_pairing_catches_a_swapped_send():
     with pytest.raises(AssertionError):
         check_segment(SwappedSend(3), 7)
+
+
+def test_every_channel_is_sent_and_received_by_actions_of_the_schedule():
+    assert {Kind(c.send) for c in CHANNELS} == set(RECEIVER)
+    assert all(RECEIVER[Kind(c.send)] is Kind(c.receive) for c in CHANNELS)
+    assert [c.key for c in of_action(Kind.SEND_B.value)] == ["rebuilt", "gradient"]  # x̃, δ
+
+
+class FarChannel(PetraSchedule):
+    """PETRA whose backward messages skip a stage: what the table says no channel does."""
+
+    def _message(self, kind, s, b):
+        a = super()._message(kind, s, b)
+        return Action(kind, s, b, a.peer - 1) if kind is Kind.SEND_B and a.peer > 0 else a
+
+
+def test_the_pairing_catches_a_message_to_a_stage_its_channel_does_not_name():
+    with pytest.raises(AssertionError):
+        check_segment(FarChannel(4), 7)

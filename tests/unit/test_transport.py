@@ -1,18 +1,18 @@
-"""The transport's logic on the CPU (comm/transport.py, replicas.py): when a pooled receive buffer may be
-reused, how the host waits for GPU data (by polling MPI, never by blocking), which path the
-replicas' average takes, and messages in channels-last layout. GPU events and MPI requests are
-played by fakes here; tests/mpi/test_mpi.py sends real messages, and tests/e2e/test_gpu.py
+"""The transport's logic on the CPU (comm/transport.py, mpi.py, replicas.py): when a pooled receive
+buffer may be reused, how the host waits for GPU data (by polling MPI, never by blocking), which
+path the replicas' average takes, and messages in channels-last layout. GPU events and MPI requests
+are played by fakes here; tests/mpi/test_mpi.py sends real messages, and tests/e2e/test_gpu.py
 runs the real thing where a GPU exists."""
 import sys
 
-import numpy as np
 import pytest
 import torch
 
-from petra_mpi.comm.transport import (CHANNELS_LAST, CONTIGUOUS, TAG_ACTIVATION, HostPool, Inbox, Outbox,
-                            Transport, device_collectives, empty_in_layout, in_layout, layout_of,
-                            storage_order)
-from petra_mpi.comm.replicas import MPIMean, average_path
+from petra_mpi.comm.channels import BY_KEY
+from petra_mpi.comm.mpi import MPIGroup, MPIRequest, device_collectives
+from petra_mpi.comm.replicas import ReplicaMean, average_path
+from petra_mpi.comm.transport import (CHANNELS_LAST, CONTIGUOUS, HostPool, Inbox, Outbox, Transport,
+                                      empty_in_layout, in_layout, layout_of, storage_order)
 
 # ---------------------------------------------------------------- receive-buffer pool
 
@@ -114,6 +114,9 @@ class FakeComm:
     def Get_size(self):
         return 2
 
+    def Get_rank(self):
+        return 0
+
     def Isend(self, buf, dest, tag):
         what = buf if isinstance(buf, str) else "host tensor"
         self.log.append(("send", what))
@@ -128,9 +131,14 @@ class FakeComm:
         return FakeRequest(self.log, "allreduce")
 
 
+def link(comm, peer):
+    """The activation stream with rank `peer` over a fake communicator."""
+    return MPIGroup(comm).link(peer, BY_KEY["activation"], 0)
+
+
 def test_a_poll_posts_only_what_is_ready():
-    comm, transport = FakeComm(), Transport(torch.device("cpu"), cuda_aware=False)
-    outbox = Outbox(comm, transport, 1, TAG_ACTIVATION)
+    comm, transport = FakeComm(), Transport(torch.device("cpu"), False)
+    outbox = Outbox(link(comm, 1), transport)
     outbox.unposted.extend([("a", None, FakeEvent(1)), ("b", None, FakeEvent(0))])
     transport.poll()
     assert [e for e in comm.log if e[0] == "send"] == []  # b waits behind a: MPI matches in order
@@ -178,12 +186,12 @@ def test_a_receive_does_not_wait_for_the_gpu_data_of_earlier_sends():
     forward's receive: the receive returns as soon as its message is there, and a send whose
     data become ready meanwhile goes out during the wait (the neighbour this rank waits for may
     be waiting for it)."""
-    comm, transport = ArrivingComm(), Transport(torch.device("cpu"), cuda_aware=False)
-    inbox = Inbox(comm, transport, 0, TAG_ACTIVATION, (2, 3), torch.float32)
+    comm, transport = ArrivingComm(), Transport(torch.device("cpu"), False)
+    inbox = Inbox(link(comm, 0), transport, (2, 3), torch.float32)
     inbox.expect(1)
-    ready_soon = Outbox(comm, transport, 2, TAG_ACTIVATION)
+    ready_soon = Outbox(link(comm, 2), transport)
     ready_soon.unposted.append(("ready soon", None, FakeEvent(1)))
-    behind_kernels = Outbox(comm, transport, 1, TAG_ACTIVATION)
+    behind_kernels = Outbox(link(comm, 1), transport)
     held = HeldEvent()
     behind_kernels.unposted.append(("behind kernels", None, held))
     inbox.get()
@@ -200,12 +208,12 @@ def test_finishing_the_replica_average_does_not_wait_for_other_sends_gpu_data():
     """The all-reduce of the replicas' average waits for its own bucket only: a send queued
     behind kernels elsewhere stays unposted while the average completes, and sends whose data
     become ready during the wait go out in order, each once."""
-    comm, transport = ArrivingComm(), Transport(torch.device("cpu"), cuda_aware=False)
-    mean = MPIMean(comm, transport, "cpu")
+    comm, transport = ArrivingComm(), Transport(torch.device("cpu"), False)
+    mean = ReplicaMean(MPIGroup(comm), transport, "cpu")
     worker = FakeWorker([[2.0, 4.0]])
     mean.start(worker)
-    mean.request = ArrivingRequest(comm.log, "allreduce", tests=4)
-    outbox = Outbox(comm, transport, 1, TAG_ACTIVATION, depth=4)
+    mean.request = MPIRequest(ArrivingRequest(comm.log, "allreduce", tests=4))
+    outbox = Outbox(link(comm, 1), transport, depth=4)
     held = HeldEvent()
     outbox.unposted.extend([("a", None, FakeEvent(1)), ("b", None, FakeEvent(0)),
                             ("behind kernels", None, held)])
@@ -218,10 +226,11 @@ def test_finishing_the_replica_average_does_not_wait_for_other_sends_gpu_data():
 def test_making_room_for_a_send_waits_for_the_oldest_send_not_the_gpu():
     """Two sends in flight and a third behind a kernel: room is made by the oldest send
     completing; the third waits for its data in the queue, not the host."""
-    comm, transport = FakeComm(), Transport(torch.device("cpu"), cuda_aware=False)
-    outbox = Outbox(comm, transport, 1, TAG_ACTIVATION, depth=2)
+    comm, transport = FakeComm(), Transport(torch.device("cpu"), False)
+    outbox = Outbox(link(comm, 1), transport, depth=2)
     oldest = ArrivingRequest(comm.log, "oldest", tests=2)
-    outbox.pending.extend([(oldest, None), (ArrivingRequest(comm.log, "next", tests=2), None)])
+    outbox.pending.extend([(MPIRequest(oldest), None),
+                           (MPIRequest(ArrivingRequest(comm.log, "next", tests=2)), None)])
     held = HeldEvent()
     outbox.unposted.append(("third", None, held))
     outbox._drain(outbox.depth)
@@ -266,10 +275,10 @@ class FakeWorker:
 def test_replica_average_is_posted_once_its_gpu_data_are_ready():
     """The all-reduce waits for the event after its bucket (the copy to pinned memory on a GPU):
     a poll posts it only once ready, and finishing it polls MPI rather than blocking."""
-    comm, transport = FakeComm(), Transport(torch.device("cpu"), cuda_aware=False)
-    outbox = Outbox(comm, transport, 1, TAG_ACTIVATION)
+    comm, transport = FakeComm(), Transport(torch.device("cpu"), False)
+    outbox = Outbox(link(comm, 1), transport)
     outbox.put(torch.zeros(2))
-    mean = MPIMean(comm, transport, "cpu")
+    mean = ReplicaMean(MPIGroup(comm), transport, "cpu")
     worker = FakeWorker([[2.0, 4.0], [6.0]])
     mean.start(worker)
     (buf,) = comm.buffers
@@ -307,7 +316,7 @@ def test_a_channels_last_message_is_sent_without_a_copy():
     x = channels_last()
     buf, keep, ready = Transport(torch.device("cpu"), False).send_buffer(x, CHANNELS_LAST)
     assert keep.data_ptr() == x.data_ptr() and keep.stride() == x.stride() and ready is None
-    assert buf.flags["C_CONTIGUOUS"] and np.shares_memory(buf, x.numpy())
+    assert buf.is_contiguous() and buf.data_ptr() == x.data_ptr()
     assert buf.shape == (4, 2, 5, 3)  # NHWC: storage order
 
 
@@ -315,9 +324,9 @@ def test_a_message_is_sent_in_the_agreed_layout_whatever_the_producer_made():
     x = channels_last()
     buf, keep, _ = Transport(torch.device("cpu"), False).send_buffer(x, CONTIGUOUS)
     assert keep.is_contiguous() and torch.equal(keep, x)
-    assert np.array_equal(buf, x.contiguous().numpy())
+    assert torch.equal(buf, x.contiguous())
     buf, keep, _ = Transport(torch.device("cpu"), False).send_buffer(x.contiguous(), CHANNELS_LAST)
-    assert np.array_equal(buf, x.permute(0, 2, 3, 1).numpy())
+    assert torch.equal(buf, x.permute(0, 2, 3, 1))
 
 
 def test_a_channels_last_message_is_received_with_channels_last_strides():
@@ -326,7 +335,7 @@ def test_a_channels_last_message_is_received_with_channels_last_strides():
     sent, _, _ = transport.send_buffer(x, CHANNELS_LAST)
     got, buf = transport.recv_buffer(x.shape, torch.float32, CHANNELS_LAST)
     assert got.shape == x.shape and got.stride() == x.stride()
-    np.copyto(buf, sent)  # what MPI does: the bytes in storage order
+    buf.copy_(sent)  # what MPI does: the bytes in storage order
     assert torch.equal(got, x)
     # a smaller batch fills the buffer's first samples: the batch is outermost in NHWC too
     got, buf = transport.recv_buffer(x.shape, torch.float32, CHANNELS_LAST)

@@ -1,4 +1,4 @@
-"""The hang watchdog on its own (petra_mpi/comm/watchdog.py), with a fake rank: no MPI."""
+"""The hang watchdog on its own (petra_mpi/run/watchdog.py), with a fake rank: no MPI."""
 import io
 import signal
 import subprocess
@@ -8,7 +8,7 @@ import time
 
 from tests.support.paths import ROOT
 
-from petra_mpi.comm.watchdog import AUTO_FLOOR_S, AUTO_TICKS, EXIT_STALLED, Watchdog, auto_limit
+from petra_mpi.run.watchdog import AUTO_FLOOR_S, AUTO_TICKS, EXIT_STALLED, Watchdog, auto_limit
 
 
 class FakeRank:
@@ -117,7 +117,7 @@ def test_a_process_stopped_and_continued_restarts_its_beat():
     most likely under way when the process is continued, so the watch loop runs before the
     next beat."""
     program = ("import hashlib\n"
-               "from petra_mpi.comm.watchdog import Watchdog\n"
+               "from petra_mpi.run.watchdog import Watchdog\n"
                "dog = Watchdog(1.0, 'rank 0', lambda: [])\n"
                "blob = bytes(16 << 20)\n"
                "for i in range(60):\n"

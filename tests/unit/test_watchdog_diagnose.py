@@ -1,4 +1,4 @@
-"""Reading the watchdog reports back after a stalled run (petra_mpi/comm/watchdog.py: read_reports,
+"""Reading the watchdog reports back after a stalled run (petra_mpi/run/watchdog.py: read_reports,
 diagnose, and `python -m petra_mpi.watchdog --diagnose`): which rank the chain of waits ends at,
 and its host. The reports are written by the real Watchdog, so a change of their wording that the
 reader no longer understands fails here."""
@@ -12,7 +12,7 @@ import time
 
 from tests.support.outputs import printed_rank_map
 from tests.support.paths import ROOT
-from petra_mpi.comm.watchdog import (NO_RANK_MAP, OWN_WORK, Watchdog, diagnose, read_reports,
+from petra_mpi.run.watchdog import (NO_RANK_MAP, OWN_WORK, Watchdog, diagnose, read_reports,
                                      startup_report)
 
 HOSTS = ["n1", "n1", "n2", "n2", "n3", "n3"]  # 6 ranks, 2 a node

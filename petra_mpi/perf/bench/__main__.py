@@ -31,15 +31,13 @@ def main(argv=None):
         bench.main(argv[1:])
         return 0
     # under a launcher: a rank that fails aborts the others (they would wait on it for ever)
-    from mpi4py import MPI
-
     def run_bench():
         try:
             bench.main(argv[1:])
         except SystemExit as e:  # a usage error, alike on every rank: exit with it, no abort
             return e.code
         return 0
-    return run_guarded(MPI.COMM_WORLD, run_bench)
+    return run_guarded(run_bench)
 
 
 def take_allocator(argv):

@@ -8,7 +8,6 @@ import torch
 
 from .. import allocator
 from .. import model as perfmodel
-from ...comm.transport import wait_for_request
 
 POLL_SLEEP_S = 0.0005
 
@@ -51,33 +50,33 @@ def emit(record: dict):
     print(json.dumps({**record, "allocator": allocator.current()}), flush=True)
 
 
-def sleeping_barrier(comm, poll_sleep=POLL_SLEEP_S):
+def sleeping_barrier(world, poll_sleep=POLL_SLEEP_S):
     """A barrier that sleeps while it waits: MPI's Barrier spins a core per waiting rank (MPICH),
     which on a machine with fewer cores than ranks slows the ranks still working."""
-    wait_for_request(comm.Ibarrier(), poll_sleep)
+    world.barrier(poll_sleep)
 
 
-def measure_link(comm, nbytes, repeats=20, poll_sleep=0.0) -> perfmodel.Link:
+def measure_link(world, nbytes, repeats=20, poll_sleep=0.0) -> perfmodel.Link:
     """Latency and bandwidth between ranks 0 and 1 from ping-pong round trips (half of each);
     poll_sleep > 0: every wait sleeps between tests (the emulation's ranks leave their cores)."""
     def half_round_trip(size):
         buf = np.zeros(max(1, size), dtype=np.uint8)
         times = []
         for _ in range(repeats):
-            sleeping_barrier(comm, poll_sleep)
+            sleeping_barrier(world, poll_sleep)
             start = time.perf_counter()
-            if comm.rank == 0:
-                wait_for_request(comm.Isend(buf, dest=1), poll_sleep)
-                wait_for_request(comm.Irecv(buf, source=1), poll_sleep)
-            elif comm.rank == 1:
-                wait_for_request(comm.Irecv(buf, source=0), poll_sleep)
-                wait_for_request(comm.Isend(buf, dest=0), poll_sleep)
+            if world.rank == 0:
+                world.send_bytes(buf, 1, poll_sleep)
+                world.receive_bytes(buf, 1, poll_sleep)
+            elif world.rank == 1:
+                world.receive_bytes(buf, 0, poll_sleep)
+                world.send_bytes(buf, 0, poll_sleep)
             times.append((time.perf_counter() - start) / 2)
         return statistics.median(times)
 
     small, large = half_round_trip(8), half_round_trip(nbytes)
     link = perfmodel.Link(small, nbytes / max(large - small, 1e-9))
-    return comm.bcast(link, root=0)
+    return world.bcast(link)
 
 
 def last_json_line(path) -> dict:

@@ -129,18 +129,18 @@ def parse_args(argv):
     return a
 
 
-def shared_profile(a, comm):
+def shared_profile(a, world):
     """The cost profile, built on rank 0 (measuring takes a while) and sent to every rank."""
     profile = None
-    if comm.rank == 0:
+    if world.rank == 0:
         profile = (paper_profile(a.arch) if a.costs == "paper" else
                    balanced_profile(a.arch) if a.costs == "balanced" else
                    measured_profile(a.arch, a.width, a.batch) if a.costs == "measured" else
                    file_profile(a.costs)).scaled(a.cost_scale)
     # the others sleep meanwhile: a rank spinning in MPI's Bcast would take a core from rank 0
     # while it times the blocks
-    sleeping_barrier(comm, a.poll_sleep)
-    return comm.bcast(profile, root=0)
+    sleeping_barrier(world, a.poll_sleep)
+    return world.bcast(profile)
 
 
 class Emulation:
@@ -149,14 +149,14 @@ class Emulation:
     schedules on waiting stages of the plain network."""
 
     def __init__(self, a, world):
-        self.a, self.world, self.comm = a, world, world.comm
+        self.a, self.world = a, world
         r, J = world.rank, world.size
         self.methods = [m for m in a.methods.split(",") if m]
         unknown = set(self.methods) - {"petra", *PIPELINING}
         if unknown:
             raise SystemExit(f"unknown --methods {sorted(unknown)}")
         self.ms = step_counts(a.microbatches, J)
-        self.profile = profile = shared_profile(a, self.comm)
+        self.profile = profile = shared_profile(a, world)
         self.shapes = probe_shapes(profile.arch, a.width)
         self.out_bytes = [4 * a.batch * torch.Size(s).numel() for s in self.shapes.outputs]
         in_bytes = 4 * a.batch * 3 * 32 * 32
@@ -206,8 +206,7 @@ class Emulation:
     def build_pipelining(self):
         """One schedule per pipelining method and m; one that fails to build on any rank is
         dropped on every rank, so no rank waits on a schedule the others skip."""
-        from .pipelining import init_gloo
-        init_gloo(self.world)
+        self.world.torch_distributed()
         from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleavedZeroBubble)
         classes = {"gpipe": (ScheduleGPipe, False), "1f1b": (Schedule1F1B, False),
@@ -223,7 +222,7 @@ class Emulation:
                         cls, multi, m, checkpointed=method == "1f1b_checkpointed")
                 except Exception as e:  # noqa: BLE001 - reported, the others still run
                     err = f"{type(e).__name__}: {e}".splitlines()[0]
-                errors = [e for e in self.comm.allgather(err) if e]
+                errors = [e for e in self.world.allgather(err) if e]
                 if errors:
                     self.skipped[name] = errors[0]
                     continue
@@ -282,11 +281,11 @@ class Emulation:
 
     def timed(self, fn, *args):
         """(what fn returned, wall seconds, emulated busy seconds, CPU seconds) of fn(*args)."""
-        sleeping_barrier(self.comm, self.a.poll_sleep)
+        sleeping_barrier(self.world, self.a.poll_sleep)
         busy, cpu, start = self.clock.busy, time.process_time(), time.perf_counter()
         count = fn(*args)
         busy = self.clock.busy - busy
-        sleeping_barrier(self.comm, self.a.poll_sleep)  # a run ends when its last rank is done
+        sleeping_barrier(self.world, self.a.poll_sleep)  # a run ends when its last rank is done
         # CPU seconds this process used (every thread): what the emulation itself costs a core
         return count, time.perf_counter() - start, busy, time.process_time() - cpu
 
@@ -358,11 +357,11 @@ def add_budget_runs(em, peaks) -> list:
     sizes = None
     if em.world.rank == 0:
         sizes = kept_sizes(em.profile.arch, a.width, a.batch, em.sizes)
-    em.block_kept_bytes, em.block_shared = em.comm.bcast(sizes, root=0)
+    em.block_kept_bytes, em.block_shared = em.world.bcast(sizes)
     fifo = fifo_bytes(em.shapes, em.sizes, a.batch)
     new = []
     for name, method, m in sources:
-        budget = em.comm.allgather(peaks[name])
+        budget = em.world.allgather(peaks[name])
         plan = kept_plan(em.profile, em.sizes, em.block_kept_bytes,
                          [max(0, b - f) for b, f in zip(budget, fifo)], em.block_shared)
         new.append((f"petra @{name}", "petra", m))
@@ -417,19 +416,19 @@ def run(a):
         raise SystemExit("run under mpirun with at least 2 ranks")
     torch.set_num_threads(1)
     em = Emulation(a, world)
-    comm, J = world.comm, world.size
+    J = world.size
     # 1. The same runs at zero cost (warm-up too). 2. Timed runs. 3. The real stages.
     zero, zero_peaks = em.zero_cost()
     zero.update(em.zero_cost(add_budget_runs(em, zero_peaks))[0])
-    link = measure_link(comm, max(em.out_bytes), repeats=10, poll_sleep=a.poll_sleep)
+    link = measure_link(world, max(em.out_bytes), repeats=10, poll_sleep=a.poll_sleep)
     results, peaks, steady = em.timed_rounds()
     real = real_stages(em, results) if a.real else {}
     # 4. Gather on rank 0.
-    busy = {name: comm.gather(sum(v[2] for v in rs) / sum(v[1] for v in rs), root=0)
+    busy = {name: world.gather(sum(v[2] for v in rs) / sum(v[1] for v in rs))
             for name, rs in results.items()}
-    cpu = {name: comm.gather(sum(v[3] for v in rs) / sum(v[1] for v in rs), root=0)
+    cpu = {name: world.gather(sum(v[3] for v in rs) / sum(v[1] for v in rs))
            for name, rs in results.items()}
-    peak_bytes = {name: comm.gather(peaks[name], root=0) for name in results}
+    peak_bytes = {name: world.gather(peaks[name]) for name in results}
     zb_orders = {name: pipelining_orders(em.pt[name][1], "zero_bubble", J, em.pt[name][3])
                  for name in em.pt if em.pt[name][2] == "zero_bubble"}
     if world.rank != 0:

@@ -125,10 +125,11 @@ def launch(a, net, args) -> subprocess.CompletedProcess:
 
 def ping_pong():
     """Under mpirun: the link between ranks 0 and 1 from ping-pong round trips (JSON on 0)."""
-    from mpi4py import MPI
+    from ...comm.world import World
     from .common import measure_link
-    link = measure_link(MPI.COMM_WORLD, 4 << 20)
-    if MPI.COMM_WORLD.rank == 0:
+    world = World.from_environment()
+    link = measure_link(world, 4 << 20)
+    if world.rank == 0:
         print(json.dumps({"latency_s": link.latency, "bandwidth_Bps": link.bandwidth}))
 
 

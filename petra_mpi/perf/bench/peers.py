@@ -2,7 +2,8 @@
 in one run (round-robin over the contenders, medians of the rounds).
 
 - petra, backprop: our MPI engine on RevNet18 (as `bench pipeline`), or with `--model revlm` on
-  the reversible causal language model (configs/lm/shakespeare_cpu.yaml's size by default).
+  the reversible causal language model (configs/lm/shakespeare_cpu.yaml's size by default); its
+  messages over MPI, or with `--transport torch` over gloo (comm.transport), as torch's are.
 - gpipe, 1f1b, zero_bubble: torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B and
   ScheduleInterleavedZeroBubble (one stage per rank) on the plain twin of the same width
   (ResNet18, or the plain transformer `lm`), split by its own measured block costs, over gloo.
@@ -50,7 +51,7 @@ from ...core.partition import resolve_partition
 from ...core.schedule import Kind, delay
 from .common import emit, last_json_line, random_batch
 from .meter import ActivationMeter
-from .pipelining import LR, MOMENTUM, init_gloo, pipelining_contenders
+from .pipelining import LR, MOMENTUM, pipelining_contenders
 from .waterfall import STEPS, ScheduleClock, draw, ours_model, pipeline_model, waterfall
 
 SAME_NET = "_rev"  # suffix of the pipelining contenders on PETRA's own net
@@ -168,6 +169,9 @@ def parse_args(argv):
                    help="micro-batches per torch.distributed.pipelining step (0: K, or J if more;"
                         " 1F1B needs at least J)")
     p.add_argument("--rounds", type=int, default=3, help="alternated rounds of each contender")
+    p.add_argument("--transport", choices=("mpi", "torch"), default="mpi",
+                   help="what carries PETRA's messages (comm.transport): mpi, or torch "
+                        "(gloo, as torch's schedules always are)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: share)")
     p.add_argument("--no-zero-bubble", action="store_true", help="skip the zero-bubble schedule")
     p.add_argument("--partition", type=_split_arg, metavar="A,B,...",
@@ -208,7 +212,7 @@ def measured_splits(a, world, work):
                                                 work.num_classes)
             pt_splits[net] = resolve_partition(blocks, J, costs=costs[net])
         measured = (petra_split, pt_splits)
-    petra_split, pt_splits = world.comm.bcast(measured, root=0)
+    petra_split, pt_splits = world.bcast(measured)
     if a.partition and a.pt_partition:
         petra_split, pt_splits = a.partition, {work.plain: a.pt_partition,
                                                work.arch: a.partition}
@@ -263,7 +267,7 @@ class PeersBench:
         # PETRA as in the paper)
         self.variants = {m: (engine, self.stage, None)
                          for m, engine in self.engines_on(self.stage, "petra", "backprop")}
-        self.rebuild_split = a.partition or world.comm.bcast(self.block_costs and resolve_partition(
+        self.rebuild_split = a.partition or world.bcast(self.block_costs and resolve_partition(
             work.blocks(work.arch), J, costs=self.block_costs["ours"].with_rebuilt_last()))
         self.variants[REBUILDS] = self.petra_on(self.rebuild_split, None)  # balanced for it
         # kept variant -> (memory_plan.Plan, kept budget per rank or None, its split, the
@@ -358,7 +362,7 @@ class PeersBench:
                     split, plan = split_for_budget(blocks, self.sizes, budget, a.batch,
                                                    costs=self.costs, **where)
                 plans[name] = (plan, budgets[name], split, max(plan.units) / petra)
-        self.plans = world.comm.bcast(plans, root=0)
+        self.plans = world.bcast(plans)
         for name, (plan, _, split, _) in self.plans.items():
             self.variants[name] = self.petra_on(split, plan.kept[world.rank])
             self.net_of[name] = work.arch
@@ -381,7 +385,7 @@ class PeersBench:
         """(images/s of one timed segment of a contender, between barriers; for ours, on rank 0,
         the segment's steady-state images/s, else None). Adds the segment's wall, compute and
         wait seconds on this rank to self.measured."""
-        self.world.comm.Barrier()
+        self.world.barrier()
         before = self.counters(name)
         start = time.perf_counter()
         if name in self.variants:
@@ -390,7 +394,7 @@ class PeersBench:
         else:
             images = self.pt_run(name, self.pt_steps)
         wall = time.perf_counter() - start  # this rank's own, before it waits for the others
-        self.world.comm.Barrier()
+        self.world.barrier()
         speed = images / (time.perf_counter() - start)
         spent = [wall, *(b - a for a, b in zip(before, self.counters(name)))]
         self.measured[name] = [t + x for t, x in zip(self.measured.get(name, [0.0] * 3), spent)]
@@ -424,7 +428,7 @@ class PeersBench:
         untimed pass with the hooks on; per rank, gathered on rank 0. Ours count their FIFOs,
         what autograd saves and their kept graphs (Stage.kept_bytes: activations, stashed
         weights, inputs), together at every sample."""
-        comm, peaks, kept = self.world.comm, {}, {}
+        world, peaks, kept = self.world, {}, {}
         for m in [n for n in names if n in self.variants]:
             stage = self.variants[m][1]
             meter = ActivationMeter(stage, lambda s=stage: (t for f in s.fifos for t in f),
@@ -433,22 +437,22 @@ class PeersBench:
             stage.reset_peaks()
             try:
                 with meter.hooks():
-                    comm.Barrier()
+                    world.barrier()
                     self.petra_run(m, self.a.microbatches)
             finally:
                 self.sampler.meter = None
             peaks[m], kept[m] = meter.peak, stage.peak_kept_bytes
         for n in [n for n in names if n in self.pts]:
-            comm.Barrier()
+            world.barrier()
             peaks[n] = self.pts[n].measure(self.full_x, self.full_y)
-        return ({name: comm.gather(peaks[name], root=0) for name in names},
-                {name: comm.gather(kept[name], root=0) for name in kept})
+        return ({name: world.gather(peaks[name]) for name in names},
+                {name: world.gather(kept[name]) for name in kept})
 
 
 def waterfalls(bench) -> dict:
     """On rank 0, each contender's waterfall (waterfall.py) over its timed runs of `bench`
     (PeersBench), where the model runs it; None elsewhere."""
-    measured = {n: bench.world.comm.gather(v, root=0) for n, v in sorted(bench.measured.items())}
+    measured = {n: bench.world.gather(v) for n, v in sorted(bench.measured.items())}
     if bench.world.rank != 0:
         return None
     a, work, out = bench.a, bench.work, {}
@@ -473,12 +477,13 @@ def waterfalls(bench) -> dict:
 
 def run(a):
     """Time and measure every contender on every rank; the JSON record on rank 0, else None."""
-    world = World.from_environment()
+    world = World.from_environment(a.transport)
     if world is None:
-        raise SystemExit("run under mpirun with at least 2 ranks")
+        raise SystemExit("run under mpirun (or torchrun with --transport torch) with at least 2 "
+                         "ranks")
     torch.set_num_threads(a.threads or world.thread_share())
     a.pt_microbatches = a.pt_microbatches or max(a.accumulation, world.size)
-    dist = init_gloo(world)
+    dist = world.torch_distributed()  # torch's schedules run over gloo
     work = Workload.from_args(a)
     bench = PeersBench(a, world, work)
     flops = (flops_per_microbatch(work, a.batch, work.stages(world.size, partition=bench.sizes))
@@ -495,6 +500,8 @@ def run(a):
     if world.rank != 0:
         return None
     record = {"bench": "peers", "ranks": world.size, "threads": torch.get_num_threads(),
+              "transport": {"ours": "mpi" if a.transport == "mpi" else "gloo",
+                            "pipelining": "gloo"},
               "model": work.arch, "plain_model": work.plain, **work.model_kw,
               "batch": a.batch, "width": work.width, "microbatches": a.microbatches,
               "accumulation": a.accumulation, "pt_microbatches": a.pt_microbatches,
@@ -549,7 +556,8 @@ def report(a, r):
     speeds = r.get("tokens_per_s", r["images_per_s"])
     steady = r.get("steady_tokens_per_s", r["steady_images_per_s"])
     print(f"width {r['width']}, micro-batch {a.batch}, {r['ranks']} ranks x {r['threads']} "
-          f"threads, median of {a.rounds} alternated rounds")
+          f"threads, median of {a.rounds} alternated rounds; messages: ours over "
+          f"{r['transport']['ours']}, pipelining over {r['transport']['pipelining']}")
     print(f"ours: {net}, {a.microbatches} micro-batches per timed segment (fill and drain "
           f"included; 'steady': without them), k = {a.accumulation}; pipelining: {M} "
           f"micro-batches per step, {max(1, round(a.microbatches / M))} step(s) per timed "

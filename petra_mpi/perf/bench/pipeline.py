@@ -39,8 +39,8 @@ def split_for(a, world, device):
             sizes = resolve_partition(build_blocks(a.arch, a.width, 10), world.size, given)
         print(f"split {sizes}: measured ms per micro-batch per stage "
               f"{[round(1e3 * c) for c in costs.stage_seconds(sizes)]}", flush=True)
-    sleeping_barrier(world.comm)  # a rank spinning in Bcast would slow rank 0's timing
-    return world.comm.bcast(sizes, root=0), costs
+    sleeping_barrier(world)  # a rank spinning in Bcast would slow rank 0's timing
+    return world.bcast(sizes), costs
 
 
 def scaled_to(costs, sizes, stage_seconds):
@@ -132,12 +132,12 @@ class PipelineBench:
                                     next(self.worker.stage.parameters()).device)
             self.worker.trace_with(tracer)
         synchronize(self.device)
-        world.comm.Barrier()
+        world.barrier()
         start, waited, computed, sent = (time.perf_counter(), engine.wait_seconds(),
                                          engine.compute_seconds, engine.sent_bytes())
         engine.train_segment(batches, n)
         synchronize(self.device)  # the segment ends when this rank's GPU work has
-        world.comm.Barrier()
+        world.barrier()
         result = (time.perf_counter() - start, engine.wait_seconds() - waited,
                   engine.compute_seconds - computed, engine.sent_bytes() - sent)
         if traced:
@@ -162,19 +162,17 @@ class PipelineBench:
     def rows(self, results) -> dict:
         """Per method: images/s, wall ms per tick, and per rank (gathered on rank 0) the MPI
         wait fraction, the compute ms per tick and the bytes sent per tick."""
-        a, comm, J = self.a, self.world.comm, self.world.size
+        a, world, J = self.a, self.world, self.world.size
         rows = {}
         for m, runs in results.items():
             wall = statistics.median(r[0] for r in runs)
             ticks = num_ticks(m, J, a.microbatches) * len(runs)
             total = sum(r[0] for r in runs)
             rows[m] = {"images_per_s": a.microbatches * a.batch / wall,
-                       "wait_fraction": comm.gather(sum(r[1] for r in runs) / total, root=0),
-                       "compute_ms_per_tick": comm.gather(1e3 * sum(r[2] for r in runs) / ticks,
-                                                          root=0),
+                       "wait_fraction": world.gather(sum(r[1] for r in runs) / total),
+                       "compute_ms_per_tick": world.gather(1e3 * sum(r[2] for r in runs) / ticks),
                        "wall_ms_per_tick": 1e3 * total / ticks,
-                       "sent_bytes_per_tick": comm.gather(sum(r[3] for r in runs) / ticks,
-                                                          root=0)}
+                       "sent_bytes_per_tick": world.gather(sum(r[3] for r in runs) / ticks)}
         return rows
 
 
@@ -185,9 +183,8 @@ def run(a):
     rows = bench.rows(results)
     # each rank's compute per micro-batch in PETRA's own runs (both ranks busy at once, under the
     # load the runs saw): the stage costs of the bound, beside those timed at start-up
-    in_run = {m: bench.world.comm.gather(
-        sum(r[2] for r in results[m]) / (a.microbatches * len(results[m])), root=0)
-        for m in results}
+    in_run = {m: bench.world.gather(
+        sum(r[2] for r in results[m]) / (a.microbatches * len(results[m]))) for m in results}
     if bench.world.rank != 0:
         return None
     return record(a, bench, rows, in_run)

@@ -3,8 +3,6 @@ and with every block checkpointed) and interleaved zero bubble, one stage per ra
 any list of blocks run with autograd (activations stored): the plain twin of PETRA's net, or
 PETRA's reversible net itself."""
 import contextlib
-import datetime
-import socket
 from itertools import chain
 
 import torch
@@ -21,24 +19,6 @@ ZERO_BUBBLE = "zero_bubble"
 SCHEDULES = {"gpipe": ("ScheduleGPipe", False, False), "1f1b": ("Schedule1F1B", False, False),
              "1f1b_checkpointed": ("Schedule1F1B", False, True),
              ZERO_BUBBLE: ("ScheduleInterleavedZeroBubble", True, False)}
-
-
-def init_gloo(world):
-    """torch.distributed over gloo with MPI's ranks: rank 0 picks a free port for the TCP store
-    on 127.0.0.1 (one node) and tells the others over MPI."""
-    import torch.distributed as dist
-    if world.local_size != world.size:
-        raise SystemExit("bench peers runs on one node (the TCP store is on 127.0.0.1)")
-    port = None
-    if world.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = world.comm.bcast(port, root=0)
-    store = dist.TCPStore("127.0.0.1", port, world.size, world.rank == 0,
-                          timeout=datetime.timedelta(seconds=300))
-    dist.init_process_group("gloo", store=store, rank=world.rank, world_size=world.size)
-    return dist
 
 
 class PTStage(nn.Module):
@@ -131,7 +111,7 @@ def pipelining_contenders(world, nets, microbatches, batch_input, zero_bubble=Tr
                 err = None
             except Exception as e:  # noqa: BLE001 - reported, the others still run
                 err = f"{type(e).__name__}: {e}".splitlines()[0]
-            errors = [e for e in world.comm.allgather(err) if e]
+            errors = [e for e in world.allgather(err) if e]
             if errors:
                 pts.pop(name, None)
                 skipped[name] = errors[0]

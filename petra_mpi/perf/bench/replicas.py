@@ -17,10 +17,10 @@ from ...comm.world import World
 from .common import emit, sleeping_barrier
 
 
-def idle_barrier(comm):
+def idle_barrier(world):
     """A barrier that sleeps instead of spinning: ranks that sit out the single-pipeline timing
     must not take CPU from the ranks being timed (Open MPI's blocking waits busy-poll)."""
-    sleeping_barrier(comm, 0.002)
+    sleeping_barrier(world, 0.002)
 
 
 def main(argv):
@@ -51,7 +51,7 @@ class Layouts:
         self.world = world
         # A replica's ranks alone, as a world of their own (no replicas): replica 0's alone is
         # the single pipeline; all of them at once are the independent layout.
-        alone = World(world.pipe)
+        alone = world.pipeline()
         self.engines = {"replicas": self._engine(a, world), "independent": self._engine(a, alone)}
         if world.replica == 0:
             self.engines["single"] = self.engines["independent"]
@@ -68,21 +68,21 @@ class Layouts:
 
     def time(self, name, n):
         """Seconds for n micro-batches per replica, fill and drain included."""
-        comm, data = self.world.comm, self.data
-        idle_barrier(comm)
+        data = self.data
+        idle_barrier(self.world)
         if name not in self.engines:  # sitting out the single pipeline
-            idle_barrier(comm)
+            idle_barrier(self.world)
             return None
         e = self.engines[name]
         batches = (data[i % len(data)] for i in range(n)) if self.world.stage == 0 else None
         # independent pipelines end when the last one does: time them across the whole world
-        sync = comm if name == "independent" else e.world.comm
-        sync.Barrier()
+        sync = self.world if name == "independent" else e.world
+        sync.barrier()
         start = time.perf_counter()
         e.train_segment(batches, n)
-        sync.Barrier()
+        sync.barrier()
         seconds = time.perf_counter() - start
-        idle_barrier(comm)
+        idle_barrier(self.world)
         return seconds
 
 
@@ -95,7 +95,7 @@ def run(a):
     torch.set_num_threads(a.threads)
     J = a.stages
     world.split(J)
-    R, comm = world.replicas, world.comm
+    R = world.replicas
     layouts = Layouts(a, world)
     for name in ("single", "replicas", "independent"):  # warm-up
         layouts.time(name, J + 2)
@@ -108,7 +108,7 @@ def run(a):
             times[name].append(layouts.time(name, a.microbatches))
             if name == "replicas":
                 waited += reducer.waited - before
-    wait_fraction = comm.gather(waited / sum(times["replicas"]), root=0)
+    wait_fraction = world.gather(waited / sum(times["replicas"]))
     if world.rank != 0:
         return None
     images = a.microbatches * a.batch

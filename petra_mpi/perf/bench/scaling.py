@@ -31,9 +31,7 @@ PAPER_TABLE5 = {arch: {"gpus": gpus, "backprop_ms": PAPER_TABLE5_MS[arch]["backp
 def measured_images_per_s(a, world, J, sizes, method, data):
     """images/s of a segment of a.microbatches on the first J ranks (J = 1: one process)."""
     rank = world.rank if world else 0
-    if J > 1:
-        from mpi4py import MPI
-        sub_comm = world.comm.Split(0 if rank < J else MPI.UNDEFINED, rank)  # collective
+    sub = world.alone(range(J)) if J > 1 else None  # collective
     if J == 1:
         if rank != 0:
             return None
@@ -42,18 +40,17 @@ def measured_images_per_s(a, world, J, sizes, method, data):
     else:
         if rank >= J:
             return None
-        sub = World(sub_comm)
         stages = build_stages(a.arch, a.width, 10, J, seed=0, only=rank, partition=sizes)
         engine = build_engine(build_workers(stages), method, sub, (3, 32, 32), a.batch)
 
     def segment(n):
         batches = (data[i % len(data)] for i in range(n)) if rank == 0 else None
         if J > 1:
-            sub.comm.Barrier()
+            sub.barrier()
         start = time.perf_counter()
         engine.train_segment(batches, n)
         if J > 1:
-            sub.comm.Barrier()
+            sub.barrier()
         return time.perf_counter() - start
 
     segment(J + 2)  # warm-up
@@ -126,10 +123,10 @@ def run(a):
         costs = measure_block_costs(blocks, (3, 32, 32), a.batch, 10)
         plain_costs = measure_autograd_costs(plain, (3, 32, 32), a.batch, 10)
     if world:
-        sleeping_barrier(world.comm)  # a rank spinning in Bcast would slow rank 0's timing
-        costs, plain_costs = world.comm.bcast((costs, plain_costs), root=0)
+        sleeping_barrier(world)  # a rank spinning in Bcast would slow rank 0's timing
+        costs, plain_costs = world.bcast((costs, plain_costs))
     # 2. The link between the actual ranks.
-    link = (measure_link(world.comm, max(costs.output_bytes)) if world
+    link = (measure_link(world, max(costs.output_bytes)) if world
             else perfmodel.Link(0.0, float("inf")))
     # 3. Predictions for every J. 4. Validation at every J the ranks allow.
     predictions = [predict(a, blocks, costs, plain, plain_costs, link, ours, pipelining, J)
@@ -175,7 +172,7 @@ def validate(a, world, max_J, predictions) -> list:
         for method in ("petra", "backprop"):
             measured = measured_images_per_s(a, world, J, predictions[J - 1]["split"], method, data)
             if world:  # the ranks beyond J wait without spinning a core the J ranks need
-                sleeping_barrier(world.comm)
+                sleeping_barrier(world)
             if rank == 0:
                 predicted = predictions[J - 1][method]
                 validation.append({"ranks": J, "method": method, "predicted": predicted,

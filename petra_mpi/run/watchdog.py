@@ -1,13 +1,14 @@
-"""Hang watchdog for MPI runs: a rank that makes no progress for run.watchdog_s seconds says where
-it stands and ends with EXIT_STALLED, instead of waiting forever; a rank whose start-up outlasts
-run.startup_s does the same.
+"""Hang watchdog for runs over several ranks: a rank that makes no progress for run.watchdog_s
+seconds says where it stands and ends with EXIT_STALLED, instead of waiting forever; a rank whose
+start-up outlasts run.startup_s does the same. The run builds it (run/assemble.py) and hands it
+to the engine as its heartbeat.
 
-Why: when a neighbour's node dies, what the survivors see depends on the transport: some MPI
+Why: when a neighbour's node dies, what the survivors see depends on the transport: some
 libraries raise an error, some crash, and MPICH over TCP waits forever on the receive that
 will never complete. The engine calls `beat` before every scheduled action; a thread (which
-never calls MPI) checks the time since the last beat. Between the loops the trainer wraps its
-collectives (the stop votes, the checkpoint's barriers) in `collective`: a rank lost just before
-one leaves the others waiting there too.
+never calls the transport) checks the time since the last beat. Between the loops the trainer
+wraps its collectives (the stop votes, the checkpoint's barriers) in `collective`: a rank lost
+just before one leaves the others waiting there too.
 
 Some steps may outlast the limit without anything being wrong: a checkpoint's writes, replica 0's
 evaluation (the other replicas wait for it in the next stop vote). Every rank calls `allow` before
@@ -62,15 +63,17 @@ def was_stopped(asked_s: float, slept_s: float) -> bool:
 
 
 class Watchdog:
-    """`limit_s`: a fixed limit, or None for auto_limit of the measured gaps between actions.
-    `pending()`: this rank's receives and sends in flight, as (blocked, direction, stream, peer,
-    count) with blocked true for the one the rank is waiting on now (called from the watchdog
-    thread while the main thread waits; it calls no MPI). `rank_name`: this rank in reports
-    ("rank 3 (n2, stage 3)"). `warmup_ticks`: the ticks in which every stage trains its first
-    micro-batch; the start-up ends at an agreement posted after them. `exit`: how the rank ends
-    (os._exit: the main thread is stuck in MPI, where no exception would reach it)."""
+    """`limit_s`: a fixed limit, or None for auto_limit of the measured gaps between actions; 0:
+    nothing is watched (one process, run.watchdog_s 0), but the start-up still ends at the first
+    agreement after `warmup_ticks`. `pending()`: this rank's receives and sends in flight, as
+    (blocked, direction, stream, peer, count) with blocked true for the one the rank is waiting
+    on now (called from the watchdog thread while the main thread waits; it calls no transport;
+    None until watch_messages gives it). `rank_name`: this rank in reports ("rank 3 (n2, stage
+    3)"). `warmup_ticks`: the ticks in which every stage trains its first micro-batch; the
+    start-up ends at an agreement posted after them. `exit`: how the rank ends (os._exit: the
+    main thread is stuck in the transport, where no exception would reach it)."""
 
-    def __init__(self, limit_s, rank_name, pending, warmup_ticks=0, out=sys.stderr,
+    def __init__(self, limit_s, rank_name, pending=None, warmup_ticks=0, out=sys.stderr,
                  exit=os._exit):
         self.fixed, self.rank_name, self.pending = limit_s, rank_name, pending
         self.warmup_ticks = warmup_ticks
@@ -83,7 +86,13 @@ class Watchdog:
         self.armed = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="petra-watchdog", daemon=True)
-        self._thread.start()
+        if limit_s != 0:
+            self._thread.start()
+
+    def watch_messages(self, pending):
+        """From now on the reports list `pending()`'s messages (the engine's, built after the
+        watchdog that watches it)."""
+        self.pending = pending
 
     def limit(self) -> float:
         return self.fixed if self.fixed is not None else auto_limit(self.slowest)
@@ -131,7 +140,8 @@ class Watchdog:
 
     def close(self):
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
     def _watch(self):
         while True:
@@ -162,7 +172,7 @@ class Watchdog:
                         f"({key}) in the {action}, a collective of every rank: a rank or its "
                         f"node is lost or stalled; exit status {EXIT_STALLED}")
             return
-        pending = self.pending()
+        pending = self.pending() if self.pending else []
         blocked = [f"{direction} of {stream} {'from' if direction == 'receive' else 'to'} {peer}"
                    for is_blocked, direction, stream, peer, _ in pending if is_blocked]
         why = (f"waiting on the {blocked[0]}: that rank or its node is lost or stalled" if blocked
@@ -186,39 +196,14 @@ def _write(out, text):
     out.flush()
 
 
-class NoWatchdog:
-    """Stands in where no watchdog runs (one process, run.watchdog_s = 0); it still ends the
-    start-up at the first agreement."""
-
-    def beat(self, tick, action, microbatch):
-        pass
-
-    def idle(self):
-        pass
-
-    def allow(self, step, grace_s):
-        pass
-
-    def agreed(self, tick=None):
-        end_startup()
-
-    @contextmanager
-    def collective(self, name, grace_s=0.0):
-        yield
-        self.agreed()
-
-    def close(self):
-        pass
-
-
-def start_watchdog(limit_s, world, pending, warmup_ticks=0):
-    """The watchdog of this rank (NoWatchdog when `limit_s`, run.watchdog_s, is 0; None: the
-    automatic limit); `pending`, `warmup_ticks`: see Watchdog."""
-    if limit_s == 0:
-        return NoWatchdog()
+def start_watchdog(limit_s, world, warmup_ticks=0):
+    """The watchdog of this rank (`limit_s`: run.watchdog_s; 0: none watches, under one process
+    too, world None; None: the automatic limit); `warmup_ticks`: see Watchdog."""
+    if world is None:
+        return Watchdog(0, "rank 0", warmup_ticks=warmup_ticks)
     me = world.placement[world.rank] if world.placement else None
     rank_name = f"rank {world.rank}" + (f" ({me['host']}, stage {me['stage']})" if me else "")
-    return Watchdog(limit_s, rank_name, pending, warmup_ticks)
+    return Watchdog(limit_s, rank_name, warmup_ticks=warmup_ticks)
 
 
 # ---------------------------------------------------------------------------- the start-up
@@ -228,7 +213,8 @@ _startup_pipe = None
 
 def begin_startup(deadline_s, rank):
     """Watch this rank's start-up from now on from a child process: each step (startup_step) may
-    take deadline_s seconds (run.startup_s; 0: not watched). Call it before MPI starts. When a
+    take deadline_s seconds (run.startup_s; 0: not watched). Call it before the transport
+    starts. When a
     step outlasts the deadline, the watcher reports like the watchdog and makes the rank exit
     with EXIT_STALLED: the rank's handler of signal EXIT_STALLED (SIGTRAP) is the C library's
     _exit, which the kernel calls with the signal's number, so the rank exits even while its
