@@ -15,6 +15,10 @@ import yaml
 # No torch here (nor through these imports): every rank checks its config and the world size
 # before it loads torch, which takes seconds per rank on a crowded node.
 from .archs import LM_ARCHS, Arch, VIT_ARCHS, default_heads, num_blocks
+# the schedules' table (pure data, no torch): train.method's choices are its names
+from .core.schedule import SCHEDULES
+
+Method = Literal[tuple(SCHEDULES)]
 
 
 class ConfigError(ValueError):
@@ -166,8 +170,9 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    method: Literal["petra", "backprop", "delayed"] = "petra"
-    """petra, backprop (no delay, one stage busy at a time) or delayed (with the buffers below)."""
+    method: Method = "petra"
+    """petra, backprop (no delay, one stage busy at a time) or delayed (with the buffers below):
+    the schedules of core/schedule.py (SCHEDULES)."""
     epochs: Annotated[int, AtLeast(1)] = 1
     """Passes over the training split."""
     accumulation: Annotated[int, AtLeast(1)] = 1
@@ -480,8 +485,8 @@ def num_replicas(cfg: Config, world_size: int = 1) -> int:
 
 
 def model_kwargs(cfg: Config) -> dict:
-    """The model keys beyond arch/width/classes/stem that build_stages needs (model_kw), and that a
-    checkpoint must share: depth, heads and patch for revvit/vit, depth, heads, context and
+    """The model keys beyond arch/width/classes/stem that the net needs (NetSpec.model_kw), and
+    that a checkpoint must share: depth, heads and patch for revvit/vit, depth, heads, context and
     tie_weights for revlm/lm, nothing for the CNNs."""
     if cfg.model.arch in LM_ARCHS:
         return {"depth": cfg.model.depth, "heads": cfg.model.heads,

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from petra_mpi.comm.compress import NO_COMPRESSION
-from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.engines.build import build_workers
+from tests.support.nets import stages_of
 from petra_mpi.engines.local import LocalEngine
 from petra_mpi.core.optim import LRSchedule
 
@@ -27,7 +28,7 @@ def local_reference(J, method, k, n, short_eval=False, arch="revnet18",
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     try:
-        stages = build_stages(arch, 4, 10, J, seed=0, compression=compression, **flags)
+        stages = stages_of(arch, 4, 10, J, seed=0, compression=compression, **flags)
         workers = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), k,
                                 weight_decay=5e-4, **optimizer_settings(method, run_flags))
         engine = LocalEngine(workers, method, compression=compression)
@@ -89,7 +90,7 @@ def test_invariant3_mpi_equals_local_bitwise(launched, J, run):
                                        compression=COMPRESSED if "compress" in flags else
                                        NO_COMPRESSION, run_flags=flags,
                                        rebuild_last_stage="rebuild_last" in flags)
-    initial = build_stages(arch, 4, 10, J, seed=0)
+    initial = stages_of(arch, 4, 10, J, seed=0)
     moved = 0.0
     for r in range(J):
         got = torch.load(out / f"rank{r}.pt")
@@ -121,7 +122,7 @@ def test_invariant3_revvit_mpi_equals_local_bitwise(launched):
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     try:
-        stages = build_stages("revvit", REVVIT["width"], 10, J, seed=0,
+        stages = stages_of("revvit", REVVIT["width"], 10, J, seed=0,
                               image_size=REVVIT["image_size"], model_kw=REVVIT["model_kw"])
         workers = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), k,
                                 weight_decay=5e-4)
@@ -144,7 +145,7 @@ def bf16_reference(J, method, k, n, precision):
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     try:
-        stages = build_stages("revnet18", 4, 10, J, seed=0, precision=precision)
+        stages = stages_of("revnet18", 4, 10, J, seed=0, precision=precision)
         workers = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), k,
                                 weight_decay=5e-4)
         engine = LocalEngine(workers, method)

@@ -16,7 +16,9 @@ import torch
 
 from petra_mpi.comm.compress import NO_COMPRESSION, Compression
 from petra_mpi.core.compensation import NO_COMPENSATION, DelayCompensation
-from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.core.planner import plan_layout
+from petra_mpi.engines.build import StageSpec, build_stages, build_workers
+from petra_mpi.models import NetSpec
 from petra_mpi.engines.mpi import MPIEngine
 from petra_mpi.comm.world import World
 from petra_mpi.core.optim import LRSchedule
@@ -64,16 +66,16 @@ def optimizer_settings(method, flags) -> dict:
 
 def train_and_save(world, out, method, k, n, flags):
     compression = COMPRESSED if "compress" in flags else NO_COMPRESSION
-    switches = dict(buffer_inputs="buffer" in flags, stash_weights="stash" in flags,
-                    precision="bf16" if "bf16" in flags else "fp32", compression=compression,
-                    rebuild_last_stage="rebuild_last" in flags)
+    precision = "bf16" if "bf16" in flags else "fp32"
     if "revvit" in flags:
-        stages = build_stages("revvit", REVVIT["width"], 10, world.size, seed=0, only=world.rank,
-                              image_size=REVVIT["image_size"], model_kw=REVVIT["model_kw"],
-                              **switches)
+        net = NetSpec("revvit", REVVIT["width"], 10, image_size=REVVIT["image_size"],
+                      model_kw=REVVIT["model_kw"], precision=precision)
     else:
-        arch = "irevnet18" if "irevnet" in flags else "revnet18"
-        stages = build_stages(arch, 4, 10, world.size, seed=0, only=world.rank, **switches)
+        net = NetSpec("irevnet18" if "irevnet" in flags else "revnet18", 4, 10,
+                      precision=precision)
+    spec = StageSpec(net, buffer_inputs="buffer" in flags, stash_weights="stash" in flags,
+                     rebuild_last_stage="rebuild_last" in flags, compression=compression)
+    stages = build_stages(spec, plan_layout(net, world.size), only=world.rank)
     (worker,) = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), k,
                               weight_decay=5e-4, **optimizer_settings(method, flags))
     engine = MPIEngine(worker, method, world, torch.float32, (3, 16, 16), 4, compression)

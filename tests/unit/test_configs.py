@@ -188,16 +188,20 @@ def test_mission_configs_are_table2_runs(name, table2):
     assert num_stages(cfg) == {"cifar10.yaml": 10, "imagenet.yaml": 18}[name] == num_stages(ref)
 
 
+def python(code: str):
+    """A fresh interpreter running `code` from the repository (its imports start afresh)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+
+
 def test_loading_and_validating_a_config_does_not_import_torch():
     """Every rank checks its config (and the world size) before torch loads: 24 ranks loading
     torch on a small node take minutes just to report a wrong world size."""
-    code = ("import sys\n"
-            "from petra_mpi.config import load_config, validate\n"
-            "from petra_mpi import train\n"
-            "validate(load_config('configs/quickstart.yaml'), 4)\n"
-            "assert 'torch' not in sys.modules, 'torch was imported'\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+    proc = python("import sys\n"
+                  "from petra_mpi.config import load_config, validate\n"
+                  "from petra_mpi import train\n"
+                  "validate(load_config('configs/quickstart.yaml'), 4)\n"
+                  "assert 'torch' not in sys.modules, 'torch was imported'\n")
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
@@ -230,6 +234,16 @@ def test_literal_choices_are_what_the_code_implements():
     assert choices["train.method"] == METHODS
     assert choices["optim.name"] == OPTIMIZERS
     assert set(choices["run.precision"]) == set(PRECISIONS)
+
+
+def test_a_schedule_added_to_the_table_is_a_method_the_config_takes():
+    """train.method's choices are the names of core/schedule.py's SCHEDULES: a schedule
+    registered there before the config is read is a method a config may name."""
+    toy = "type('Toy', (schedule.PetraSchedule,), {'method': 'toy'})"
+    proc = python(f"from petra_mpi.core import schedule\nschedule.SCHEDULES['toy'] = {toy}\n"
+                  "from petra_mpi.config import load_config as load\n"
+                  "print(load('configs/quickstart.yaml', ['train.method=toy']).train.method)")
+    assert proc.returncode == 0 and proc.stdout.split() == ["toy"], proc.stderr[-2000:]
 
 
 def test_bounds_are_annotations_checked_by_the_loader():
