@@ -15,7 +15,8 @@ from petra_mpi.core.optim import LRSchedule
 from tests.support.launch import mpirun
 from tests.support.outputs import check_run_outputs
 from tests.support.paths import PROGRAMS, QUICK
-from equivalence import COMPRESSED, REVVIT, batches, eval_batches, optimizer_settings
+from equivalence import (COMPRESSED, REVVIT, accumulation_of, batches, eval_batches,
+                         optimizer_settings)
 
 
 def flat(params):
@@ -51,7 +52,8 @@ RUNS = {
         "petra:2:revvit", "petra:2:bf16",
         "petra:2:irevnet",  # the fully invertible net: every stage but the stem's rebuilds
         "petra:2:compress:short_eval",  # every compression format, stochastic rounding on
-        "petra:2:compensate"],  # every delay compensation at once
+        "petra:2:compensate",  # every delay compensation at once
+        "petra:u16"],  # k from train.update_batch: 16 images per update in micro-batches of 4
     4: ["petra:1", "petra:2", "backprop:1", "delayed:2:stash", "delayed:1:buffer:compress",
         "petra:1:compensate:adamw", "delayed:2:buffer:stash:compensate"],
 }
@@ -81,7 +83,9 @@ def revnet_runs(J, marks=()):
 @pytest.mark.parametrize("J,run", revnet_runs(2) + revnet_runs(3) + revnet_runs(4, EXTENDED))
 def test_invariant3_mpi_equals_local_bitwise(launched, J, run):
     method, k, *flags = run.split(":")
-    k = int(k)
+    k = accumulation_of(k)
+    if run == "petra:u16":
+        assert k == 4  # the config's k: 16 images per update, 4 a micro-batch
     out = launched(J, run)
     arch = "irevnet18" if "irevnet" in flags else "revnet18"
     stages, ref_eval = local_reference(J, method, k, N, short_eval="short_eval" in flags,

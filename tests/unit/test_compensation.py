@@ -358,3 +358,18 @@ def test_dry_run_prints_each_stages_delay_and_compensation(capsys):
         assert float(r[4]) == pytest.approx(0.5 * D)
         assert float(r[5]) == pytest.approx(1 / D if D > 1 else 1.0, abs=5e-4)
 
+
+def test_dry_run_prints_each_stages_delay_in_updates(capsys):
+    """Stage s applies its gradients d_s / k updates late, not ceil(d_s / k) nor d_s: 128 images
+    per update in micro-batches of 16 (k = 8) at J = 10 puts stage 0 2.25 updates late."""
+    from petra_mpi.run.dryrun import report
+    cfg = load_config("configs/quickstart.yaml", ["model.stages=0", "model.width=4",
+                                                  "data.batch_size=16",
+                                                  "train.update_batch=128"])
+    report(cfg, 10)
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("delays"))
+    assert "k = 8" in lines[start]
+    rows = [line.split() for line in lines[start + 2:start + 12]]
+    assert [(int(r[1]), float(r[2])) for r in rows] == [(d, d / 8) for d in range(18, -1, -2)]
+    assert float(rows[0][2]) == 2.25
