@@ -226,6 +226,7 @@ def report(cfg, num_stages: int, world=None, device="cpu", dtype=torch.float32,
     print(f"{cfg.model.arch} width {cfg.model.width}, {num_stages} stages, method "
           f"{cfg.train.method}, batch {cfg.data.batch_size} (config {cfg.source}), "
           f"{batch_input(cfg, side)} ({where})")
+    print(f"blocks per stage {layout.split}: {layout.why}")
     print(f"{'stage':>5} {'blocks':>6} {'kind':<14} {'input':<16} {'output':<16} "
           f"{'params MiB':>10} {'optim MiB':>9} {'FIFO MiB':>9} {'stash MiB':>9} {'graph MiB':>9} "
           f"{'total MiB':>9}")

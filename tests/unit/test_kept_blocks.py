@@ -473,6 +473,7 @@ def test_dry_run_prints_the_plan(capsys):
     # the split it shows is the one training builds (balanced with the plan's costs)
     trained = choose_layout(cfg, 4, None, "cpu", torch.float32, (3, 32, 32), None)
     assert f"blocks per stage {trained.split}" in lines[start]
+    assert lines[1] == f"blocks per stage {trained.split}: {trained.why}"  # and how it was made
 
 
 def test_build_stages_applies_the_layouts_plan_on_every_rank_alike():
