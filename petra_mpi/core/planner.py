@@ -57,15 +57,15 @@ def plan_layout(net, num_stages: int, *, partition=None, budget=0, batch_size: i
     model.rebuild_last_stage (the measured balance then counts the last stage's blocks at their
     middle-stage costs; the plan's balance counts the last stage as measured); method: whose
     schedule's in-flight counts the plan fills. The global random generator is left as it was."""
+    n = net.num_blocks
+    fixed = list(partition) if partition else ([1] * n if num_stages == n else None)
+    why = "model.partition" if partition else "one block per stage" if fixed else None
+    if fixed:
+        check_split(fixed, num_stages, n)
+        if not budget:  # nothing to cost
+            return Layout(fixed, None, costs, why)
     with torch.random.fork_rng(devices=()):
         blocks = net.blocks()
-        n = len(blocks)
-        fixed = list(partition) if partition else ([1] * n if num_stages == n else None)
-        why = "model.partition" if partition else "one block per stage" if fixed else None
-        if fixed:
-            check_split(fixed, num_stages, n)
-            if not budget:  # nothing to cost
-                return Layout(fixed, None, costs, why)
         if costs is None and measure:
             costs = measure_block_costs(blocks, net.input_shape, batch_size, net.num_classes,
                                         device=device, dtype=dtype, time_kept=bool(budget))

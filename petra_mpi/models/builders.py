@@ -95,6 +95,10 @@ class NetSpec:
         return blocks
 
     @property
+    def num_blocks(self) -> int:
+        return num_blocks(self.arch, (self.model_kw or {}).get("depth", 0))
+
+    @property
     def input_shape(self) -> tuple:
         """One sample's shape: a window of token ids (revlm/lm), else an image."""
         if self.arch in LM_ARCHS:

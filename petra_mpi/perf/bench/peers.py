@@ -127,8 +127,8 @@ class Workload:
     def net(self, arch) -> NetSpec:
         return NetSpec(arch, self.width, self.num_classes, model_kw=self.model_kw)
 
-    def stages(self, split, only):
-        """Stage `only` of PETRA's reversible net split as `split`."""
+    def stages(self, split, only=None):
+        """The stages of PETRA's reversible net split as `split` (just stage `only`)."""
         return build_stages(StageSpec(self.net(self.arch)), Layout(split), only=only)
 
     def zeros(self, n):
@@ -475,7 +475,7 @@ def run(a):
     dist = init_gloo(world)
     work = Workload.from_args(a)
     bench = PeersBench(a, world, work)
-    flops = (flops_per_microbatch(work, a.batch, work.stages(world.size, partition=bench.sizes))
+    flops = (flops_per_microbatch(work, a.batch, work.stages(bench.sizes))
              if world.rank == 0 else None)
     # the contenders' memory first: PETRA's kept budget comes from 1F1B's
     peak_bytes, kept_bytes = bench.peak_bytes(bench.names())
