@@ -15,6 +15,10 @@ import yaml
 # No torch here (nor through these imports): every rank checks its config and the world size
 # before it loads torch, which takes seconds per rank on a crowded node.
 from .archs import LM_ARCHS, Arch, VIT_ARCHS, default_heads, num_blocks
+# the schedules' table (pure data, no torch): train.method's choices are its names
+from .core.schedule import SCHEDULES
+
+Method = Literal[tuple(SCHEDULES)]
 
 
 class ConfigError(ValueError):
@@ -168,12 +172,26 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    method: Literal["petra", "backprop", "delayed"] = "petra"
-    """petra, backprop (no delay, one stage busy at a time) or delayed (with the buffers below)."""
+    method: Method = "petra"
+    """petra, backprop (no delay, one stage busy at a time) or delayed (with the buffers below):
+    the schedules of core/schedule.py (SCHEDULES)."""
     epochs: Annotated[int, AtLeast(1)] = 1
     """Passes over the training split."""
     accumulation: Annotated[int, AtLeast(1)] = 1
     """k: micro-batches whose averaged gradients make one optimizer step."""
+    update_batch: Annotated[int, AtLeast(0)] = 0
+    """Images per optimizer update (per replica), k micro-batches of data.batch_size: with it, k
+    is derived (128 with data.batch_size 16: k = 8) and must come out whole. It states the
+    intent behind k: stage s applies its gradients d_s / k updates late (d_s = 2(J - 1 - s)
+    micro-batches), so the same images per update in smaller micro-batches shorten the delay
+    without memory (docs/running.md, "Training deep pipelines"). The learning-rate rule and the
+    schedule count updates as before (lr = base · batch · k / 256, steps of k micro-batches).
+    These keep counting micro-batches, not updates: train.limit_batches,
+    run.checkpoint_every_microbatches (a multiple of k), the evaluation's batches (of
+    data.batch_size) and the progress line; run.log_every counts updates. train.accumulation
+    set beside it (the same file or the same --set's) must agree; set in an earlier layer (a
+    base file below it, or the file below the --set's), it gives way, as update_batch gives way
+    to an accumulation set in a later one. 0: k is train.accumulation."""
     buffer_inputs: bool = False
     """delayed: reversible stages keep their input instead of rebuilding it."""
     stash_weights: bool = False
@@ -294,6 +312,7 @@ def load_config(path, overrides=()) -> Config:
     """Read `path` (following `base:` links), apply `key.sub=value` overrides, validate."""
     path = Path(path)
     raw = _read_with_bases(path, seen=())
+    overridden = {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected key.sub=value")
@@ -304,11 +323,33 @@ def load_config(path, overrides=()) -> Config:
         raw.setdefault(parts[0], {})
         if not isinstance(raw[parts[0]], dict):
             raise ConfigError(f"--set {item!r}: {parts[0]} is not a section")
-        raw[parts[0]][parts[1]] = yaml.safe_load(value) if value.strip() else ""
+        overridden.setdefault(parts[0], {})[parts[1]] = (yaml.safe_load(value) if value.strip()
+                                                         else "")
+    for section, values in overridden.items():
+        _merge(raw, section, values)
     where = str(path) + (" (with --set overrides)" if overrides else "")
     cfg = _build(raw, where)
+    if cfg.train.update_batch and "accumulation" not in raw.get("train", {}):
+        whole, rest = divmod(cfg.train.update_batch, cfg.data.batch_size)
+        if whole and not rest:  # (else validate says what is wrong)
+            cfg.train.accumulation = whole
     validate(cfg)
     return cfg
+
+
+def _merge(raw: dict, section: str, values):
+    """Lay a section's values of a later layer (a config based on another, or the --set's) over
+    `raw`, the earlier ones. train.accumulation and train.update_batch state k two ways: the
+    one a later layer sets replaces the other; set in one layer, validate checks they agree."""
+    if not (isinstance(values, dict) and isinstance(raw.get(section), dict)):
+        raw[section] = values
+        return
+    if section == "train":
+        if values.get("update_batch") and "accumulation" not in values:
+            raw[section].pop("accumulation", None)
+        elif "accumulation" in values and "update_batch" not in values:
+            raw[section].pop("update_batch", None)
+    raw[section] = {**raw[section], **values}
 
 
 def _read_with_bases(path: Path, seen) -> dict:
@@ -327,10 +368,7 @@ def _read_with_bases(path: Path, seen) -> dict:
         return raw
     merged = _read_with_bases(path.parent / base, seen + (path.resolve(),))
     for section, values in raw.items():
-        if isinstance(values, dict) and isinstance(merged.get(section), dict):
-            merged[section] = {**merged[section], **values}
-        else:
-            merged[section] = values
+        _merge(merged, section, values)
     return merged
 
 
@@ -422,6 +460,14 @@ def validate(cfg: Config, world_size: int | None = None):
              f"needs positive block counts summing to {blocks} ({cfg.model.arch}), got {p}")
         need(cfg.model.stages in (0, len(p)), "model.partition",
              f"has {len(p)} stages but model.stages is {cfg.model.stages}")
+    if cfg.train.update_batch:
+        k, rest = divmod(cfg.train.update_batch, cfg.data.batch_size)
+        need(k and not rest, "train.update_batch", f"{cfg.train.update_batch} images per update "
+             f"is not a whole number of micro-batches of data.batch_size {cfg.data.batch_size}")
+        need(k == cfg.train.accumulation, "train.update_batch",
+             f"{cfg.train.update_batch} images per update in micro-batches of "
+             f"{cfg.data.batch_size} is k = {k}, but train.accumulation is "
+             f"{cfg.train.accumulation}: set one of them, or both alike")
     need(cfg.run.checkpoint_every_microbatches % cfg.train.accumulation == 0,
          "run.checkpoint_every_microbatches", "must be a multiple of train.accumulation (a "
          "checkpoint drains the pipeline and flushes the accumulated gradients)")
@@ -487,8 +533,8 @@ def num_replicas(cfg: Config, world_size: int = 1) -> int:
 
 
 def model_kwargs(cfg: Config) -> dict:
-    """The model keys beyond arch/width/classes/stem that build_stages needs (model_kw), and that a
-    checkpoint must share: depth, heads and patch for revvit/vit, depth, heads, context and
+    """The model keys beyond arch/width/classes/stem that the net needs (NetSpec.model_kw), and
+    that a checkpoint must share: depth, heads and patch for revvit/vit, depth, heads, context and
     tie_weights for revlm/lm, nothing for the CNNs."""
     if cfg.model.arch in LM_ARCHS:
         return {"depth": cfg.model.depth, "heads": cfg.model.heads,

@@ -161,50 +161,11 @@ def measure_block_costs(blocks, input_shape, batch_size, num_classes, *, device=
                        time_block)
 
 
-def measured_partition(arch, width, num_classes, num_stages, input_shape, batch_size, *,
-                       imagenet_stem=False, device="cpu", dtype=torch.float32, precision="fp32",
-                       time_kept=False, rebuild_last=False, **model_kw):
-    """(blocks per stage minimising the slowest stage by measured cost, the BlockCosts);
-    model_kw: the transformers' depth, heads and patch; precision as run.precision; time_kept
-    as measure_block_costs; rebuild_last: the split for a last stage that rebuilds
-    (model.rebuild_last_stage; the costs returned are still those measured)."""
-    from ..models import build_blocks, set_precision
-    from .partition import resolve_partition
-    blocks = build_blocks(arch, width, num_classes, imagenet_stem, image_size=input_shape[-1],
-                          **model_kw)
-    set_precision(blocks, precision)
-    costs = measure_block_costs(blocks, input_shape, batch_size, num_classes, device=device,
-                                dtype=dtype, time_kept=time_kept)
-    split_costs = costs.with_rebuilt_last() if rebuild_last else costs
-    return resolve_partition(blocks, num_stages, costs=split_costs), costs
-
-
-def measured_partition_for(cfg, num_stages, input_shape, device, dtype, fixed=None):
-    """measured_partition for the net and batch of a run's config: (PETRA's split, the
-    BlockCosts, the split the run trains, its kept plan or None). The run trains the split
-    `fixed` (default model.partition) when there is one, else PETRA's; under
-    model.memory_budget the plan is in units of the measured costs, kept times included, and
-    a split that is the run's to choose is balanced with it (memory_plan.plan_split, on a net
-    built as the run builds it)."""
-    from ..config import model_kwargs
-    from ..models import build_blocks, set_precision
-    from .memory_plan import plan_split
-    net = dict(arch=cfg.model.arch, width=cfg.model.width, num_classes=cfg.model.num_classes,
-               imagenet_stem=cfg.model.stem == "imagenet", **model_kwargs(cfg))
-    sizes, costs = measured_partition(num_stages=num_stages, input_shape=input_shape,
-                                      batch_size=cfg.data.batch_size, device=device,
-                                      dtype=dtype, precision=cfg.run.precision,
-                                      time_kept=bool(cfg.model.memory_budget),
-                                      rebuild_last=cfg.model.rebuild_last_stage, **net)
-    fixed = fixed or cfg.model.partition
-    if not cfg.model.memory_budget:
-        return sizes, costs, list(fixed or sizes), None
-    blocks = build_blocks(image_size=input_shape[-1], **net)
-    set_precision(blocks, cfg.run.precision)
-    split, plan = plan_split(blocks, num_stages, fixed, cfg.model.memory_budget,
-                             cfg.data.batch_size, image_size=input_shape[-1], device=device,
-                             dtype=dtype, costs=costs)
-    return sizes, costs, split, plan.kept
+def measure_net_costs(net, batch_size, *, device="cpu", dtype=torch.float32,
+                      time_kept=False) -> BlockCosts:
+    """measure_block_costs of a fresh copy of the net `net` (models.NetSpec) on its input."""
+    return measure_block_costs(net.blocks(), net.input_shape, batch_size, net.num_classes,
+                               device=device, dtype=dtype, time_kept=time_kept)
 
 
 def measure_autograd_costs(blocks, input_shape, batch_size, num_classes, *, device="cpu",

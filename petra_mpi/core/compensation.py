@@ -1,8 +1,9 @@
 """Delay compensation: each stage knows how late its gradients are, and its optimizer may use it.
 
-Stage s applies the gradient of a micro-batch d_s = 2(J - 1 - s) micro-batches after that
-micro-batch's forward; over the k micro-batches of one optimizer step the gradient is on average
-D_s = d_s / k optimizer steps stale (exactly: sum_j floor((j - d_s) / k) over j < k is -d_s).
+Stage s applies the gradient of a micro-batch d_s micro-batches after that micro-batch's forward
+(PETRA: d_s = 2(J - 1 - s); backprop: 0); over the k micro-batches of one optimizer step the
+gradient is on average D_s = d_s / k optimizer steps stale (exactly: sum_j floor((j - d_s) / k)
+over j < k is -d_s). D_s is the schedule's (TickSchedule.delay_in_updates).
 Every rule below is a function of D_s, the optimizer's own state and its step counter, so it
 changes the update only: not the schedule, the messages or the single copy of the weights, and
 a checkpoint of the optimizer's state already holds all it needs.
@@ -91,11 +92,6 @@ class DelayCompensation:
 
 
 NO_COMPENSATION = DelayCompensation()
-
-
-def delay_steps(method: str, delay_microbatches: int, accumulation: int) -> float:
-    """D: the mean staleness, in optimizer steps, of a stage's gradients (0 for backprop)."""
-    return 0.0 if method == "backprop" else delay_microbatches / accumulation
 
 
 def momentum_age(mu: float, nesterov: bool = False) -> float:

@@ -2,7 +2,8 @@
 the graph of how many of their in-flight micro-batches (Stage.set_kept, docs/design.md §1).
 
 Cost model, per micro-batch, in units of a block's forward (partition.block_costs estimates the
-unit of every block): a block that rebuilds (or a buffered block, which recomputes) costs 4, a
+unit of every block), on a stage that holds d_s micro-batches in flight (its schedule's in-flight
+count): a block that rebuilds (or a buffered block, which recomputes) costs 4, a
 forward, a forward under autograd and a backward of twice a forward; a kept micro-batch costs 3,
 the recomputation saved. A middle stage s costs sum_i u_i (4 - kept_i / d_s), keeping kept_i of
 every d_s micro-batches; the last stage runs forward, loss and backward at once, 3 u_i per block,
@@ -17,9 +18,9 @@ block's saved output that is the next block's input: the stem's ReLU).
 The planner is greedy, not an exact knapsack: on each stage it fills the blocks in order of time
 saved per byte, as many slots as the budget allows; that gives the slowest stage's best time
 T. Then each stage keeps, in the same order, only as many slots as bring it down to T: a stage
-that is not the slowest gains nothing from holding more.
+that is not the slowest gains nothing from holding more. Which split it plans, and with which
+costs, is the planner's (planner.py).
 """
-import copy
 import os
 from dataclasses import dataclass
 
@@ -28,8 +29,6 @@ import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 
 from ..models import frozen_bn_stats
-from .partition import block_costs, resolve_partition, split_blocks
-from .schedule import delay
 
 REBUILT_UNITS, KEPT_UNITS, LAST_UNITS = 4, 3, 3
 
@@ -114,11 +113,22 @@ class Plan:
     petra_units: list[float]  # the same with nothing kept
     most_kept: list[list[int]] = None  # per stage, per block: what the budget allows (untrimmed)
     block_units: list[list] = None  # per stage, per block: the unit the plan was made with
+    windows: list[int] = None  # per stage: d_s, the micro-batches it holds in flight
 
     @property
     def relative_time(self) -> float:
         """The slowest stage's time per micro-batch over PETRA's."""
         return max(self.units) / max(self.petra_units)
+
+    def petra_units_on(self, sizes) -> list[float]:
+        """petra_units of another split (blocks per stage) of the same net and stages: each
+        stage's predicted time per micro-batch with nothing kept, in the plan's units."""
+        units = [u for stage in self.block_units for u in stage]
+        out, i = [], 0
+        for n, w in zip(sizes, self.windows):
+            out.append(stage_units(units[i:i + n], [0] * n, w, last=not w))
+            i += n
+        return out
 
 
 def choose(units, sizes, windows, budgets, shared=None) -> Plan:
@@ -135,67 +145,7 @@ def choose(units, sizes, windows, budgets, shared=None) -> Plan:
     return Plan(kept, [stage_kept_bytes(k, z, g) for k, z, g in zip(kept, sizes, shared)],
                 [stage_units(u, k, w, l) for u, k, w, l in zip(units, kept, windows, last)],
                 [stage_units(u, [0] * len(u), w, l) for u, w, l in zip(units, windows, last)],
-                best, units)
-
-
-def balance_with_plan(sizes, plan_for, resplit, rounds: int = 4):
-    """(split, Plan): a split balanced with its own plan's costs. PETRA's balance (`sizes`)
-    counts every block at 4 units, but a block that keeps k of every d_s micro-batches costs
-    4 - k / d_s: a stage that can keep is faster than the split assumed, and may take more
-    blocks. So re-split by the costs of what each stage's budget lets it keep (Plan.most_kept;
-    resplit(weights) -> sizes, each block's cost outside the last stage scaled by its weight,
-    the last stage's cost resplit's own), plan that split (plan_for(sizes) -> Plan), and keep
-    it while the slowest stage gets faster."""
-    plan = plan_for(sizes)
-    J = len(sizes)
-    for _ in range(rounds):
-        weights = []
-        for s, kept in enumerate(plan.most_kept[:-1]):
-            weights += [stage_units([u], [k], delay(J, s)) / block_times(u)[0]
-                        for u, k in zip(plan.block_units[s], kept)]
-        # the last stage keeps nothing (no delay): a block of it moved into a middle stage is
-        # counted at the best any block keeps there (the new split's plan, checked below,
-        # decides)
-        weights += [min(weights, default=1.0)] * len(plan.most_kept[-1])
-        again = resplit(weights)
-        if again == sizes:
-            break
-        other = plan_for(again)
-        if max(other.units) >= max(plan.units):
-            break
-        sizes, plan = again, other
-    return sizes, plan
-
-
-def split_for_budget(blocks, sizes, budget, batch_size: int, *, image_size: int = 32,
-                     device="cpu", dtype=torch.float32, costs=None):
-    """(split, Plan) of `blocks` (a fresh net) under model.memory_budget `budget`, from PETRA's
-    own split `sizes`: balance_with_plan over the estimated costs, or the measured `costs` (a
-    blockcost.BlockCosts) when model.balance is measure."""
-    J = len(sizes)
-    units = None if costs is None else measured_units(costs)
-
-    def resplit(weights):
-        return resolve_partition(blocks, J, image_size=image_size, costs=costs, weights=weights)
-
-    def plan_for(split):
-        return plan_blocks(blocks, split, budget, batch_size, image_size=image_size,
-                           device=device, dtype=dtype, units=units)
-    return balance_with_plan(sizes, plan_for, resplit)
-
-
-def plan_split(blocks, num_stages: int, partition, budget, batch_size: int, *,
-               image_size: int = 32, device="cpu", dtype=torch.float32, costs=None):
-    """(blocks per stage, Plan) of `blocks` (a fresh net) under model.memory_budget `budget`:
-    the split `partition`, else (None) PETRA's balanced with the plan's costs (split_for_budget;
-    one block per stage leaves no choice); costs: the blocks' measured BlockCosts (model.balance
-    measure; the plan then in measured_units), else the estimate."""
-    sizes = resolve_partition(blocks, num_stages, partition, image_size, costs=costs)
-    where = dict(image_size=image_size, device=device, dtype=dtype)
-    if partition is None and num_stages < len(blocks):  # the split is ours to choose
-        return split_for_budget(blocks, sizes, budget, batch_size, costs=costs, **where)
-    units = None if costs is None else measured_units(costs)
-    return sizes, plan_blocks(blocks, sizes, budget, batch_size, units=units, **where)
+                best, units, list(windows))
 
 
 def measured_units(costs) -> list:
@@ -207,42 +157,22 @@ def measured_units(costs) -> list:
     return [(f + b) / REBUILT_UNITS for f, b in zip(costs.forward, costs.backward)]
 
 
-def plan_blocks(blocks, sizes, budget, batch_size: int, *, image_size: int = 32, device="cpu",
-                dtype=torch.float32, units=None) -> Plan:
-    """plan_stages for the whole net `blocks` split as `sizes`, probed on CPU in the run's dtype
-    (deterministic: every rank computes the same); `units` as plan_stages."""
-    from .stages import Stage
-    for block in blocks:
-        block.to(dtype)
-    probes = [Stage(part, s, len(sizes)) for s, part in enumerate(split_blocks(blocks, sizes))]
-    context = getattr(blocks[0], "context", None)  # a language model takes token ids
-
-    def make_input(n):
-        return (torch.zeros(n, context, dtype=torch.long) if context
-                else torch.zeros(n, 3, image_size, image_size, dtype=dtype))
-    return plan_stages(probes, make_input, batch_size, budget, device, image_size, units)
-
-
-def plan_stages(stages, make_input, batch: int, budget, device="cpu",
-                image_size: int = 32, units=None) -> Plan:
-    """The plan for `stages` (all of the net, in order) under model.memory_budget `budget` (or a
-    list of them, one per stage), for micro-batches of `batch` samples; make_input(n) gives a
-    network input of n samples. The blocks' units are `units` (per block of the net: a
-    forward's worth of its measured work) or partition.block_costs' estimates. Their
-    bytes are measured on 2 and 3 samples and extended to `batch` as an affine function of it
-    (activations grow with the batch, weights do not), so the probe stays small. Set it with
+def plan_stages(stages, make_input, batch: int, budget, units, device="cpu") -> Plan:
+    """The plan for `stages` (all of the net, in order, each holding its window d_s in flight)
+    under model.memory_budget `budget` (or a list of them, one per stage), for micro-batches of
+    `batch` samples; make_input(n) gives a network input of n samples; `units`: per block of the
+    net, its unit (partition.block_costs' estimate, or measured_units). Their bytes are measured
+    on 2 and 3 samples and extended to `batch` as an affine function of it (activations grow
+    with the batch, weights do not), so the probe stays small. Set it with
     stage.set_kept(plan.kept[s])."""
     limits = ([budget_bytes(b, device) for b in budget] if isinstance(budget, (list, tuple))
               else [budget_bytes(budget, device)] * len(stages))
-    blocks = [b for s in stages for b in s.blocks]
-    if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in stages[0].parameters()):
-        blocks = [copy.deepcopy(b).to("cpu", torch.float32) for b in blocks]  # as block_costs runs
-    costs, units, i = units or block_costs(blocks, image_size), [], 0
+    per_stage, i = [], 0
     for s in stages:
-        units.append(costs[i:i + len(s.blocks)])
+        per_stage.append(units[i:i + len(s.blocks)])
         i += len(s.blocks)
     sizes, shared = probe_kept(stages, make_input, batch)
-    return choose(units, sizes, [s.window for s in stages], limits, shared)
+    return choose(per_stage, sizes, [s.window for s in stages], limits, shared)
 
 
 def probe_kept(stages, make_input, batch: int) -> tuple[list[list], list[dict]]:

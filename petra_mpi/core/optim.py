@@ -59,7 +59,7 @@ class StageOptimizer:
                  betas=(0.9, 0.999), delay: float = 0.0,
                  compensation: DelayCompensation = NO_COMPENSATION):
         """delay: D, the mean staleness of this stage's gradients in optimizer steps
-        (compensation.delay_steps); compensation: what the optimizer does with it."""
+        (TickSchedule.delay_in_updates); compensation: what the optimizer does with it."""
         if name not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
         decay, no_decay = [], []

@@ -1,8 +1,7 @@
-"""Splitting the block list into J contiguous stages."""
+"""Splitting the block list into J contiguous stages: the estimated cost of each block, and the
+split that minimises the slowest stage (the planner, planner.py, chooses what to balance)."""
 import torch
 from torch import nn
-
-from .schedule import delay
 
 
 # Cost of writing one activation element, in multiply-accumulates: elementwise layers (batch norm,
@@ -59,7 +58,7 @@ LAST_FACTOR = 0.75
 
 
 def balanced_partition(costs, num_stages: int, last_factor: float = LAST_FACTOR,
-                       last_costs=None, stored=None) -> list[int]:
+                       last_costs=None, stored=None, depths=None) -> list[int]:
     """Block counts per stage that minimise the most expensive stage (contiguous, none empty).
 
     `costs[b]` is what block b costs in any stage but the last, `last_costs[b]` what it costs in
@@ -69,12 +68,12 @@ def balanced_partition(costs, num_stages: int, last_factor: float = LAST_FACTOR,
     (about 3). Ties go to the first split found, so equal costs give equal splits.
 
     `stored[b]`: bytes block b keeps per micro-batch in flight outside the last stage (the input
-    of a non-reversible block). Given, the splits whose slowest stage is within TIE_TOLERANCE of
-    the best are ties, and among them the one whose largest stage store is smallest wins (then
-    the fastest): stage j holds delay(J, j) micro-batches (PETRA's FIFO depth, the backward
-    popping before the forward pushes), the last stage none. At J = 2 on RevNet18 this keeps a
-    16 MiB downsampling input out of stage 0's two-deep FIFO when the two best splits time within
-    noise of each other."""
+    of a non-reversible block), with `depths[j]`, how many micro-batches stage j holds (the
+    schedule's in-flight count: its FIFO depth, the backward popping before the forward pushes).
+    Given, the splits whose slowest stage is within TIE_TOLERANCE of the best are ties, and among
+    them the one whose largest stage store is smallest wins (then the fastest); the last stage
+    stores none. At J = 2 on RevNet18 this keeps a 16 MiB downsampling input out of stage 0's
+    two-deep FIFO when the two best splits time within noise of each other."""
     n = len(costs)
     if not 1 <= num_stages <= n:
         raise ValueError(f"cannot split {n} blocks into {num_stages} stages: use 1 to {n}")
@@ -89,7 +88,7 @@ def balanced_partition(costs, num_stages: int, last_factor: float = LAST_FACTOR,
     def store(j, m, i):
         if j == num_stages:
             return 0.0
-        return (stored_prefix[i] - stored_prefix[m]) * delay(num_stages, j - 1)
+        return (stored_prefix[i] - stored_prefix[m]) * depths[j - 1]
 
     best_cost, sizes = _minmax_split(n, num_stages, cost)
     if not stored or not any(stored):
@@ -132,29 +131,12 @@ def _minmax_split(n, num_stages, value, allowed=lambda j, m, i: True):
     return best[num_stages][n], sizes[::-1]
 
 
-def resolve_partition(blocks, num_stages: int, fixed=None, image_size: int = 32,
-                      costs=None, weights=None) -> list[int]:
-    """Block counts per stage: `fixed` if given (checked), one block per stage when J equals the
-    block count (the paper's split), else balanced by measured `costs` (a blockcost.BlockCosts)
-    or, without them, by estimated cost. `weights[b]` scales block b's cost outside the last
-    stage (memory_plan.balance_with_plan: a kept block costs less than a rebuilt one)."""
-    n = len(blocks)
-    if fixed:
-        if len(fixed) != num_stages or sum(fixed) != n or min(fixed) < 1:
-            raise ValueError(f"model.partition {list(fixed)} must have {num_stages} positive entries "
-                             f"summing to {n} (the number of blocks)")
-        return list(fixed)
-    if num_stages == n:
-        return [1] * n
-    weights = weights or [1.0] * n
-    if costs is not None:
-        middle = [(f + b) * w for f, b, w in zip(costs.forward, costs.backward, weights)]
-        inputs = [costs.input_bytes] + costs.output_bytes[:-1]
-        stored = [0 if block.reversible else size for block, size in zip(blocks, inputs)]
-        return balanced_partition(middle, num_stages, last_costs=costs.last, stored=stored)
-    estimate = block_costs(blocks, image_size)
-    return balanced_partition([c * w for c, w in zip(estimate, weights)], num_stages,
-                              last_costs=[LAST_FACTOR * c for c in estimate])
+def check_split(sizes, num_stages: int, num_blocks: int):
+    """A given split (model.partition, a checkpoint's): num_stages positive block counts summing
+    to the net's blocks, else a ValueError saying so."""
+    if len(sizes) != num_stages or sum(sizes) != num_blocks or min(sizes) < 1:
+        raise ValueError(f"model.partition {list(sizes)} must have {num_stages} positive entries "
+                         f"summing to {num_blocks} (the number of blocks)")
 
 
 def split_blocks(blocks, sizes):

@@ -2,8 +2,8 @@
 
 Micro-batch b enters stage 0 at tick b. With J stages:
 - petra / delayed: stage s forwards b = t - s and backwards b = t - 2(J-1) + s at tick t, so the
-  forward and backward of one micro-batch on stage s are delay(J, s) = 2(J-1-s) ticks apart; the
-  last stage does both at once (forward_backward).
+  forward and backward of one micro-batch on stage s are d_s = 2(J-1-s) ticks apart; the last
+  stage does both at once (forward_backward).
 - backprop: one micro-batch in flight at a time; b occupies ticks b(2J-1) ... b(2J-1) + 2(J-1),
   going forward through every stage and back again.
 Within a tick a stage runs its backward first, then its forward, then its optimizer step if one
@@ -12,6 +12,13 @@ trains exactly as any other, and the backward frees a FIFO entry before the forw
 A segment of n micro-batches starts with an empty pipeline (fill) and ends with every backward done
 (drain); stages take an optimizer step after every k backwards and after their last one.
 Evaluation runs a forward-only schedule (ForwardOnlySchedule) the same way.
+
+A stage's in-flight count d_s (`in_flight`) is the schedule's: how many micro-batches a stage
+holds after a forward, whose backwards are still to come (its FIFO's and kept graphs' window),
+and how many micro-batches late its gradients are, d_s / k optimizer updates
+(`delay_in_updates`). The stages, the delay compensation, the kept-blocks plan and the dry run
+read it here; SCHEDULES is the table of methods, and the config's train.method choices are its
+names.
 
 lowered() turns a stage's actions of a tick into what the engines run: the data read, the
 receives, the computation, the sends and the report, each message naming its peer stage.
@@ -24,8 +31,6 @@ from dataclasses import dataclass
 from enum import Enum
 
 from ..comm.channels import CHANNELS, of_action
-
-METHODS = ("petra", "backprop", "delayed")
 
 
 class Kind(str, Enum):
@@ -75,10 +80,6 @@ class Action:
         return SYMBOLS[self.kind] + ("" if self.kind is Kind.STEP else str(self.microbatch))
 
 
-def delay(num_stages: int, stage: int) -> int:
-    return 2 * (num_stages - 1 - stage)
-
-
 def updates_after(b: int, n: int, k: int) -> bool:
     """Whether a stage steps its optimizer after the backward of micro-batch b (0-based) of a
     segment of n: every k backwards, and at the drain so no gradient is left behind."""
@@ -115,6 +116,18 @@ class TickSchedule:
     def entered_before(self, tick: int) -> int:
         """How many micro-batches entered stage 0 before `tick`."""
         raise NotImplementedError
+
+    def in_flight(self, stage: int) -> int:
+        """d_s: how many micro-batches later than its forward `stage` runs a micro-batch's
+        backward, i.e. how many it holds after a forward (its backward runs first in a tick),
+        and how many micro-batches late its gradients are; 0 where nothing waits between a
+        forward and its backward."""
+        raise NotImplementedError
+
+    def delay_in_updates(self, stage: int) -> float:
+        """How many optimizer updates late `stage`'s gradients are on average: d_s / k (exactly:
+        the k staleness values floor(b / k) - floor((b - d_s) / k) of one update sum to d_s)."""
+        return self.in_flight(stage) / self.k
 
     def actions(self, stage: int, tick: int, n: int) -> list:
         """The actions of `stage` at `tick` of a segment of n, in the order they run."""
@@ -203,10 +216,13 @@ class PetraSchedule(TickSchedule):
         return _valid(tick - stage, n)
 
     def backward_microbatch(self, stage, tick, n):
-        return _valid(tick - delay(self.J, stage) - stage, n)
+        return _valid(tick - self.in_flight(stage) - stage, n)
 
     def entered_before(self, tick: int) -> int:
         return tick
+
+    def in_flight(self, stage: int) -> int:
+        return 2 * (self.J - 1 - stage)
 
 
 class DelayedSchedule(PetraSchedule):
@@ -232,6 +248,9 @@ class BackpropSchedule(TickSchedule):
     def entered_before(self, tick: int) -> int:
         return -(-tick // (2 * self.J - 1))
 
+    def in_flight(self, stage: int) -> int:
+        return 0  # a micro-batch's backward comes before the next micro-batch's forward
+
 
 class ForwardOnlySchedule(TickSchedule):
     """Evaluation: stage s evaluates micro-batch b at tick b + s (a forward with running
@@ -252,12 +271,18 @@ class ForwardOnlySchedule(TickSchedule):
     def entered_before(self, tick: int) -> int:
         return tick
 
+    def in_flight(self, stage: int) -> int:
+        return 0  # no backward
+
     def actions(self, stage: int, tick: int, n: int) -> list:
         b = self.forward_microbatch(stage, tick, n)
         return [] if b is None else [Action(Kind.EVALUATE, stage, b)]
 
 
-SCHEDULES = {s.method: s for s in (PetraSchedule, DelayedSchedule, BackpropSchedule)}
+# The methods (train.method) and their schedules; the config's choices are these names, in this
+# order.
+SCHEDULES = {s.method: s for s in (PetraSchedule, BackpropSchedule, DelayedSchedule)}
+METHODS = tuple(SCHEDULES)
 
 
 def schedule_for(method: str, num_stages: int, accumulation: int = 1) -> TickSchedule:

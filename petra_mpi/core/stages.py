@@ -40,7 +40,7 @@ from torch import nn
 from ..comm.compress import Codec, nbytes
 from ..models import frozen_bn_stats, recorded_bn_stats
 from .last_stage import LossAtOnce
-from .schedule import delay
+from .schedule import PetraSchedule
 
 
 class PollsBetweenBlocks:
@@ -59,13 +59,15 @@ class PollsBetweenBlocks:
 
 
 class Stage(PollsBetweenBlocks, LossAtOnce, nn.Module):
-    def __init__(self, blocks, index: int, num_stages: int, *, buffer_inputs: bool = False,
-                 stash_weights: bool = False, kept=None, partition=None, buffer_codec=None,
-                 rebuild_last: bool = False):
-        """partition: blocks per stage of the whole split (a checkpoint records where this
-        stage's blocks sit in the network); buffer_codec: how the FIFOs keep their inputs
-        (comm.buffers: packed at the push, unpacked at the pop; as they are by default);
-        rebuild_last: the last stage rebuilds instead of keeping its graph (set_rebuild_last)."""
+    def __init__(self, blocks, index: int, num_stages: int, *, schedule=None,
+                 buffer_inputs: bool = False, stash_weights: bool = False, kept=None,
+                 partition=None, buffer_codec=None, rebuild_last: bool = False):
+        """schedule: the TickSchedule of num_stages stages it runs under (default PETRA's),
+        whose in_flight(index) is the stage's window d_s; partition: blocks per stage of the
+        whole split (a checkpoint records where this stage's blocks sit in the network);
+        buffer_codec: how the FIFOs keep their inputs (comm.buffers: packed at the push,
+        unpacked at the pop; as they are by default); rebuild_last: the last stage rebuilds
+        instead of keeping its graph (set_rebuild_last)."""
         super().__init__()
         self.partition = list(partition) if partition is not None else None
         self.buffer_codec = buffer_codec if buffer_codec is not None else Codec("none")
@@ -77,7 +79,10 @@ class Stage(PollsBetweenBlocks, LossAtOnce, nn.Module):
         self.fifos = [deque() for _ in blocks]   # inputs of buffered blocks, oldest first
         self.stashes = [deque() for _ in blocks]  # weights of in-flight micro-batches
         self.peak_fifo_bytes = self.peak_stash_bytes = 0  # for the memory report
-        self.window = delay(num_stages, index)  # d_s: micro-batches in flight after a forward
+        schedule = schedule or PetraSchedule(num_stages)
+        if schedule.J != num_stages:
+            raise ValueError(f"a schedule of {schedule.J} stages for a stage of {num_stages}")
+        self.window = schedule.in_flight(index)  # d_s: micro-batches in flight after a forward
         self.graphs = [deque() for _ in blocks]  # kept micro-batches' graphs, oldest first
         self.kept_held = HeldStorages()  # what the kept graphs hold, each storage once
         self.peak_kept_bytes = 0

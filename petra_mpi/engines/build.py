@@ -1,58 +1,59 @@
 """Building the stages, their workers and the engine that runs them, identically in every engine
 and on every rank: the trainer (run/assemble.py) and every benchmark build through here."""
 
+from dataclasses import dataclass
+
 import torch
 
 from ..comm.devices import to_device
-from ..models import build_blocks, set_precision
-from ..comm.compress import NO_COMPRESSION
-from ..core.compensation import NO_COMPENSATION, DelayCompensation, delay_steps
+from ..models import NetSpec
+from ..comm.compress import NO_COMPRESSION, Compression
+from ..core.compensation import NO_COMPENSATION, DelayCompensation
 from ..core.optim import StageOptimizer, constant_lr
-from ..core.memory_plan import plan_split
-from ..core.partition import resolve_partition, split_blocks
+from ..core.partition import check_split, split_blocks
+from ..core.planner import Layout
+from ..core.schedule import schedule_for
 from ..core.stages import Stage
 from ..core.trace import NULL_TRACER
 from ..core.worker import StageWorker
 
 
-def build_stages(arch: str, width: int, num_classes: int, num_stages: int, *, seed: int = 0,
-                 imagenet_stem: bool = False, partition=None, image_size: int = 32,
-                 buffer_inputs: bool = False, stash_weights: bool = False,
-                 device="cpu", dtype=torch.float32, only: int | None = None,
-                 model_kw: dict | None = None, precision: str = "fp32",
-                 compression=None, replica: int = 0, kept=None, memory_budget=0,
-                 batch_size: int = 1, rebuild_last_stage: bool = False) -> list[Stage]:
-    """All stages (or just stage `only`), with weights that depend on the seed alone: every rank
-    builds the whole net from the same seed and keeps its own part. `model_kw`: depth, heads and
-    patch of revvit/vit (config.model_kwargs). precision: fp32, or bf16 (autocast inside each
-    block; the tensors between blocks keep `dtype`). Placed by devices.to_device (channels-last on
-    CUDA). compression (compress.Compression): its `buffers` format packs the FIFO entries, each
-    stage's with the random stream of its own stage and `replica` (the replica these stages
-    belong to: stochastic rounding draws differently in every replica, as their messages do).
-    kept: per stage of the whole split, the kept plan of its blocks (Stage.set_kept; None:
-    PETRA); else, with a memory_budget (model.memory_budget) other than 0, memory_plan.plan_split's
-    plan for micro-batches of `batch_size` samples, the same on every rank.
-    rebuild_last_stage (model.rebuild_last_stage): the last stage holds no graph but rebuilds
-    and recomputes in its backward (Stage.set_rebuild_last)."""
-    torch.manual_seed(seed)
-    blocks = build_blocks(arch, width, num_classes, imagenet_stem, image_size=image_size,
-                          **(model_kw or {}))
-    set_precision(blocks, precision)
-    sizes = resolve_partition(blocks, num_stages, partition, image_size)
-    if memory_budget and kept is None:
-        sizes, plan = plan_split(blocks, num_stages, partition, memory_budget, batch_size,
-                                 image_size=image_size, device=device, dtype=dtype)
-        kept = plan.kept
+@dataclass(frozen=True)
+class StageSpec:
+    """How every stage of a run is built, beside its layout: the net, the method (whose
+    schedule gives each stage its in-flight count), its switches, where the stages live."""
+    net: NetSpec
+    method: str = "petra"
+    buffer_inputs: bool = False  # delayed: reversible blocks keep their input
+    stash_weights: bool = False  # delayed: each in-flight micro-batch keeps its weights
+    rebuild_last_stage: bool = False  # the last stage holds no graph (Stage.set_rebuild_last)
+    device: object = "cpu"
+    dtype: torch.dtype = torch.float32
+    compression: Compression | None = None  # its `buffers` format packs the FIFO entries
+
+
+def build_stages(spec: StageSpec, layout: Layout, *, only: int | None = None,
+                 replica: int = 0) -> list[Stage]:
+    """All stages of `layout` (planner.plan_layout), or just stage `only`, with weights that
+    depend on the net's seed alone: every rank builds the whole net and keeps its own part.
+    Placed by devices.to_device (channels-last on CUDA). The FIFO entries of each stage are
+    packed with the random stream of its own stage and `replica` (the replica these stages
+    belong to: stochastic rounding draws differently in every replica, as their messages do)."""
+    blocks = spec.net.blocks()
+    J = layout.num_stages
+    check_split(layout.split, J, len(blocks))
+    schedule = schedule_for(spec.method, J)
     stages = []
-    for s, stage_blocks in enumerate(split_blocks(blocks, sizes)):
+    for s, stage_blocks in enumerate(split_blocks(blocks, layout.split)):
         if only is not None and s != only:
             continue
-        stage = Stage(stage_blocks, s, num_stages, buffer_inputs=buffer_inputs,
-                      stash_weights=stash_weights, kept=kept[s] if kept else None,
-                      partition=sizes, rebuild_last=rebuild_last_stage and s == num_stages - 1,
-                      buffer_codec=(None if compression is None
-                                    else compression.codec("buffers", s, replica)))
-        stages.append(to_device(stage, device, dtype))
+        stage = Stage(stage_blocks, s, J, schedule=schedule, buffer_inputs=spec.buffer_inputs,
+                      stash_weights=spec.stash_weights,
+                      kept=layout.kept[s] if layout.kept else None, partition=layout.split,
+                      rebuild_last=spec.rebuild_last_stage and s == J - 1,
+                      buffer_codec=(None if spec.compression is None
+                                    else spec.compression.codec("buffers", s, replica)))
+        stages.append(to_device(stage, spec.device, spec.dtype))
     return stages
 
 
@@ -62,12 +63,14 @@ def build_workers(stages, lr_schedule=None, accumulation: int = 1, momentum: flo
                   method: str = "petra", compensation: DelayCompensation = NO_COMPENSATION):
     """One worker per stage; lr_schedule: the learning rate per optimizer step (None:
     constant_lr, for benchmarks); tracers: one per stage (trace.start), hooks: WorkerHooks for
-    all; compensation: delay compensation, by each stage's delay under `method`."""
+    all; compensation: delay compensation, by each stage's delay in updates under `method`'s
+    schedule."""
     lr_schedule = lr_schedule or constant_lr()
     tracers = tracers or [NULL_TRACER] * len(stages)
+    schedule = schedule_for(method, stages[0].num_stages, accumulation)
     return [StageWorker(s, StageOptimizer(s, lr_schedule, momentum, nesterov, weight_decay,
                                           name=optimizer, betas=betas,
-                                          delay=delay_steps(method, s.window, accumulation),
+                                          delay=schedule.delay_in_updates(s.index),
                                           compensation=compensation.for_method(method)),
                         accumulation, tracer=tracer, hooks=hooks)
             for s, tracer in zip(stages, tracers)]

@@ -1,7 +1,7 @@
 from .blocks import PRECISIONS, BatchNorm2d, frozen_bn_stats, recorded_bn_stats, set_precision
-from .builders import (ARCH_NAMES, ARCHS, Network, build_blocks, build_network, count_parameters,
-                       num_blocks)
+from .builders import (ARCH_NAMES, ARCHS, NetSpec, Network, build_blocks, build_network,
+                       count_parameters, num_blocks)
 
 __all__ = ["ARCH_NAMES", "ARCHS", "BatchNorm2d", "build_blocks", "build_network", "count_parameters",
-           "frozen_bn_stats", "recorded_bn_stats", "Network", "num_blocks", "PRECISIONS",
+           "frozen_bn_stats", "recorded_bn_stats", "NetSpec", "Network", "num_blocks", "PRECISIONS",
            "set_precision"]

@@ -4,12 +4,16 @@ blocks: [stem, residual blocks..., head].
 The paper's stage split keeps every residual block whole: one stage for the stem, one per block and
 one for the head (10 stages for the 18-layer nets, 18 for the 34/50-layer nets).
 """
+from dataclasses import dataclass
+
+import torch
 from torch import nn
 
+from ..config import model_kwargs
 from ..archs import (ARCH_NAMES, ARCHS, INVERTIBLE_ARCHS, VIT_ARCHS, default_heads,  # noqa: F401
                      num_blocks)
 from .blocks import (DownsampleBlock, Head, PadShortcut, ResidualBlock, ReversibleBlock, Stem,
-                     basic_branch, bottleneck_branch, conv_bn)
+                     basic_branch, bottleneck_branch, conv_bn, set_precision)
 from .invertible import build_invertible_blocks
 from .lm import LM_ARCHS, build_lm_blocks
 from .vit import build_vit_blocks
@@ -59,6 +63,53 @@ def build_blocks(arch: str, width: int = 64, num_classes: int = 10, imagenet_ste
     for block in blocks:
         _init(block)
     return blocks
+
+
+@dataclass(frozen=True)
+class NetSpec:
+    """What builds a run's net, the same on every rank: build_blocks' arguments, the precision its
+    blocks compute in (run.precision) and the seed its weights come from (run.seed)."""
+    arch: str
+    width: int
+    num_classes: int
+    imagenet_stem: bool = False
+    image_size: int = 32  # the side of the images it takes (revvit/vit: its patches' grid)
+    model_kw: dict | None = None  # depth, heads, patch of revvit/vit; context ... of revlm/lm
+    precision: str = "fp32"
+    seed: int = 0
+
+    @classmethod
+    def of_config(cls, cfg, image_size: int) -> "NetSpec":
+        """The net of a run's config, taking images of side `image_size` (the loader's)."""
+        return cls(cfg.model.arch, cfg.model.width, cfg.model.num_classes,
+                   cfg.model.stem == "imagenet", image_size, model_kwargs(cfg),
+                   cfg.run.precision, cfg.run.seed)
+
+    def blocks(self) -> list[nn.Module]:
+        """A fresh copy of the net's blocks, its weights from the seed alone (the global random
+        generator is seeded with it first)."""
+        torch.manual_seed(self.seed)
+        blocks = build_blocks(self.arch, self.width, self.num_classes, self.imagenet_stem,
+                              image_size=self.image_size, **(self.model_kw or {}))
+        set_precision(blocks, self.precision)
+        return blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return num_blocks(self.arch, (self.model_kw or {}).get("depth", 0))
+
+    @property
+    def input_shape(self) -> tuple:
+        """One sample's shape: a window of token ids (revlm/lm), else an image."""
+        if self.arch in LM_ARCHS:
+            return (self.model_kw["context"],)
+        return (3, self.image_size, self.image_size)
+
+    def zeros(self, n: int, dtype=torch.float32) -> torch.Tensor:
+        """A network input of n samples of zeros (token ids are int64 whatever `dtype`)."""
+        if self.arch in LM_ARCHS:
+            return torch.zeros(n, *self.input_shape, dtype=torch.long)
+        return torch.zeros(n, *self.input_shape, dtype=dtype)
 
 
 class Network(nn.Module):

@@ -24,7 +24,7 @@ from torch import nn
 from ..core.blockcost import BlockCosts
 from ..models import build_blocks
 from ..core.partition import block_costs as estimated_block_costs
-from ..core.schedule import delay
+from ..core.schedule import PetraSchedule
 from ..core.stages import PollsBetweenBlocks
 
 # Paper Table 5: time per micro-batch of 256 CIFAR-10 images with one block per GPU.
@@ -263,7 +263,7 @@ class WaitingStage(PollsBetweenBlocks, nn.Module):
         blocks = range(first_block, first_block + len(costs))
         self.costs, self.clock = costs, clock or Clock()
         self.rebuild = list(rebuild) if rebuild is not None else [0.0] * len(costs)
-        self.window = delay(num_stages, index)  # d_s, as Stage's
+        self.window = PetraSchedule(num_stages).in_flight(index)  # d_s, as Stage's
         self.in_shape = (batch, *shapes.inputs[first_block])
         self.out_shape = (batch, *shapes.outputs[blocks[-1]])
         self.num_classes = num_classes
@@ -446,10 +446,12 @@ def kept_sizes(arch, width, batch, sizes, num_classes=10, image_size=32,
     samples holds (saved activations, stashed weights, input; None: the block cannot keep), and
     the storages its blocks share, measured on the real stages as training's planner measures
     them (memory_plan.probe_kept)."""
-    from ..engines.build import build_stages
+    from ..engines.build import StageSpec, build_stages
     from ..core.memory_plan import probe_kept
-    stages = build_stages(arch, width, num_classes, len(sizes), partition=sizes,
-                          imagenet_stem=imagenet_stem)
+    from ..core.planner import Layout
+    from ..models import NetSpec
+    net = NetSpec(arch, width, num_classes, imagenet_stem)
+    stages = build_stages(StageSpec(net), Layout(sizes))
     return probe_kept(stages, lambda n: torch.zeros(n, 3, image_size, image_size), batch)
 
 
@@ -463,8 +465,9 @@ def kept_plan(profile: Profile, sizes, block_bytes, budgets, shared=None):
     for n in sizes:
         units.append(list(profile.forward[i:i + n]))
         i += n
-    J = len(sizes)
-    return choose(units, block_bytes, [delay(J, s) for s in range(J)], budgets, shared)
+    petra = PetraSchedule(len(sizes))
+    return choose(units, block_bytes, [petra.in_flight(s) for s in range(petra.J)], budgets,
+                  shared)
 
 
 def fifo_bytes(shapes: BlockShapes, sizes, batch) -> list[int]:
@@ -475,6 +478,6 @@ def fifo_bytes(shapes: BlockShapes, sizes, batch) -> list[int]:
     for s, n in enumerate(sizes):
         per_microbatch = sum(4 * batch * _numel(shapes.inputs[b]) for b in range(i, i + n)
                              if not shapes.reversible[b])
-        out.append(per_microbatch * delay(J, s))
+        out.append(per_microbatch * PetraSchedule(J).in_flight(s))
         i += n
     return out

@@ -6,9 +6,9 @@ import sys
 
 from ..archs import LM_ARCHS
 from ..comm.compress import Compression
-from ..config import model_kwargs
 from ..core.compensation import DelayCompensation
-from ..engines.build import build_engine, build_stages, build_workers
+from ..engines.build import StageSpec, build_engine, build_stages, build_workers
+from ..models import NetSpec
 from ..core.optim import LRSchedule, peak_lr
 from ..core.schedule import schedule_for
 from ..core import trace
@@ -40,28 +40,20 @@ def run_lr_schedule(cfg, steps_per_epoch: int, replicas: int = 1) -> LRSchedule:
                       total_steps=steps_per_epoch * cfg.train.epochs)
 
 
-def assemble_run(cfg, world, placement, partition, input_shape, microbatches_per_epoch,
-                 diagnostics=None, kept=None) -> RunParts:
-    """The stages (in one process: R identical replicas, in rank order; under MPI this rank's),
-    their workers and the engine. diagnostics: a callback for train.diag_every's records; kept:
-    the kept plan of every stage (None: build_stages plans model.memory_budget itself)."""
+def assemble_run(cfg, world, placement, layout, input_shape, microbatches_per_epoch,
+                 diagnostics=None) -> RunParts:
+    """The stages of `layout` (layout.choose_layout; in one process: R identical replicas, in
+    rank order; under MPI this rank's), their workers and the engine. diagnostics: a callback
+    for train.diag_every's records."""
     J, R = placement.J, placement.R
     compression = Compression.from_config(cfg.comm, cfg.run.seed)
+    spec = StageSpec(NetSpec.of_config(cfg, input_shape[-1]),  # the loader's image side
+                     cfg.train.method, cfg.train.buffer_inputs, cfg.train.stash_weights,
+                     cfg.model.rebuild_last_stage, placement.device, placement.dtype, compression)
     stages = []
     for r in range(1 if world else R):
-        stages += build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, J,
-                               seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
-                               partition=partition, buffer_inputs=cfg.train.buffer_inputs,
-                               stash_weights=cfg.train.stash_weights, device=placement.device,
-                               dtype=placement.dtype,
-                               image_size=input_shape[-1],  # the loader's image side
-                               only=placement.stage if world else None,
-                               model_kw=model_kwargs(cfg), precision=cfg.run.precision,
-                               compression=compression,
-                               replica=placement.replica if world else r,
-                               kept=kept, memory_budget=cfg.model.memory_budget,
-                               batch_size=cfg.data.batch_size,
-                               rebuild_last_stage=cfg.model.rebuild_last_stage)
+        stages += build_stages(spec, layout, only=placement.stage if world else None,
+                               replica=placement.replica if world else r)
     steps_per_epoch = -(-microbatches_per_epoch // cfg.train.accumulation)
     lr_schedule = run_lr_schedule(cfg, steps_per_epoch, R)
     # Collective (a Barrier fixes the common time origin); NULL_TRACERs when run.trace is off.

@@ -3,18 +3,21 @@ the per-stage table of parameters, buffers and estimated memory; no training, an
 only the file's header (the image size the loader will deliver, see input_side). With
 `--profile` every block is first timed on the run's device and batch (blockcost.py) and the
 stages are those that balancing by measured cost gives."""
+import dataclasses
 import sys
 
 import torch
 
 from ..archs import LM_ARCHS
-from ..config import model_kwargs
 from ..comm.compress import Codec
-from ..core.compensation import DelayCompensation, delay_steps
+from ..core.compensation import DelayCompensation
 from ..core.memory_plan import last_stage_graph_bytes
 from ..core.optim import LRSchedule, StageOptimizer
-from ..engines.build import build_stages
-from ..core.schedule import delay
+from ..core.planner import plan_layout
+from ..core.schedule import schedule_for
+from ..engines.build import StageSpec, build_stages
+from ..models import NetSpec
+from .layout import config_layout
 
 
 def input_side(cfg) -> tuple[int, str]:
@@ -38,25 +41,24 @@ def input_side(cfg) -> tuple[int, str]:
         cfg.data.path
 
 
-def stage_table(cfg, num_stages: int, dtype=torch.float32, partition=None,
-                side=None, as_the_paper_counts=False) -> list[dict]:
-    """Per-stage figures for batch `data.batch_size`, from a real forward of a zero batch;
-    `partition`: blocks per stage (default model.partition, else the estimate); `side`: of the
-    input images (default: input_side). Stage s holds delay(J, s) micro-batches' inputs (or
-    weights) at its peak, its backward running before its forward within a tick; the paper's
-    Table 3 counts one more (`as_the_paper_counts`). The last stage holds the graph of its whole
-    part for one micro-batch (`graph_bytes`), or with model.rebuild_last_stage its buffered
-    blocks' inputs of one micro-batch (`input_fifo_bytes`); its row gives both (`last_stage`)."""
+def stage_table(cfg, layout, dtype=torch.float32, side=None,
+                as_the_paper_counts=False) -> list[dict]:
+    """Per-stage figures for batch `data.batch_size` of the stages of `layout`
+    (planner.Layout), from a real forward of a zero batch; `side`: of the input images (default:
+    input_side). Stage s holds its in-flight count d_s of micro-batches' inputs (or weights) at
+    its peak, its backward running before its forward within a tick, and at least one (backprop,
+    a last stage that rebuilds); the paper's Table 3 counts one more (`as_the_paper_counts`).
+    The last stage holds the graph of its whole part for one micro-batch (`graph_bytes`), or
+    with model.rebuild_last_stage its buffered blocks' inputs of one micro-batch
+    (`input_fifo_bytes`); its row gives both (`last_stage`)."""
     side = side or input_side(cfg)[0]
-    stages = build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, num_stages,
-                          seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
-                          partition=partition or cfg.model.partition,
-                          buffer_inputs=cfg.train.buffer_inputs,
-                          stash_weights=cfg.train.stash_weights, dtype=dtype,
-                          image_size=side, model_kw=model_kwargs(cfg))
+    # the blocks in fp32, whatever run.precision: the bytes as the table has always counted them
+    net = dataclasses.replace(NetSpec.of_config(cfg, side), precision="fp32")
+    stages = build_stages(StageSpec(net, cfg.train.method, cfg.train.buffer_inputs,
+                                    cfg.train.stash_weights, dtype=dtype), layout)
+    schedule = schedule_for(cfg.train.method, layout.num_stages)
     batch = cfg.data.batch_size
-    x = (torch.zeros(1, cfg.model.context, dtype=torch.long) if cfg.model.arch in LM_ARCHS
-         else torch.zeros(1, 3, side, side, dtype=dtype))  # token ids, or an image
+    x = net.zeros(1, dtype)  # token ids, or an image
     rows = []
     itemsize = torch.finfo(dtype).bits // 8
     # a FIFO keeps its inputs in comm.buffers' format (an int8 tensor's few scales not counted)
@@ -75,8 +77,7 @@ def stage_table(cfg, num_stages: int, dtype=torch.float32, partition=None,
                                                  else x.element_size())
                 x = block(x)
         params = sum(p.numel() for p in stage.parameters()) * itemsize
-        in_flight = (1 if cfg.train.method == "backprop" or rebuilds else
-                     delay(num_stages, stage.index) + (1 if as_the_paper_counts else 0))
+        in_flight = max(schedule.in_flight(stage.index) + (1 if as_the_paper_counts else 0), 1)
         if stage.is_last:
             last = {"graph_bytes": graph, "rebuilt_bytes": fifo, "rebuilds": rebuilds}
             fifo, graph = (fifo, 0) if rebuilds else (0, graph)
@@ -99,17 +100,18 @@ def stage_table(cfg, num_stages: int, dtype=torch.float32, partition=None,
     return rows
 
 
-def profile_blocks(cfg, num_stages: int, device, dtype, side: int):
-    """Time every block on `side`x`side` images, print each block's and each stage's cost,
-    return (PETRA's split, the split training uses, the plan's unit per block): the one
-    minimising the slowest stage by the measured costs, redone with the plan's costs in the
-    measured units under model.memory_budget (as run/layout.choose_layout does), or
-    model.partition when it is fixed."""
-    from ..core.blockcost import measured_partition_for
-    from ..core.memory_plan import measured_units
-    shape = (cfg.model.context,) if cfg.model.arch in LM_ARCHS else (3, side, side)
-    sizes, costs, split, kept = measured_partition_for(cfg, num_stages, shape, device, dtype)
-    sizes = list(cfg.model.partition or sizes)
+def profile_blocks(cfg, net, num_stages: int, device, dtype):
+    """--profile: time every block on the run's device, dtype and batch, print each block's
+    cost, and return the Layout training would take from those times (planner.plan_layout, as
+    layout.choose_layout plans it), whose PETRA split's stage costs it prints too."""
+    from ..core.blockcost import measure_net_costs
+    costs = measure_net_costs(net, cfg.data.batch_size, device=device, dtype=dtype,
+                              time_kept=bool(cfg.model.memory_budget))
+    layout = plan_layout(net, num_stages, partition=cfg.model.partition,
+                         budget=cfg.model.memory_budget, batch_size=cfg.data.batch_size,
+                         costs=costs, rebuild_last=cfg.model.rebuild_last_stage,
+                         method=cfg.train.method, device=device, dtype=dtype)
+    side = net.image_size
     what = (batch_input(cfg, side) if cfg.model.arch in LM_ARCHS
             else f"of {side}x{side} images")
     print(f"measured on {device}, batch {cfg.data.batch_size} {what}, ms per micro-batch:")
@@ -120,13 +122,28 @@ def profile_blocks(cfg, num_stages: int, device, dtype, side: int):
         print(f"{b:>5} {1e3 * f:>8.2f} {1e3 * costs.backward[b]:>8.2f} "
               f"{1e3 * costs.last[b]:>8.2f} {1e3 * costs.step[b]:>8.2f}"
               + (f" {1e3 * costs.kept[b]:>8.2f}" if costs.kept else ""))
+    sizes = layout.petra_split
     per_stage = costs.stage_seconds(sizes)
     print(f"split {sizes} ({'model.partition' if cfg.model.partition else 'measured balance'}): "
           f"ms per micro-batch per stage {' '.join(f'{1e3 * c:.1f}' for c in per_stage)}; "
           f"slowest / mean {max(per_stage) / (sum(per_stage) / len(per_stage)):.2f}")
-    if kept is None:  # the plan, if any, is build_stages' own (estimated units)
-        return sizes, sizes, None
-    return sizes, split, measured_units(costs)
+    return layout
+
+
+def dry_run_layout(cfg, net, num_stages: int, device, dtype, profile: bool):
+    """The Layout the dry run shows: with `profile` the one training takes from the blocks'
+    times; else the estimate's, training's own under model.balance: estimate, and under measure
+    (whose times it does not take) the kept plan, if any, on PETRA's estimated split."""
+    if profile:
+        return profile_blocks(cfg, net, num_stages, device, dtype)
+    if cfg.model.balance == "estimate":
+        return config_layout(cfg, net, num_stages, device, dtype)
+    petra = plan_layout(net, num_stages, partition=cfg.model.partition)
+    if not cfg.model.memory_budget:
+        return petra
+    return plan_layout(net, num_stages, partition=petra.split, budget=cfg.model.memory_budget,
+                       batch_size=cfg.data.batch_size, method=cfg.train.method, device=device,
+                       dtype=dtype)
 
 
 def batch_input(cfg, side) -> str:
@@ -137,60 +154,27 @@ def batch_input(cfg, side) -> str:
     return f"images {side}x{side}"
 
 
-def split_with_plan(cfg, num_stages: int, device, dtype, side) -> list[int]:
-    """The split training uses under model.memory_budget when the split is its to choose: PETRA's
-    estimated balance redone with the plan's costs (memory_plan.balance_with_plan), built as
-    run/assemble.py builds it (the device's memory for a fractional budget, the precision)."""
-    (stage,) = build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, num_stages,
-                            seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
-                            device=device, dtype=dtype, image_size=side,
-                            model_kw=model_kwargs(cfg), precision=cfg.run.precision, only=0,
-                            memory_budget=cfg.model.memory_budget,
-                            batch_size=cfg.data.batch_size)
-    return stage.partition
-
-
-def print_kept_plan(cfg, num_stages: int, device, dtype, partition, side, petra_split=None,
-                    units=None):
-    """model.memory_budget's plan (memory_plan.py): per stage, how many of every d_s in-flight
-    micro-batches each block keeps, the kept bytes at the peak and the predicted time per
-    micro-batch, and the slowest stage's time relative to PETRA's on its own split
-    (`petra_split`, None: the estimate); `units`: the plan's per block (None: estimated)."""
-    from ..core.memory_plan import budget_bytes, plan_stages
-
-    def stages_on(split):
-        return build_stages(cfg.model.arch, cfg.model.width, cfg.model.num_classes, num_stages,
-                            seed=cfg.run.seed, imagenet_stem=cfg.model.stem == "imagenet",
-                            partition=split or cfg.model.partition, dtype=dtype,
-                            image_size=side, model_kw=model_kwargs(cfg),
-                            precision=cfg.run.precision)
-
-    def make_input(n):  # token ids, or images
-        return (torch.zeros(n, cfg.model.context, dtype=torch.long)
-                if cfg.model.arch in LM_ARCHS else torch.zeros(n, 3, side, side, dtype=dtype))
-
-    def plan_on(split, budget):
-        return plan_stages(stages_on(split), make_input, cfg.data.batch_size, budget, device,
-                           side, units)
-
-    budget = cfg.model.memory_budget
-    stages = stages_on(partition)
-    plan = plan_on(partition, budget)
-    petra = plan if partition == petra_split else plan_on(petra_split, 0)
+def print_kept_plan(cfg, layout, device):
+    """model.memory_budget's plan (memory_plan.py, layout.plan): per stage, how many of every
+    d_s in-flight micro-batches each block keeps, the kept bytes at the peak and the predicted
+    time per micro-batch, and the slowest stage's time relative to PETRA's on its own split
+    (layout.petra_split), in the plan's units."""
+    from ..core.memory_plan import budget_bytes
+    budget, plan = cfg.model.memory_budget, layout.plan
     limit = budget_bytes(budget, device)
     mib = 2 ** 20
     print(f"kept blocks, model.memory_budget {budget} "
           f"({'no limit' if limit is None else f'{limit / mib:.1f} MiB'} per stage), "
-          f"blocks per stage {stages[0].partition}; time per micro-batch estimated, 1 = PETRA's "
+          f"blocks per stage {layout.split}; time per micro-batch estimated, 1 = PETRA's "
           f"slowest stage on its own split:")
     print(f"{'stage':>5} {'d_s':>4} {'kept MiB':>9} {'time':>6} {'PETRA':>6}  per block: kept of "
           f"every d_s micro-batches (- cannot keep)")
-    scale = max(petra.petra_units)
-    for s, stage in enumerate(stages):
-        kept = " ".join(str(k) if stage.can_keep else "-" for k in plan.kept[s])
-        print(f"{s:>5} {stage.window:>4} {plan.kept_bytes[s] / mib:>9.2f} "
+    scale = max(plan.petra_units_on(layout.petra_split))
+    for s, window in enumerate(plan.windows):
+        kept = " ".join(str(k) if window else "-" for k in plan.kept[s])
+        print(f"{s:>5} {window:>4} {plan.kept_bytes[s] / mib:>9.2f} "
               f"{plan.units[s] / scale:>6.3f} {plan.petra_units[s] / scale:>6.3f}  {kept}")
-    slowest = max(range(len(stages)), key=lambda s: plan.units[s])
+    slowest = max(range(len(plan.units)), key=lambda s: plan.units[s])
     print(f"slowest stage {slowest}: {plan.units[slowest] / scale:.3f} of PETRA's time per "
           f"micro-batch")
 
@@ -211,21 +195,22 @@ def print_last_stage(last: dict):
 
 
 def print_delays(cfg, num_stages: int):
-    """Each stage's delay and what delay compensation (optim.delay_*) makes of it, as each
-    stage's optimizer sees it (built on a stand-in parameter, at a learning rate of 1)."""
-    optim = cfg.optim
+    """Each stage's delay, in micro-batches (d_s, the schedule's in-flight count) and in
+    optimizer updates (d_s / k), and what delay compensation (optim.delay_*) makes of it, as
+    each stage's optimizer sees it (built on a stand-in parameter, at a learning rate of 1)."""
+    optim, k = cfg.optim, cfg.train.accumulation
+    schedule = schedule_for(cfg.train.method, num_stages, k)
     comp = DelayCompensation.from_config(optim, steps_per_epoch=1)
-    print(f"delays (D = d_s / k optimizer steps) and delay compensation "
-          f"({'on' if comp.active else 'off'}; optim.delay_*):")
-    print(f"{'stage':>5} {'d_s':>4} {'D':>6} {'momentum' if optim.name == 'sgd' else 'beta1':>8} "
+    print(f"delays (d_s micro-batches; d_s / k optimizer updates, k = {k}) and delay "
+          f"compensation ({'on' if comp.active else 'off'}; optim.delay_*):")
+    print(f"{'stage':>5} {'d_s':>4} {'updates':>7} "
+          f"{'momentum' if optim.name == 'sgd' else 'beta1':>8} "
           f"{'predicts (steps)':>16} {'lr factor at start':>18}")
     for s in range(num_stages):
-        d = delay(num_stages, s)
         opt = StageOptimizer(torch.nn.Linear(1, 1), LRSchedule(1.0, 10**9), optim.momentum,
                              optim.nesterov, name=optim.name, betas=optim.betas,
-                             delay=delay_steps(cfg.train.method, d, cfg.train.accumulation),
-                             compensation=comp)
-        print(f"{s:>5} {d:>4} {opt.delay:>6.2f} {opt.momentum:>8.3f} "
+                             delay=schedule.delay_in_updates(s), compensation=comp)
+        print(f"{s:>5} {schedule.in_flight(s):>4} {opt.delay:>7.2f} {opt.momentum:>8.3f} "
               f"{opt.prediction_horizon:>16.2f} {opt.lr(0):>18.3f}")
     if optim.delay_spike:
         print("spike compensation: a gradient D steps late gets the momentum it missed at once")
@@ -237,17 +222,14 @@ def report(cfg, num_stages: int, world=None, device="cpu", dtype=torch.float32,
         world.barrier()
         return 0
     side, where = input_side(cfg)
-    # PETRA's split and the one training uses (None: the estimate), the plan's units
-    petra_split, partition, units = (profile_blocks(cfg, num_stages, device, dtype, side)
-                                     if profile else (None, None, None))
-    if (cfg.model.memory_budget and cfg.model.balance == "estimate"
-            and not (partition or cfg.model.partition)):
-        partition = split_with_plan(cfg, num_stages, device, dtype, side)
-    rows = stage_table(cfg, num_stages, dtype, partition, side)
+    layout = dry_run_layout(cfg, NetSpec.of_config(cfg, side), num_stages, device, dtype,
+                            profile)
+    rows = stage_table(cfg, layout, dtype, side)
     mib = 2 ** 20
     print(f"{cfg.model.arch} width {cfg.model.width}, {num_stages} stages, method "
           f"{cfg.train.method}, batch {cfg.data.batch_size} (config {cfg.source}), "
           f"{batch_input(cfg, side)} ({where})")
+    print(f"blocks per stage {layout.split}: {layout.why}")
     print(f"{'stage':>5} {'blocks':>6} {'kind':<14} {'input':<16} {'output':<16} "
           f"{'params MiB':>10} {'optim MiB':>9} {'FIFO MiB':>9} {'stash MiB':>9} {'graph MiB':>9} "
           f"{'total MiB':>9}")
@@ -263,8 +245,9 @@ def report(cfg, num_stages: int, world=None, device="cpu", dtype=torch.float32,
     print(f"total estimated memory (without activations of the running op): {total / mib:.1f} MiB")
     print_last_stage(rows[-1]["last_stage"])
     if cfg.model.memory_budget:
-        print_kept_plan(cfg, num_stages, device, dtype, partition, side, petra_split, units)
-    if cfg.train.method != "backprop" and num_stages > 1:
+        print_kept_plan(cfg, layout, device)
+    schedule = schedule_for(cfg.train.method, num_stages)
+    if any(schedule.in_flight(s) for s in range(num_stages)):  # some stage's gradients are late
         print_delays(cfg, num_stages)
     sys.stdout.flush()
     if world is not None:

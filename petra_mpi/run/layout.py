@@ -7,41 +7,48 @@ import os
 import sys
 import time
 
-import torch
-
 from .checkpoint import MANIFEST
-from ..config import model_kwargs
-from ..models import build_blocks, num_blocks, set_precision
+from ..core.planner import Layout, plan_layout
+from ..models import NetSpec, num_blocks
 
 
-def choose_layout(cfg, J, world, device, dtype, input_shape, resume):
-    """(blocks per stage, kept plan), the same on every rank; None for either: the estimate's
-    split, PETRA. Resuming, the checkpoint's (resumed_layout). Else the split is the config's
+def choose_layout(cfg, J, world, device, dtype, input_shape, resume) -> Layout:
+    """The run's Layout, the same on every rank. Resuming, the checkpoint's (resumed_layout).
+    Else the planner's for the config (config_layout): the split is the config's
     (model.partition, or one block per stage), or PETRA's by the estimate, or by timing every
     block when model.balance is measure; under model.memory_budget it is balanced with the
     plan's costs when it is the run's to choose, and the plan is made on it in the same costs
-    (measured: kept times included). Rank 0 decides where timing or a fraction of its memory
-    enters, and tells the others."""
+    (measured: kept times included). Rank 0 plans where timing or a fraction of its memory
+    enters, and tells the others; elsewhere every rank plans the same."""
     if resume:
         with open(os.path.join(resume, MANIFEST)) as f:
             layout = resumed_layout(json.load(f), J, cfg.model.memory_budget)
         if layout:
             return layout
-    budget = cfg.model.memory_budget
-    fixed = cfg.model.partition or ([1] * J if J == num_blocks(cfg.model.arch, cfg.model.depth)
-                                    else None)
-    if not budget and (fixed or cfg.model.balance != "measure"):
-        return cfg.model.partition, None
+    net = NetSpec.of_config(cfg, input_shape[-1])
+    fixed = bool(cfg.model.partition) or J == num_blocks(cfg.model.arch, cfg.model.depth)
+    measured = cfg.model.balance == "measure"
+    if not cfg.model.memory_budget and (fixed or not measured):
+        return config_layout(cfg, net, J, device, dtype)
     chosen = None
     if world is None or world.rank == 0:
-        chosen = (measured_layout(cfg, J, device, dtype, input_shape, fixed)
-                  if cfg.model.balance == "measure" else
-                  estimated_layout(cfg, J, device, dtype, input_shape, fixed))
+        start = time.perf_counter()
+        chosen = config_layout(cfg, net, J, device, dtype)
+        if measured:
+            say_measured(chosen, fixed, time.perf_counter() - start)
     return world.bcast(chosen) if world else chosen
 
 
-def resumed_layout(manifest, J, budget):
-    """(split, plan) of a checkpoint's manifest that a run of J stages under model.memory_budget
+def config_layout(cfg, net, J, device, dtype) -> Layout:
+    """planner.plan_layout for the net `net` (models.NetSpec) and the layout keys of a config."""
+    return plan_layout(net, J, partition=cfg.model.partition, budget=cfg.model.memory_budget,
+                       batch_size=cfg.data.batch_size, measure=cfg.model.balance == "measure",
+                       rebuild_last=cfg.model.rebuild_last_stage, method=cfg.train.method,
+                       device=device, dtype=dtype)
+
+
+def resumed_layout(manifest, J, budget) -> Layout | None:
+    """The Layout of a checkpoint's manifest that a run of J stages under model.memory_budget
     `budget` resumes with, or None to choose afresh: when its stages differ, or its budget (a
     lowered budget must not keep what ran out of memory before). The same budget keeps the
     checkpoint's, though a measured split or a fraction of another node's memory might come
@@ -53,36 +60,19 @@ def resumed_layout(manifest, J, budget):
         same = (manifest.get("kept") is not None) == bool(budget)
     if manifest.get("stages") != J or not same:
         return None
-    return manifest.get("partition"), manifest.get("kept")
+    return Layout(manifest["partition"], manifest.get("kept"), why="the checkpoint's")
 
 
-def measured_layout(cfg, J, device, dtype, input_shape, fixed):
-    """(split, plan) from the blocks timed on this run's device, dtype and batch."""
-    from ..core.blockcost import measured_partition_for
-    start = time.perf_counter()
-    sizes, costs, split, kept = measured_partition_for(cfg, J, input_shape, device, dtype, fixed)
-    timed = f"{time.perf_counter() - start:.1f} s to time {len(costs.forward)} blocks"
-    shown = split if fixed else sizes
-    per_stage = " ".join(f"{1e3 * c:.0f}" for c in costs.stage_seconds(shown))
+def say_measured(layout, fixed, seconds):
+    """The line of a layout from timed blocks: the split and each stage's measured time."""
+    timed = f"{seconds:.1f} s to time {len(layout.costs.forward)} blocks"
+    shown = layout.petra_split
+    per_stage = " ".join(f"{1e3 * c:.0f}" for c in layout.costs.stage_seconds(shown))
     what = "blocks timed for the kept plan" if fixed else "stages balanced by measured cost"
     line = f"petra_mpi: {what} ({timed}): blocks per stage {shown}, ms per micro-batch {per_stage}"
-    if split != shown:  # kept blocks cost less: their stages may take more blocks
-        line += f"; with the kept blocks of model.memory_budget {split}"
+    if layout.split != shown:  # kept blocks cost less: their stages may take more blocks
+        line += f"; with the kept blocks of model.memory_budget {layout.split}"
     print(line, file=sys.stderr, flush=True)
-    return split, kept
-
-
-def estimated_layout(cfg, J, device, dtype, input_shape, fixed):
-    """(split, plan) by the estimated block costs, on a net built as build_stages builds it."""
-    from ..core.memory_plan import plan_split
-    torch.manual_seed(cfg.run.seed)
-    blocks = build_blocks(cfg.model.arch, cfg.model.width, cfg.model.num_classes,
-                          cfg.model.stem == "imagenet", image_size=input_shape[-1],
-                          **model_kwargs(cfg))
-    set_precision(blocks, cfg.run.precision)
-    split, plan = plan_split(blocks, J, fixed, cfg.model.memory_budget, cfg.data.batch_size,
-                             image_size=input_shape[-1], device=device, dtype=dtype)
-    return split, plan.kept
 
 
 def layout_changes(old, new) -> list[str]:

@@ -233,19 +233,18 @@ class Trainer:
         self.microbatches_per_epoch, self.eval_batches = segment_lengths(cfg, *lengths[:2])
         self.input_shape = lengths[2]
         resume = locate_resume(cfg, world, placement.rank)
-        partition, kept = choose_layout(cfg, placement.J, world, placement.device,
-                                        placement.dtype, self.input_shape, resume)
+        layout = choose_layout(cfg, placement.J, world, placement.device, placement.dtype,
+                               self.input_shape, resume)
         self.epoch = 0  # the epoch being trained: diagnostics records carry it
         startup_step("building the stages")
-        parts = assemble_run(cfg, world, placement, partition, self.input_shape,
-                             self.microbatches_per_epoch, diagnostics=self._write_diagnostics,
-                             kept=kept)
+        parts = assemble_run(cfg, world, placement, layout, self.input_shape,
+                             self.microbatches_per_epoch, diagnostics=self._write_diagnostics)
         self.engine, self.watchdog, self.tracers = parts.engine, parts.watchdog, parts.tracers
         self.pipeline_workers = parts.pipeline_workers  # what checkpoints and reports hold
         self.writer = MetricsWriter(cfg.run.out_dir, cfg.run.tensorboard) if self.writes else None
         self.identity, self.layout, manifest_head = describe_run(
             cfg, placement, parts.stages[0].partition, self.microbatches_per_epoch,
-            parts.steps_per_epoch, parts.lr_schedule.peak, self.input_shape[-1], kept)
+            parts.steps_per_epoch, parts.lr_schedule.peak, self.input_shape[-1], layout.kept)
         self.checkpoints = RunCheckpoints(cfg, world, placement, self.pipeline_workers,
                                           manifest_head, self.writer, parts.tracer, self.watchdog)
         self.load_state_dict({"epoch": 0, "position": 0, "best_val_acc": None, "history": [],

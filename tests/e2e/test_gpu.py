@@ -18,12 +18,12 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CU
 
 
 def test_stage_backward_on_gpu_matches_cpu():
-    from petra_mpi.engines.build import build_stages
+    from tests.support.nets import stages_of
     from tests.support.nets import make_batches, run_engine
     batches = make_batches(5, dtype=torch.float64)
     cpu = run_engine("revnet18", 4, 2, batches, lr=0.1)
     gpu_batches = [(x.cuda(), y.cuda()) for x, y in batches]
-    stages = build_stages("revnet18", 4, 10, 4, seed=0, dtype=torch.float64, device="cuda")
+    stages = stages_of("revnet18", 4, 10, 4, seed=0, dtype=torch.float64, device="cuda")
     from petra_mpi.engines.build import build_workers
     from petra_mpi.engines.local import LocalEngine
     from petra_mpi.core.optim import LRSchedule
@@ -174,9 +174,9 @@ def test_stages_on_cuda_produce_channels_last_messages():
     """What the engine agrees at start-up: a CUDA stage's output is channels-last, so its links
     carry channels-last messages (on the CPU they stay NCHW)."""
     from petra_mpi.comm.transport import CHANNELS_LAST, CONTIGUOUS, layout_of
-    from petra_mpi.engines.build import build_stages
+    from tests.support.nets import stages_of
     for device, want in (("cuda", CHANNELS_LAST), ("cpu", CONTIGUOUS)):
-        stages = build_stages("revnet18", 4, 10, 3, seed=0, device=device)
+        stages = stages_of("revnet18", 4, 10, 3, seed=0, device=device)
         x = torch.zeros(2, 3, 32, 32, device=device)
         with torch.no_grad():
             for stage in stages[:-1]:

@@ -90,8 +90,8 @@ def explain(job, out):
 def boundary_floats(J=6):
     """Floats per sample of the message each stage sends to the next (stage s -> s + 1), for the
     same net and split as the run."""
-    from petra_mpi.engines.build import build_stages
-    stages = build_stages("revnet18", 8, 10, J, seed=0)
+    from tests.support.nets import stages_of
+    stages = stages_of("revnet18", 8, 10, J, seed=0)
     x = torch.zeros(1, 3, 32, 32)
     sizes = []
     with torch.no_grad():

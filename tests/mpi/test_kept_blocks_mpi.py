@@ -6,8 +6,9 @@ import json
 import pytest
 import torch
 
-from petra_mpi.core.schedule import delay
-from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.core.schedule import PetraSchedule
+from petra_mpi.engines.build import build_workers
+from tests.support.nets import stages_of
 from petra_mpi.engines.local import LocalEngine
 from petra_mpi.run.checkpoint import complete_checkpoints
 from tests.support.launch import mpirun
@@ -20,7 +21,7 @@ def local_run(plan, n, k):
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     try:
-        stages = build_stages(ARCH, 4, 10, 3, seed=0, image_size=SIDE)
+        stages = stages_of(ARCH, 4, 10, 3, seed=0, image_size=SIDE)
         for s in stages:
             s.set_kept(plan(s))
         engine = LocalEngine(build_workers(stages, schedule(), k, weight_decay=5e-4), "petra")
@@ -92,7 +93,7 @@ def test_a_measured_run_with_a_budget_trains_its_plan_and_resumes_it(tmp_path):
     assert manifest["memory_budget"] == "auto"
     # at most d_s of every d_s micro-batches, nothing in the last stage (whether a block keeps
     # depends on the timings: a stage that is not the slowest keeps nothing)
-    assert all(0 <= k <= delay(3, s) for s, ks in enumerate(kept) for k in ks)
+    assert all(0 <= k <= PetraSchedule(3).in_flight(s) for s, ks in enumerate(kept) for k in ks)
     assert not any(kept[-1])
     # resumed with the checkpoint's split and plan, not a new measurement
     again = mpirun(3, args + ["--set", "train.epochs=2", "--set", "run.resume=auto"],

@@ -8,14 +8,16 @@ import pytest
 import torch
 
 from petra_mpi.comm.compress import NO_COMPRESSION
-from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.engines.build import build_workers
+from tests.support.nets import stages_of
 from petra_mpi.engines.local import LocalEngine
 from petra_mpi.core.optim import LRSchedule
 
 from tests.support.launch import mpirun
 from tests.support.outputs import check_run_outputs
 from tests.support.paths import PROGRAMS, QUICK
-from equivalence import COMPRESSED, REVVIT, batches, eval_batches, optimizer_settings
+from equivalence import (COMPRESSED, REVVIT, accumulation_of, batches, eval_batches,
+                         optimizer_settings)
 
 
 def flat(params):
@@ -28,7 +30,7 @@ def local_reference(J, method, k, n, short_eval=False, arch="revnet18",
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     try:
-        stages = build_stages(arch, 4, 10, J, seed=0, compression=compression, **flags)
+        stages = stages_of(arch, 4, 10, J, seed=0, compression=compression, **flags)
         workers = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), k,
                                 weight_decay=5e-4, **optimizer_settings(method, run_flags))
         engine = LocalEngine(workers, method, compression=compression)
@@ -52,7 +54,8 @@ RUNS = {
         "petra:2:revvit", "petra:2:bf16",
         "petra:2:irevnet",  # the fully invertible net: every stage but the stem's rebuilds
         "petra:2:compress:short_eval",  # every compression format, stochastic rounding on
-        "petra:2:compensate"],  # every delay compensation at once
+        "petra:2:compensate",  # every delay compensation at once
+        "petra:u16"],  # k from train.update_batch: 16 images per update in micro-batches of 4
     4: ["petra:1", "petra:2", "backprop:1", "delayed:2:stash", "delayed:1:buffer:compress",
         "petra:1:compensate:adamw", "delayed:2:buffer:stash:compensate",
         "petra:2:torch:compress:short_eval", "backprop:1:torch"],
@@ -83,7 +86,9 @@ def revnet_runs(J, marks=()):
 @pytest.mark.parametrize("J,run", revnet_runs(2) + revnet_runs(3) + revnet_runs(4, EXTENDED))
 def test_invariant3_mpi_equals_local_bitwise(launched, J, run):
     method, k, *flags = run.split(":")
-    k = int(k)
+    k = accumulation_of(k)
+    if run == "petra:u16":
+        assert k == 4  # the config's k: 16 images per update, 4 a micro-batch
     out = launched(J, run)
     arch = "irevnet18" if "irevnet" in flags else "revnet18"
     stages, ref_eval = local_reference(J, method, k, N, short_eval="short_eval" in flags,
@@ -92,7 +97,7 @@ def test_invariant3_mpi_equals_local_bitwise(launched, J, run):
                                        compression=COMPRESSED if "compress" in flags else
                                        NO_COMPRESSION, run_flags=flags,
                                        rebuild_last_stage="rebuild_last" in flags)
-    initial = build_stages(arch, 4, 10, J, seed=0)
+    initial = stages_of(arch, 4, 10, J, seed=0)
     moved = 0.0
     for r in range(J):
         got = torch.load(out / f"rank{r}.pt")
@@ -124,7 +129,7 @@ def test_invariant3_revvit_mpi_equals_local_bitwise(launched):
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     try:
-        stages = build_stages("revvit", REVVIT["width"], 10, J, seed=0,
+        stages = stages_of("revvit", REVVIT["width"], 10, J, seed=0,
                               image_size=REVVIT["image_size"], model_kw=REVVIT["model_kw"])
         workers = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), k,
                                 weight_decay=5e-4)
@@ -147,7 +152,7 @@ def bf16_reference(J, method, k, n, precision):
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     try:
-        stages = build_stages("revnet18", 4, 10, J, seed=0, precision=precision)
+        stages = stages_of("revnet18", 4, 10, J, seed=0, precision=precision)
         workers = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), k,
                                 weight_decay=5e-4)
         engine = LocalEngine(workers, method)

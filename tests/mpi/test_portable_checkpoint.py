@@ -15,11 +15,11 @@ import torch
 from petra_mpi.run.checkpoint import (CheckpointError, block_files, complete_checkpoints,
                                   load_blocks, read_manifest, save_blocks,
                                   write_manifest)
-from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.engines.build import build_workers
 from petra_mpi.engines.local import LocalEngine
 from petra_mpi.models import build_network
 from petra_mpi.core.optim import LRSchedule
-from tests.support.nets import make_batches
+from tests.support.nets import make_batches, stages_of
 from tests.support.launch import mpirun
 from tests.support.paths import PROGRAMS, ROOT
 
@@ -31,7 +31,7 @@ DUMP = PROGRAMS / "resume_dump.py"
 def trained_workers(partition, optimizer="sgd", seed=0):
     """RevNet18 (width 4) on `partition`, after 4 micro-batches of PETRA with k = 2: every
     parameter has optimizer state, every batch norm moved statistics."""
-    stages = build_stages("revnet18", 4, 10, len(partition), seed=seed, partition=partition)
+    stages = stages_of("revnet18", 4, 10, len(partition), seed=seed, partition=partition)
     workers = build_workers(stages, LRSchedule(0.1, 10), 2, weight_decay=5e-4,
                             optimizer=optimizer)
     batches = make_batches(4, dtype=torch.float32)
@@ -40,7 +40,7 @@ def trained_workers(partition, optimizer="sgd", seed=0):
 
 
 def fresh_workers(partition, optimizer="sgd"):
-    stages = build_stages("revnet18", 4, 10, len(partition), seed=7, partition=partition)
+    stages = stages_of("revnet18", 4, 10, len(partition), seed=7, partition=partition)
     return build_workers(stages, LRSchedule(0.1, 10), 2, optimizer=optimizer)
 
 
@@ -100,7 +100,7 @@ def test_float32_checkpoint_loads_into_bf16_compute_or_float64_stages(tmp_path, 
     """bf16 compute keeps float32 weights (autocast inside the blocks): they load bitwise;
     float64 stages hold the float32 values exactly, optimizer state included."""
     manifest = write_checkpoint(tmp_path, trained_workers([5, 5]), [5, 5])
-    stages = build_stages("revnet18", 4, 10, 3, seed=7, partition=[3, 3, 4], **kw)
+    stages = stages_of("revnet18", 4, 10, 3, seed=7, partition=[3, 3, 4], **kw)
     loaded = build_workers(stages, LRSchedule(0.1, 10), 2)
     for w in loaded:
         load_blocks(str(tmp_path), manifest, w, "cpu")

@@ -5,7 +5,8 @@ parameters of an uninterrupted local run of the length it returned (bitwise, on 
 import pytest
 import torch
 
-from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.engines.build import build_workers
+from tests.support.nets import stages_of
 from petra_mpi.engines.local import LocalEngine
 from petra_mpi.core.optim import LRSchedule
 from petra_mpi.core.schedule import num_ticks
@@ -24,7 +25,7 @@ def local_run(n):
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     try:
-        stages = build_stages("revnet18", 4, 10, J, seed=0)
+        stages = stages_of("revnet18", 4, 10, J, seed=0)
         workers = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), 2,
                                 weight_decay=5e-4)
         assert LocalEngine(workers, "petra").train_segment(batches(n), n) == n

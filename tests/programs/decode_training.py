@@ -15,7 +15,9 @@ import torch  # noqa: E402
 from petra_mpi.perf.bench.data import _write_jpeg_demo  # noqa: E402
 from petra_mpi.data import BatchLoader, open_split  # noqa: E402
 from petra_mpi.data import augment
-from petra_mpi.engines.build import build_stages, build_workers  # noqa: E402
+from petra_mpi.core.planner import plan_layout  # noqa: E402
+from petra_mpi.engines.build import StageSpec, build_stages, build_workers  # noqa: E402
+from petra_mpi.models import NetSpec  # noqa: E402
 from petra_mpi.engines.local import LocalEngine  # noqa: E402
 from petra_mpi.core.optim import LRSchedule  # noqa: E402
 
@@ -30,7 +32,8 @@ def main(out, sync):
         src = open_split(path, "train")
         loader = BatchLoader(src, 16, train=True, seed=0, device="cuda", crop=32, prefetch=2)
         assert loader._gpu_decode, "torchvision GPU decode not in use"
-        stages = build_stages("revnet18", 8, 1000, 3, seed=0, device="cuda")
+        net = NetSpec("revnet18", 8, 1000)
+        stages = build_stages(StageSpec(net, device="cuda"), plan_layout(net, 3))
         workers = build_workers(stages, LRSchedule(0.2, 10**6), 1, weight_decay=5e-4)
         n = len(loader)
         LocalEngine(workers, "petra").train_segment(iter(loader), n)

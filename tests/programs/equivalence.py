@@ -2,28 +2,46 @@
 for several runs in one launch (each launch pays the imports on every rank once).
 
 Usage: mpirun -n J python tests/programs/equivalence.py OUT_DIR N RUN [RUN ...]
-RUN is METHOD:K[:FLAG...], FLAG one of buffer, stash (the delayed method's switches), short_eval
-(evaluation ends with a batch of 2), revvit (the tiny reversible ViT below instead of RevNet18),
-irevnet (the fully invertible irevnet18 instead of RevNet18), bf16 (the blocks compute in bf16),
-compress (COMPRESSED below on every message and buffer), compensate (COMPENSATED below: every
-delay compensation on), adamw (AdamW instead of SGD), rebuild_last (model.rebuild_last_stage: the
-last stage holds no graph), torch (the messages over torch.distributed, comm.transport torch,
-instead of MPI). Run RUN writes OUT_DIR/RUN/rank{r}.pt.
+RUN is METHOD:K[:FLAG...], K the accumulation, or uN: N images per update (train.update_batch) in
+the micro-batches of 4 below, k as a config derives it (accumulation_of); FLAG one of buffer, stash
+(the delayed method's switches), short_eval (evaluation ends with a batch of 2), revvit (the tiny
+reversible ViT below instead of RevNet18), irevnet (the fully invertible irevnet18 instead of
+RevNet18), bf16 (the blocks compute in bf16), compress (COMPRESSED below on every message and
+buffer), compensate (COMPENSATED below: every delay compensation on), adamw (AdamW instead of SGD),
+rebuild_last (model.rebuild_last_stage: the last stage holds no graph), torch (the messages over
+torch.distributed, comm.transport torch, instead of MPI). Run RUN writes OUT_DIR/RUN/rank{r}.pt.
 """
 import os
 import sys
+from pathlib import Path
 
 import torch
 
+from petra_mpi.config import load_config
 from petra_mpi.comm.compress import NO_COMPRESSION, Compression
 from petra_mpi.core.compensation import NO_COMPENSATION, DelayCompensation
-from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.core.planner import plan_layout
+from petra_mpi.engines.build import StageSpec, build_stages, build_workers
+from petra_mpi.models import NetSpec
 from petra_mpi.engines.mpi import MPIEngine
 from petra_mpi.comm.world import World
 from petra_mpi.core.optim import LRSchedule
 
 
-def batches(n, batch=4, size=16, seed=1):
+BATCH = 4  # samples per micro-batch of every run
+
+
+def accumulation_of(k: str) -> int:
+    """k of a RUN's K: the number itself, or for uN the k the quick start's config derives from
+    train.update_batch N with data.batch_size BATCH (its own train.accumulation gives way)."""
+    if not k.startswith("u"):
+        return int(k)
+    config = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+    cfg = load_config(config, [f"data.batch_size={BATCH}", f"train.update_batch={k[1:]}"])
+    return cfg.train.accumulation
+
+
+def batches(n, batch=BATCH, size=16, seed=1):
     g = torch.Generator().manual_seed(seed)
     for _ in range(n):
         yield (torch.randn(batch, 3, size, size, generator=g),
@@ -65,19 +83,19 @@ def optimizer_settings(method, flags) -> dict:
 
 def train_and_save(world, out, method, k, n, flags):
     compression = COMPRESSED if "compress" in flags else NO_COMPRESSION
-    switches = dict(buffer_inputs="buffer" in flags, stash_weights="stash" in flags,
-                    precision="bf16" if "bf16" in flags else "fp32", compression=compression,
-                    rebuild_last_stage="rebuild_last" in flags)
+    precision = "bf16" if "bf16" in flags else "fp32"
     if "revvit" in flags:
-        stages = build_stages("revvit", REVVIT["width"], 10, world.size, seed=0, only=world.rank,
-                              image_size=REVVIT["image_size"], model_kw=REVVIT["model_kw"],
-                              **switches)
+        net = NetSpec("revvit", REVVIT["width"], 10, image_size=REVVIT["image_size"],
+                      model_kw=REVVIT["model_kw"], precision=precision)
     else:
-        arch = "irevnet18" if "irevnet" in flags else "revnet18"
-        stages = build_stages(arch, 4, 10, world.size, seed=0, only=world.rank, **switches)
+        net = NetSpec("irevnet18" if "irevnet" in flags else "revnet18", 4, 10,
+                      precision=precision)
+    spec = StageSpec(net, buffer_inputs="buffer" in flags, stash_weights="stash" in flags,
+                     rebuild_last_stage="rebuild_last" in flags, compression=compression)
+    stages = build_stages(spec, plan_layout(net, world.size), only=world.rank)
     (worker,) = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), k,
                               weight_decay=5e-4, **optimizer_settings(method, flags))
-    engine = MPIEngine(worker, method, world, torch.float32, (3, 16, 16), 4, compression)
+    engine = MPIEngine(worker, method, world, torch.float32, (3, 16, 16), BATCH, compression)
     data = batches(n) if world.rank == 0 else None
     engine.train_segment(data, n)
     engine.train_segment(batches(n, seed=2) if world.rank == 0 else None, n)  # a second segment
@@ -101,7 +119,8 @@ def main():
         transport = "torch" if "torch" in flags else "mpi"
         if transport not in worlds:
             worlds[transport] = World.from_environment(transport)
-        train_and_save(worlds[transport], os.path.join(out, run), method, int(k), n, flags)
+        train_and_save(worlds[transport], os.path.join(out, run), method, accumulation_of(k), n,
+                       flags)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ import sys
 import torch
 
 from petra_mpi.comm.compress import NO_COMPRESSION
-from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.core.planner import plan_layout
+from petra_mpi.engines.build import StageSpec, build_stages, build_workers
+from petra_mpi.models import NetSpec
 from petra_mpi.engines.mpi import MPIEngine
 from petra_mpi.comm.world import World
 from petra_mpi.core.optim import LRSchedule
@@ -53,8 +55,8 @@ def main():
     world = World.from_environment()
     os.makedirs(out, exist_ok=True)
     for name, plan in PLANS.items():
-        (stage,) = build_stages(ARCH, 4, 10, world.size, seed=0, only=world.rank,
-                                image_size=SIDE)
+        net = NetSpec(ARCH, 4, 10, image_size=SIDE)
+        (stage,) = build_stages(StageSpec(net), plan_layout(net, world.size), only=world.rank)
         stage.set_kept(plan(stage))  # before the engine opens its streams
         (worker,) = build_workers([stage], schedule(), k, weight_decay=5e-4)
         engine = MPIEngine(worker, "petra", world, torch.float32, (3, SIDE, SIDE), 4,

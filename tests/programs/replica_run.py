@@ -14,7 +14,9 @@ import sys
 
 import torch
 
-from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.core.planner import plan_layout
+from petra_mpi.engines.build import StageSpec, build_stages, build_workers
+from petra_mpi.models import NetSpec
 from petra_mpi.engines.mpi import MPIEngine
 from petra_mpi.comm.world import World
 from petra_mpi.core.optim import LRSchedule
@@ -34,11 +36,11 @@ def schedule(lr0):
     return LRSchedule(0.0, 10**6) if lr0 else LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,))
 
 
-def build(arch_flags, J, dtype, **kw):
-    if "revvit" in arch_flags:
-        return build_stages("revvit", REVVIT["width"], 10, J, seed=0, dtype=dtype,
-                            image_size=REVVIT["image_size"], model_kw=REVVIT["model_kw"], **kw)
-    return build_stages("revnet18", 4, 10, J, seed=0, dtype=dtype, **kw)
+def build(arch_flags, J, dtype, only=None):
+    net = (NetSpec("revvit", REVVIT["width"], 10, image_size=REVVIT["image_size"],
+                   model_kw=REVVIT["model_kw"]) if "revvit" in arch_flags
+           else NetSpec("revnet18", 4, 10))
+    return build_stages(StageSpec(net, dtype=dtype), plan_layout(net, J), only=only)
 
 
 def record_applied(worker) -> dict:

@@ -15,7 +15,9 @@ import torch
 
 from equivalence import batches
 from petra_mpi.run.checkpoint import save_blocks
-from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.core.planner import plan_layout
+from petra_mpi.engines.build import StageSpec, build_stages, build_workers
+from petra_mpi.models import NetSpec
 from petra_mpi.engines.local import LocalEngine
 from petra_mpi.core.worker import WorkerHooks
 from petra_mpi.core.optim import LRSchedule
@@ -47,8 +49,9 @@ class StopAtTick(WorkerHooks):
 def build(method, J, k, only=None, hooks=()):
     """The stages and workers of the run (all stages, or just stage `only`)."""
     delayed = method == "delayed"
-    stages = build_stages("revnet18", 4, 10, J, seed=0, only=only, buffer_inputs=delayed,
-                          stash_weights=delayed)
+    net = NetSpec("revnet18", 4, 10)
+    spec = StageSpec(net, buffer_inputs=delayed, stash_weights=delayed)
+    stages = build_stages(spec, plan_layout(net, J), only=only)
     workers = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), k,
                             weight_decay=5e-4, hooks=hooks)
     return stages, workers

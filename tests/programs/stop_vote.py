@@ -10,7 +10,9 @@ import sys
 import torch
 
 from equivalence import batches
-from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.core.planner import plan_layout
+from petra_mpi.engines.build import StageSpec, build_stages, build_workers
+from petra_mpi.models import NetSpec
 from petra_mpi.core.worker import WorkerHooks
 from petra_mpi.engines.mpi import MPIEngine
 from petra_mpi.comm.world import World
@@ -40,7 +42,8 @@ def main():
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     world = World.from_environment()
-    stages = build_stages("revnet18", 4, 10, world.size, seed=0, only=world.rank)
+    net = NetSpec("revnet18", 4, 10)
+    stages = build_stages(StageSpec(net), plan_layout(net, world.size), only=world.rank)
     stop = StopAtTick(stop_tick, world.rank == stop_rank)
     (worker,) = build_workers(stages, LRSchedule(0.3, 4, warmup_epochs=1, milestones=(2,)), 2,
                               weight_decay=5e-4, hooks=[stop])

@@ -3,11 +3,25 @@ import torch
 import torch.nn.functional as F
 
 from petra_mpi.comm.compress import NO_COMPRESSION
-from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.core.planner import plan_layout
+from petra_mpi.engines.build import StageSpec, build_stages, build_workers
 from petra_mpi.engines.local import LocalEngine
 from petra_mpi.core.optim import LRSchedule
 from petra_mpi.core.schedule import Kind, updates_after
 from petra_mpi.core.worker import WorkerHooks
+from petra_mpi.models import NetSpec
+
+
+def stages_of(arch, width, num_classes, J, *, partition=None, kept=None, only=None, replica=0,
+              seed=0, image_size=32, imagenet_stem=False, model_kw=None, precision="fp32",
+              **spec_kw):
+    """build_stages of the net (models.NetSpec) on J stages: the split `partition`, else the
+    estimate's (planner.plan_layout), with the kept plan `kept` (None: PETRA); spec_kw:
+    StageSpec's fields (method, dtype, buffer_inputs, compression ...)."""
+    net = NetSpec(arch, width, num_classes, imagenet_stem, image_size, model_kw, precision, seed)
+    layout = plan_layout(net, J, partition=partition)
+    layout.kept = kept
+    return build_stages(StageSpec(net, **spec_kw), layout, only=only, replica=replica)
 
 
 def make_batches(n, batch=4, size=8, dtype=torch.float64, seed=1, classes=10):
@@ -25,8 +39,7 @@ def run_engine(arch, J, k, batches, method="petra", lr=0.0, dtype=torch.float64,
                **stage_kw):
     """Train one segment on `batches` with the local engine (its messages and buffers compressed
     as `compression` says; hooks: WorkerHooks of every worker); returns the stages."""
-    stages = build_stages(arch, width, 10, J, seed=0, dtype=dtype, compression=compression,
-                          **stage_kw)
+    stages = stages_of(arch, width, 10, J, dtype=dtype, compression=compression, **stage_kw)
     workers = build_workers(stages, LRSchedule(lr, 10**6), k, momentum=momentum,
                             weight_decay=weight_decay, hooks=hooks)
     LocalEngine(workers, method, compression=compression).train_segment(iter(batches),
@@ -65,8 +78,8 @@ def applied_gradients(arch, J, k, batches, method="petra", dtype=torch.float64, 
 
 def end_to_end_gradients(arch, k, batches, dtype=torch.float64, width=4, **stage_kw):
     """The same sum computed by plain autograd on the whole network, one micro-batch at a time
-    (stage_kw: more build_stages arguments, e.g. image_size and model_kw for revvit)."""
-    (net,) = build_stages(arch, width, 10, 1, seed=0, dtype=dtype, **stage_kw)
+    (stage_kw: more stages_of arguments, e.g. image_size and model_kw for revvit)."""
+    (net,) = stages_of(arch, width, 10, 1, dtype=dtype, **stage_kw)
     params = list(net.parameters())
     total = [torch.zeros_like(p) for p in params]
     group = [torch.zeros_like(p) for p in params]

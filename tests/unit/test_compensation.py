@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from petra_mpi.config import ConfigError, load_config, validate
-from petra_mpi.core.compensation import (NO_COMPENSATION, DelayCompensation, delay_steps,
+from petra_mpi.core.compensation import (NO_COMPENSATION, DelayCompensation,
                                          lr_factor, momentum_age, momentum_by_delay,
                                          momentum_for_age, spike_weights)
 from petra_mpi.core.optim import LRSchedule, StageOptimizer
-from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.core.schedule import schedule_for
+from petra_mpi.engines.build import build_workers
 from petra_mpi.engines.local import LocalEngine
-from tests.support.nets import make_batches
+from tests.support.nets import make_batches, stages_of
 
 EVERY_RULE = DelayCompensation(momentum=1.0, prediction=1.0, spike=True, lr_steps=3)
 # with the last stage's momentum too
@@ -154,7 +155,7 @@ def test_free_momentum_reaches_exactly_the_stage_on_time_of_a_late_pipeline(opti
     late ones (PETRA's and delayed's last stage) takes it, in torch's own optimizer (SGD without
     Nesterov at 0, which torch requires); the late stages keep the optimizer's momentum, and so
     does every stage of backprop, which has no delay to compensate."""
-    stages = build_stages("revnet18", 4, 10, 4, seed=0)
+    stages = stages_of("revnet18", 4, 10, 4, seed=0)
     workers = build_workers(stages, LRSchedule(0.2, 10**6), 2, momentum=0.9, optimizer=optimizer,
                             betas=(0.9, 0.99), method=method,
                             compensation=DelayCompensation(free_momentum=0.0))
@@ -188,7 +189,8 @@ def test_learning_rate_by_delay_goes_from_one_over_d_to_one():
     assert lr_factor(4, 50, 100) == pytest.approx(1 / 2)
     assert lr_factor(4, 100, 100) == 1.0 and lr_factor(4, 0, 0) == 1.0
     assert lr_factor(1, 0, 100) == 1.0  # no longer than one step late: unchanged
-    assert delay_steps("petra", 18, 2) == 9 and delay_steps("backprop", 18, 2) == 0
+    assert schedule_for("petra", 10, 2).delay_in_updates(0) == 9
+    assert schedule_for("backprop", 10, 2).delay_in_updates(0) == 0
 
 
 def state(stages):
@@ -198,7 +200,7 @@ def state(stages):
 def train(method="petra", k=2, compensation=NO_COMPENSATION, optimizer="sgd", n=7, J=4,
           segments=2, stages=None, **stage_kw):
     """RevNet18 width 4, float64, two segments of n micro-batches."""
-    stages = stages or build_stages("revnet18", 4, 10, J, seed=0, dtype=torch.float64, **stage_kw)
+    stages = stages or stages_of("revnet18", 4, 10, J, seed=0, dtype=torch.float64, **stage_kw)
     workers = build_workers(stages, LRSchedule(0.2, 10**6), k, momentum=0.9, weight_decay=5e-4,
                             optimizer=optimizer, method=method, compensation=compensation)
     engine = LocalEngine(workers, method)
@@ -259,7 +261,7 @@ def test_kept_blocks_keeping_everything_follow_delayed_under_every_rule(optimize
     `delayed` with both buffers, both under weight prediction (the kept graph and the stash hold
     the predicted weights the forward used), spike, momentum and learning rate by delay."""
     windows = [2 * (3 - s) for s in range(4)]
-    blocks = [len(s.blocks) for s in build_stages("revnet18", 4, 10, 4, seed=0)]
+    blocks = [len(s.blocks) for s in stages_of("revnet18", 4, 10, 4, seed=0)]
     kept = [[w] * n for w, n in zip(windows, blocks)]
     kept[-1] = [0] * blocks[-1]
     got, _ = train(compensation=EVERY_RULE_FREE, optimizer=optimizer, kept=kept)
@@ -292,7 +294,7 @@ def test_resume_mid_run_continues_bitwise():
     first, workers = train(compensation=EVERY_RULE_FREE, optimizer="adamw", segments=1)
     saved = [(copy.deepcopy(s.state_dict()), copy.deepcopy(w.optimizer.state_dict()))
              for s, w in zip(first, workers)]
-    fresh = build_stages("revnet18", 4, 10, 4, seed=0, dtype=torch.float64)
+    fresh = stages_of("revnet18", 4, 10, 4, seed=0, dtype=torch.float64)
     resumed_workers = build_workers(fresh, LRSchedule(0.2, 10**6), 2, momentum=0.9,
                                     weight_decay=5e-4, optimizer="adamw",
                                     compensation=EVERY_RULE_FREE)
@@ -309,7 +311,7 @@ def test_a_resumed_run_takes_its_own_momentum_not_the_checkpoints():
     resumed with another optim.delay_free_momentum (or momentum) must use the new one."""
     _, workers = train(segments=1)
     saved = [copy.deepcopy(w.optimizer.state_dict()) for w in workers]
-    fresh = build_workers(build_stages("revnet18", 4, 10, 4, seed=0, dtype=torch.float64),
+    fresh = build_workers(stages_of("revnet18", 4, 10, 4, seed=0, dtype=torch.float64),
                           LRSchedule(0.2, 10**6), 2, momentum=0.9, weight_decay=1e-3,
                           compensation=DelayCompensation(free_momentum=0.0))
     for worker, o in zip(fresh, saved):
@@ -355,3 +357,19 @@ def test_dry_run_prints_each_stages_delay_and_compensation(capsys):
         assert float(r[3]) == pytest.approx(want, abs=5e-4)
         assert float(r[4]) == pytest.approx(0.5 * D)
         assert float(r[5]) == pytest.approx(1 / D if D > 1 else 1.0, abs=5e-4)
+
+
+def test_dry_run_prints_each_stages_delay_in_updates(capsys):
+    """Stage s applies its gradients d_s / k updates late, not ceil(d_s / k) nor d_s: 128 images
+    per update in micro-batches of 16 (k = 8) at J = 10 puts stage 0 2.25 updates late."""
+    from petra_mpi.run.dryrun import report
+    cfg = load_config("configs/quickstart.yaml", ["model.stages=0", "model.width=4",
+                                                  "data.batch_size=16",
+                                                  "train.update_batch=128"])
+    report(cfg, 10)
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("delays"))
+    assert "k = 8" in lines[start]
+    rows = [line.split() for line in lines[start + 2:start + 12]]
+    assert [(int(r[1]), float(r[2])) for r in rows] == [(d, d / 8) for d in range(18, -1, -2)]
+    assert float(rows[0][2]) == 2.25

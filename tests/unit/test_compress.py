@@ -4,10 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.nets import applied_gradients, make_batches, max_relative_error
+from tests.support.nets import applied_gradients, make_batches, max_relative_error, stages_of
 from petra_mpi.comm.compress import Codec, Compression, NonFiniteError, Packed
 from petra_mpi.config import ConfigError, load_config
-from petra_mpi.engines.build import build_stages
 from petra_mpi.comm.transport import CHANNELS_LAST, CONTIGUOUS, from_wire, to_wire
 from petra_mpi.core.schedule import updates_after
 
@@ -137,11 +136,14 @@ def test_compressed_fifo_keeps_fewer_bytes():
 
 
 def test_dry_run_counts_packed_fifo_entries():
+    from petra_mpi.core.planner import plan_layout
+    from petra_mpi.models import NetSpec
     from petra_mpi.run.dryrun import stage_table
     fifo = {}
     for fmt in ("none", "bf16", "int8"):
         cfg = load_config("configs/quickstart.yaml", [f"comm.buffers={fmt}"])
-        fifo[fmt] = [row["input_fifo_bytes"] for row in stage_table(cfg, 4)]
+        layout = plan_layout(NetSpec.of_config(cfg, 32), 4)
+        fifo[fmt] = [row["input_fifo_bytes"] for row in stage_table(cfg, layout)]
     assert any(fifo["none"])
     assert fifo["bf16"] == [b // 2 for b in fifo["none"]]
     assert fifo["int8"] == [b // 4 for b in fifo["none"]]
@@ -182,9 +184,9 @@ class _Boundary(torch.autograd.Function):
 def rounded_end_to_end_gradients(arch, J, k, batches, forward, gradient, width=4):
     """Plain autograd through the whole net, one micro-batch at a time, with the messages'
     roundings at J's stage boundaries; summed per optimizer step as PETRA applies them."""
-    sizes = [len(s.blocks) for s in build_stages(arch, width, 10, J, seed=0)]
+    sizes = [len(s.blocks) for s in stages_of(arch, width, 10, J, seed=0)]
     ends = {sum(sizes[:s + 1]) - 1 for s in range(J - 1)}  # last block of each stage but one
-    (net,) = build_stages(arch, width, 10, 1, seed=0, dtype=torch.float64)
+    (net,) = stages_of(arch, width, 10, 1, seed=0, dtype=torch.float64)
     params = list(net.parameters())
     total = [torch.zeros_like(p) for p in params]
     group, count = [torch.zeros_like(p) for p in params], 0
@@ -266,7 +268,7 @@ def test_a_buffer_that_would_decode_non_finite_stops_the_backward_that_takes_it(
     `fmt`: one value that would decode to inf or NaN (an fp16 overflow, an inf or NaN under an
     int8 scale). The buffer is checked when the backward takes it (on a GPU from a host copy
     made at the push: no wait there): the backward raises the clear error before it uses it."""
-    (stage, _) = build_stages("revnet18", 4, 10, 2, compression=Compression(buffers=fmt))
+    (stage, _) = stages_of("revnet18", 4, 10, 2, compression=Compression(buffers=fmt))
     x = torch.randn(2, 3, 32, 32)
     x[1, 2, 3, 4] = bad
     y = stage.forward(x, b=0)

@@ -188,16 +188,20 @@ def test_mission_configs_are_table2_runs(name, table2):
     assert num_stages(cfg) == {"cifar10.yaml": 10, "imagenet.yaml": 18}[name] == num_stages(ref)
 
 
+def python(code: str):
+    """A fresh interpreter running `code` from the repository (its imports start afresh)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+
+
 def test_loading_and_validating_a_config_does_not_import_torch():
     """Every rank checks its config (and the world size) before torch loads: 24 ranks loading
     torch on a small node take minutes just to report a wrong world size."""
-    code = ("import sys\n"
-            "from petra_mpi.config import load_config, validate\n"
-            "from petra_mpi import train\n"
-            "validate(load_config('configs/quickstart.yaml'), 4)\n"
-            "assert 'torch' not in sys.modules, 'torch was imported'\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+    proc = python("import sys\n"
+                  "from petra_mpi.config import load_config, validate\n"
+                  "from petra_mpi import train\n"
+                  "validate(load_config('configs/quickstart.yaml'), 4)\n"
+                  "assert 'torch' not in sys.modules, 'torch was imported'\n")
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
@@ -230,6 +234,60 @@ def test_literal_choices_are_what_the_code_implements():
     assert choices["train.method"] == METHODS
     assert choices["optim.name"] == OPTIMIZERS
     assert set(choices["run.precision"]) == set(PRECISIONS)
+
+
+def test_a_schedule_added_to_the_table_is_a_method_the_config_takes():
+    """train.method's choices are the names of core/schedule.py's SCHEDULES: a schedule
+    registered there before the config is read is a method a config may name."""
+    toy = "type('Toy', (schedule.PetraSchedule,), {'method': 'toy'})"
+    proc = python(f"from petra_mpi.core import schedule\nschedule.SCHEDULES['toy'] = {toy}\n"
+                  "from petra_mpi.config import load_config as load\n"
+                  "print(load('configs/quickstart.yaml', ['train.method=toy']).train.method)")
+    assert proc.returncode == 0 and proc.stdout.split() == ["toy"], proc.stderr[-2000:]
+
+
+def test_update_batch_derives_k_and_keeps_the_recipe_per_update():
+    """train.update_batch: 128 images per update in micro-batches of 16 is k = 8, and the peak
+    learning rate and the steps are those of k = 8 set directly."""
+    from petra_mpi.run.assemble import run_lr_schedule
+    stated = cfg_of("quickstart.yaml", ["train.update_batch=128", "data.batch_size=16"])
+    direct = cfg_of("quickstart.yaml", ["train.accumulation=8", "data.batch_size=16"])
+    assert stated.train.accumulation == direct.train.accumulation == 8
+    assert run_lr_schedule(stated, 25).peak == run_lr_schedule(direct, 25).peak
+    # 0 (the default): k is train.accumulation, the file's 2 here
+    assert cfg_of("quickstart.yaml", ["train.update_batch=0"]).train.accumulation == 2
+
+
+@pytest.mark.parametrize("sets,expect", [
+    (["train.update_batch=100", "data.batch_size=16"],
+     "train.update_batch: 100 images per update is not a whole number of micro-batches of "
+     "data.batch_size 16"),
+    (["train.update_batch=8", "data.batch_size=16"], "not a whole number of micro-batches"),
+    (["train.update_batch=128", "data.batch_size=16", "train.accumulation=2"],
+     "train.update_batch: 128 images per update in micro-batches of 16 is k = 8, but "
+     "train.accumulation is 2"),
+])
+def test_update_batch_errors_are_one_line(sets, expect):
+    with pytest.raises(ConfigError) as e:
+        cfg_of("quickstart.yaml", sets)
+    assert expect in str(e.value) and "\n" not in str(e.value)
+
+
+def test_update_batch_and_accumulation_in_layers(tmp_path):
+    """Set in one file the two keys must agree; a later layer's (a file based on another, the
+    --set's) replaces the other key an earlier one set, either way."""
+    both = tmp_path / "both.yaml"
+    both.write_text(f"base: {CONFIGS / 'quickstart.yaml'}\n"
+                    "data: {batch_size: 16}\ntrain: {update_batch: 128, accumulation: 4}\n")
+    with pytest.raises(ConfigError, match=f"{both}: train.update_batch: .* is k = 8, but "
+                                          "train.accumulation is 4"):
+        load_config(both)
+    based = tmp_path / "based.yaml"  # quickstart's accumulation 2 gives way
+    based.write_text(f"base: {CONFIGS / 'quickstart.yaml'}\n"
+                     "data: {batch_size: 16}\ntrain: {update_batch: 128}\n")
+    assert load_config(based).train.accumulation == 8
+    later = load_config(based, ["train.accumulation=4"])  # and gives way to a later k
+    assert (later.train.accumulation, later.train.update_batch) == (4, 0)
 
 
 def test_bounds_are_annotations_checked_by_the_loader():

@@ -11,7 +11,7 @@ from petra_mpi.perf import model as perfmodel
 from petra_mpi.core.blockcost import BlockCosts
 from petra_mpi.perf.emulation import (Clock, Profile, WaitingStage, balanced_profile,
                                       file_profile, paper_profile, probe_shapes)
-from petra_mpi.engines.build import build_stages
+from tests.support.nets import stages_of
 from petra_mpi.comm.mpi import MPIRequest
 from petra_mpi.comm.transport import Transport
 
@@ -82,7 +82,7 @@ def test_waiting_stages_match_the_real_stages_shapes_and_fifo_bytes():
     """Every message a waiting stage makes has the real stage's shape, it needs the rebuilt
     input where the real one does, and it holds what the real FIFOs hold."""
     J, batch, width = 3, 4, 4
-    real = build_stages("revnet18", width, 10, J, partition=[2, 4, 4])
+    real = stages_of("revnet18", width, 10, J, partition=[2, 4, 4])
     shapes = probe_shapes("revnet18", width)
     x = torch.randn(batch, 3, 32, 32)
     labels = torch.zeros(batch, dtype=torch.int64)
@@ -294,7 +294,7 @@ def test_waiting_stages_with_a_kept_plan_hold_what_the_real_stages_hold():
     one all but one (its FIFO holds the other's input), a waiting stage given the probed kept
     bytes holds at its peak what the real stage holds: FIFOs and kept graphs."""
     J, batch, width, split = 3, 4, 4, [3, 4, 3]
-    real = build_stages("revnet18", width, 10, J, partition=split)
+    real = stages_of("revnet18", width, 10, J, partition=split)
     shapes = probe_shapes("revnet18", width)
     sizes, shared = emulation.kept_sizes("revnet18", width, batch, split)
     assert shared[0]  # the stem's saved ReLU output is the next block's input: held once

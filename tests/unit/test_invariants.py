@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.support.nets import (applied_gradients, end_to_end_gradients, flat_params, in_flight,
-                                make_batches, max_relative_error, run_engine)
-from petra_mpi.engines.build import build_stages
+                                make_batches, max_relative_error, run_engine, stages_of)
 from petra_mpi.models import build_blocks, frozen_bn_stats, num_blocks
 from petra_mpi.core.optim import LRSchedule, StageOptimizer
 from petra_mpi.core.stages import Stage
@@ -98,7 +97,7 @@ def test_nonzero_lr_changes_the_gradient_through_delay():
 
 def plain_autograd_training(arch, k, batches, lr, dtype, width=4, weight_decay=5e-4):
     """Reference: ordinary PyTorch training of the whole net, k micro-batches per step."""
-    (net,) = build_stages(arch, width, 10, 1, seed=0, dtype=dtype)
+    (net,) = stages_of(arch, width, 10, 1, seed=0, dtype=dtype)
     model = torch.nn.Sequential(*net.blocks)
     opt = StageOptimizer(model, LRSchedule(lr, 3, warmup_epochs=1, milestones=(2,)),
                          weight_decay=weight_decay)
@@ -117,7 +116,7 @@ def plain_autograd_training(arch, k, batches, lr, dtype, width=4, weight_decay=5
 def test_invariant2_follows_plain_autograd(arch, J, method, k):
     batches = make_batches(8, size=16)  # 16x16 keeps the last BN layers off 1x1 maps, whose
     # near-zero batch variance would amplify rounding differences between the two computations
-    stages = build_stages(arch, 4, 10, J, seed=0, dtype=torch.float64)
+    stages = stages_of(arch, 4, 10, J, seed=0, dtype=torch.float64)
     from petra_mpi.engines.build import build_workers
     from petra_mpi.engines.local import LocalEngine
     workers = build_workers(stages, LRSchedule(0.2, 3, warmup_epochs=1, milestones=(2,)), k,
@@ -127,7 +126,7 @@ def test_invariant2_follows_plain_autograd(arch, J, method, k):
     want = plain_autograd_training(arch, k, batches, 0.2, torch.float64)
     assert len(got) == len(want)
     moved = max((w - w0).abs().max().item() for w, w0 in
-                zip(want, flat_params(build_stages(arch, 4, 10, 1, seed=0, dtype=torch.float64))))
+                zip(want, flat_params(stages_of(arch, 4, 10, 1, seed=0, dtype=torch.float64))))
     assert moved > 1e-3  # training really happened
     for g, w in zip(got, want):
         torch.testing.assert_close(g.double(), w.double(), rtol=1e-9, atol=1e-11)
@@ -172,7 +171,7 @@ def bn_layers(stages):
     ("delayed", {"buffer_inputs": True, "stash_weights": True})])
 def test_invariant5_bn_stats_updated_once_per_microbatch_in_backward(J, method, flags):
     batches = make_batches(5)
-    stages = build_stages("revnet18", 4, 10, J, seed=0, dtype=torch.float64, **flags)
+    stages = stages_of("revnet18", 4, 10, J, seed=0, dtype=torch.float64, **flags)
     bns = bn_layers(stages)
     stage0 = stages[0]
     before = [bn.running_mean.clone() for bn in bns]
@@ -187,7 +186,7 @@ def test_invariant5_bn_stats_updated_once_per_microbatch_in_backward(J, method, 
     LocalEngine(build_workers(stages, LRSchedule(0.0, 10)), method).train_segment(iter(batches), 5)
     assert all(bn.num_batches_tracked.item() == 5 for bn in bns)
     # and the running statistics equal those of plain training-mode forwards (lr = 0)
-    (ref,) = build_stages("revnet18", 4, 10, 1, seed=0, dtype=torch.float64)
+    (ref,) = stages_of("revnet18", 4, 10, 1, seed=0, dtype=torch.float64)
     model = torch.nn.Sequential(*ref.blocks)
     with torch.no_grad():
         for x, _ in batches:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from petra_mpi.perf.bench.memory import main as bench_memory
-from petra_mpi.engines.build import build_stages
+from tests.support.nets import stages_of
 from petra_mpi.models import build_blocks, count_parameters, num_blocks
 from petra_mpi.models.invertible import InvertibleDownsampleBlock, squeeze, unsqueeze
 from petra_mpi.core.stages import Stage
@@ -74,7 +74,7 @@ def test_only_the_stem_buffers(arch, imagenet):
     """In the paper's split (one stage per block) the stem is the only buffered block outside the
     last stage, and every shape works out to the logits."""
     J = num_blocks(arch)
-    stages = build_stages(arch, 4, 7, J, imagenet_stem=imagenet, image_size=64)
+    stages = stages_of(arch, 4, 7, J, imagenet_stem=imagenet, image_size=64)
     assert [s.buffered for s in stages] == [[True]] + [[False]] * (J - 2) + [[True]]
     x = torch.randn(2, 3, 64, 64)
     for s in stages:

@@ -8,19 +8,20 @@ import pytest
 import torch
 
 from petra_mpi.config import ConfigError, load_config
-from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.engines.build import StageSpec, build_stages, build_workers
 from petra_mpi.engines.local import LocalEngine
 from petra_mpi.core.blockcost import BlockCosts
-from petra_mpi.core.memory_plan import (balance_with_plan, budget_bytes, choose, measured_units,
-                                        plan_blocks, plan_stages, probe_kept, split_for_budget,
-                                        stage_kept_bytes, stage_units)
-from petra_mpi.models import build_blocks, frozen_bn_stats
+from petra_mpi.core.memory_plan import (budget_bytes, choose, measured_units, plan_stages,
+                                        probe_kept, stage_kept_bytes, stage_units)
+from petra_mpi.core.planner import balance_with_plan, plan_layout
+from petra_mpi.models import NetSpec, build_blocks, frozen_bn_stats
 from petra_mpi.models.blocks import Head
 from petra_mpi.core.optim import LRSchedule
-from petra_mpi.core.partition import balanced_partition, resolve_partition, split_blocks
-from petra_mpi.core.schedule import delay
+from petra_mpi.core.partition import balanced_partition, block_costs, split_blocks
+from petra_mpi.core.schedule import PetraSchedule
 from petra_mpi.core.stages import Stage
-from tests.support.nets import in_flight, make_batches
+from petra_mpi.run.layout import choose_layout
+from tests.support.nets import in_flight, make_batches, stages_of
 from tests.support.paths import ROOT
 
 # Three stages of reversible blocks (irevnet18's first coupling blocks and its first invertible
@@ -133,12 +134,12 @@ class MixtureReference(Stage):
 def test_budget_zero_is_petra_bitwise():
     """The planner keeps nothing under budget 0, and that plan trains PETRA's bits (revnet18,
     k = 2, 4 stages)."""
-    stages = build_stages("revnet18", 4, 10, 4, seed=0, dtype=torch.float64)
+    stages = stages_of("revnet18", 4, 10, 4, seed=0, dtype=torch.float64)
     plan = plan_stages(stages, lambda n: torch.zeros(n, 3, 8, 8, dtype=torch.float64), 4, 0,
-                       image_size=8)
+                       block_costs(build_blocks("revnet18", 4, 10), 8))
     assert plan.kept == [[0] * len(s.blocks) for s in stages] and plan.relative_time == 1.0
-    got = build_stages("revnet18", 4, 10, 4, seed=0, dtype=torch.float64, kept=plan.kept)
-    want = build_stages("revnet18", 4, 10, 4, seed=0, dtype=torch.float64)
+    got = stages_of("revnet18", 4, 10, 4, seed=0, dtype=torch.float64, kept=plan.kept)
+    want = stages_of("revnet18", 4, 10, 4, seed=0, dtype=torch.float64)
     for stages in (got, want):
         workers = build_workers(stages, LRSchedule(0.2, 10**6), 2, momentum=0.9)
         LocalEngine(workers, "petra").train_segment(iter(make_batches(7)), 7)
@@ -284,7 +285,7 @@ def test_plan_rule_bounds():
         stage.set_kept([5, 0])
     with pytest.raises(ValueError, match="2 entries"):
         stage.set_kept([1])
-    *_, last = build_stages("revnet18", 4, 10, 3, seed=0)
+    *_, last = stages_of("revnet18", 4, 10, 3, seed=0)
     with pytest.raises(ValueError, match="the last stage and weight stashing keep no graphs"):
         last.set_kept([1] + [0] * (len(last.blocks) - 1))
     (stashing, *_) = tiny_stages(stash_weights=True)
@@ -364,7 +365,7 @@ def planner_on(units, bytes_per_block, budgets):
             u.append(units[start:start + n])
             z.append([None if s == J - 1 else b for b in bytes_per_block[start:start + n]])
             start += n
-        return choose(u, z, [delay(J, s) for s in range(J)], budgets)
+        return choose(u, z, [PetraSchedule(J).in_flight(s) for s in range(J)], budgets)
     return plan_for
 
 
@@ -403,31 +404,30 @@ def test_a_measured_split_is_balanced_with_the_plans_costs_too():
     backward outside the last stage, 3 in it. PETRA's split then leaves stage 0 the faster one;
     without a limit stage 0 keeps its reversible blocks, costs less per block, takes more of
     them, and the slowest stage gets faster."""
-    blocks = build_blocks("revnet18", 4, 10)
-    n = len(blocks)
+    net = NetSpec("revnet18", 4, 10, image_size=8)
+    n = len(net.blocks())
     costs = BlockCosts([1.0] * n, [3.0] * n, [3.0] * n, [0.0] * n, [0] * n, 0)
-    petra = resolve_partition(blocks, 2, costs=costs)
-    split, plan = split_for_budget(build_blocks("revnet18", 4, 10), petra, "auto", 4,
-                                   image_size=8, costs=costs)
-    assert split[0] > petra[0] and any(plan.kept[0])
-    before = plan_blocks(build_blocks("revnet18", 4, 10), petra, "auto", 4, image_size=8)
-    assert max(plan.units) < max(before.units)
+
+    def planned(budget, costs=costs, partition=None):
+        return plan_layout(net, 2, partition=partition, budget=budget, batch_size=4,
+                           costs=costs)
+    petra = planned(0).split
+    layout = planned("auto")
+    assert layout.split[0] > petra[0] and any(layout.kept[0]) and layout.petra_split == petra
+    before = planned("auto", partition=petra).plan  # the plan on PETRA's split, same costs
+    assert max(layout.plan.units) < max(before.units)
     # a budget nothing fits: PETRA's measured split
-    split, plan = split_for_budget(build_blocks("revnet18", 4, 10), petra, 1, 4, image_size=8,
-                                   costs=costs)
-    assert split == petra and not any(map(any, plan.kept))
+    layout = planned(1)
+    assert layout.split == petra and not any(map(any, layout.kept))
     # kept micro-batches measured at 3 of the 4 a rebuild costs: the same split and plan;
     # measured no faster than the rebuild: PETRA's split, nothing kept
     for kept, same in ((3.0, True), (4.0, False)):
-        timed = dataclasses.replace(costs, kept=[kept] * n)
-        again = split_for_budget(build_blocks("revnet18", 4, 10), petra, "auto", 4,
-                                 image_size=8, costs=timed)
-        free = split_for_budget(build_blocks("revnet18", 4, 10), petra, "auto", 4,
-                                image_size=8, costs=costs)
+        again = planned("auto", costs=dataclasses.replace(costs, kept=[kept] * n))
+        free = planned("auto")
         if same:
-            assert again[0] == free[0] and again[1].kept == free[1].kept
+            assert again.split == free.split and again.kept == free.kept
         else:
-            assert again[0] == petra and not any(map(any, again[1].kept))
+            assert again.split == petra and not any(map(any, again.kept))
 
 
 @pytest.mark.parametrize("value,expect", [
@@ -471,21 +471,23 @@ def test_dry_run_prints_the_plan(capsys):
     ratio = float(lines[start + 6].split(": ")[1].split()[0])
     assert lines[start + 6].startswith("slowest stage") and 0.75 <= ratio < 1.0
     # the split it shows is the one training builds (balanced with the plan's costs)
-    trained = build_stages("revnet18", 4, 10, 4, seed=cfg.run.seed, image_size=32,
-                           memory_budget="auto", batch_size=8, only=0)[0].partition
-    assert f"blocks per stage {trained}" in lines[start]
+    trained = choose_layout(cfg, 4, None, "cpu", torch.float32, (3, 32, 32), None)
+    assert f"blocks per stage {trained.split}" in lines[start]
+    assert lines[1] == f"blocks per stage {trained.split}: {trained.why}"  # and how it was made
 
 
-def test_build_stages_applies_the_budget_on_every_rank_alike():
-    """What training builds (run/trainer.py passes model.memory_budget): the planner's plan, the
-    same for the whole split and for each rank's own stage."""
-    kw = dict(seed=0, image_size=8, memory_budget="auto", batch_size=4)
-    whole = build_stages("revnet18", 4, 10, 4, **kw)
-    split = whole[0].partition  # balanced with the plan's costs (balance_with_plan)
-    plan = plan_stages(build_stages("revnet18", 4, 10, 4, seed=0, image_size=8, partition=split),
-                       lambda n: torch.zeros(n, 3, 8, 8), 4, "auto", image_size=8)
-    assert [s.kept for s in whole] == plan.kept and any(map(any, plan.kept))
+def test_build_stages_applies_the_layouts_plan_on_every_rank_alike():
+    """What training builds (run/trainer.py plans model.memory_budget): the planner's plan, the
+    plan of its split, the same for the whole split and for each rank's own stage."""
+    net = NetSpec("revnet18", 4, 10, image_size=8)
+    layout = plan_layout(net, 4, budget="auto", batch_size=4)
+    whole = build_stages(StageSpec(net), layout)
+    assert whole[0].partition == layout.split  # balanced with the plan's costs
+    plan = plan_stages(stages_of("revnet18", 4, 10, 4, image_size=8, partition=layout.split),
+                       lambda n: torch.zeros(n, 3, 8, 8), 4, "auto",
+                       block_costs(build_blocks("revnet18", 4, 10), 8))
+    assert [s.kept for s in whole] == plan.kept == layout.kept and any(map(any, plan.kept))
     for r in range(4):
-        (own,) = build_stages("revnet18", 4, 10, 4, only=r, **kw)
+        (own,) = build_stages(StageSpec(net), layout, only=r)
         assert own.kept == plan.kept[r]
 

@@ -9,8 +9,8 @@ import torch
 
 from petra_mpi.config import load_config
 from petra_mpi.core.blockcost import BlockCosts
-from petra_mpi.core.memory_plan import plan_split
-from petra_mpi.models import build_blocks
+from petra_mpi.core.planner import plan_layout
+from petra_mpi.models import NetSpec
 from petra_mpi.run.layout import choose_layout, layout_changes, resumed_layout
 from tests.support.paths import ROOT
 
@@ -19,8 +19,11 @@ SMALL = ["model.width=4", "data.batch_size=8", "run.seed=0"]
 
 
 def layout_of(tmp_path, *sets, resume=None, J=3):
+    """(split, kept plan) of the Layout a run of the quick start with `sets` chooses."""
     cfg = load_config(QUICKSTART, [*SMALL, *sets])
-    return choose_layout(cfg, J, None, torch.device("cpu"), torch.float32, (3, 32, 32), resume)
+    layout = choose_layout(cfg, J, None, torch.device("cpu"), torch.float32, (3, 32, 32),
+                           resume)
+    return layout.split, layout.kept
 
 
 def checkpoint(tmp_path, **manifest):
@@ -40,7 +43,9 @@ def test_a_resumed_run_trains_its_plan_only_under_the_same_budget(tmp_path):
     ckpt = checkpoint(tmp_path, stages=3, partition=split, kept=marker, memory_budget="auto")
     assert layout_of(tmp_path, estimate, "model.memory_budget=auto", resume=ckpt) == (split,
                                                                                       marker)
-    assert layout_of(tmp_path, estimate, "model.memory_budget=0", resume=ckpt) == (None, None)
+    # the estimate's split, nothing kept
+    assert layout_of(tmp_path, estimate, "model.memory_budget=0", resume=ckpt) == layout_of(
+        tmp_path, estimate) == ([1, 2, 7], None)
     lower = layout_of(tmp_path, estimate, "model.memory_budget=300000", resume=ckpt)
     assert lower == layout_of(tmp_path, estimate, "model.memory_budget=300000")
     assert lower[1] != marker and sum(map(sum, lower[1])) < sum(map(sum, kept))
@@ -54,7 +59,8 @@ def test_a_resumed_run_trains_its_plan_only_under_the_same_budget(tmp_path):
     for budget, plan, resumes in (("auto", marker, True), (0, marker, False),
                                   ("auto", None, False), (0, None, True)):
         got = resumed_layout({"stages": 3, "partition": split, "kept": plan}, 3, budget)
-        assert (got == (split, plan)) if resumes else got is None, (budget, plan)
+        assert ((got.split, got.kept) == (split, plan)) if resumes else got is None, (budget,
+                                                                                     plan)
 
 
 def test_layout_changes_say_a_changed_plan_and_budget():
@@ -85,9 +91,10 @@ def test_a_fixed_split_is_planned_in_measured_costs_and_recorded(tmp_path, capsy
     assert split == [1] * 10 and len(kept) == 10
     # the plan takes the measured kept times: a kept micro-batch no faster than a rebuild is
     # not kept, where the estimate (a quarter saved) keeps it
-    n = len(build_blocks("revnet18", 4, 10))
+    net = NetSpec("revnet18", 4, 10)
+    n = len(net.blocks())
     costs = BlockCosts([1.0] * n, [3.0] * n, [3.0] * n, [0.0] * n, [0] * n, 0, kept=[4.0] * n)
     for costs, keeps in ((None, True), (costs, False), (dataclasses.replace(costs, kept=[3.0] * n),
                                                          True)):
-        _, plan = plan_split(build_blocks("revnet18", 4, 10), 3, fixed, "auto", 8, costs=costs)
-        assert any(map(any, plan.kept)) == keeps
+        layout = plan_layout(net, 3, partition=fixed, budget="auto", batch_size=8, costs=costs)
+        assert layout.split == fixed and any(map(any, layout.kept)) == keeps

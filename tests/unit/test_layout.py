@@ -16,6 +16,9 @@ LAYERS = [  # bottom to top
     {"train", "evaluate", "export", "generate", "predict", "schedule", "watchdog", "elastic",
      "plot", "bench", "__init__"},        # the commands users run
 ]
+# The one import across layers allowed: the config takes train.method's choices from the
+# schedules' table, which is pure data (it imports no torch and nothing of the package).
+ALLOWED_UPWARDS = {(("config",), ("core", "schedule"))}
 
 
 def layer_of(parts):
@@ -56,10 +59,20 @@ def test_no_module_imports_from_a_layer_above_it():
         parts = path.relative_to(PACKAGE).with_suffix("").parts
         mine = layer_of(parts)
         for target in imports_of(path.read_text(), parts):
-            if layer_of(target) > mine:
+            if layer_of(target) > mine and (parts, target) not in ALLOWED_UPWARDS:
                 wrong.append(f"{'/'.join(parts)} (layer {mine}) imports {'.'.join(target)} "
                              f"(layer {layer_of(target)})")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_schedule_the_config_reads_imports_nothing_but_the_channel_table():
+    """core/schedule.py stays pure data for the config below it (no torch, checked by
+    test_configs.py): of the package it imports only the channel table (comm/channels.py), which
+    imports nothing of the package."""
+    schedule = list(imports_of((PACKAGE / "core" / "schedule.py").read_text(), ("core", "schedule")))
+    assert schedule == [("comm", "channels")]
+    channels = (PACKAGE / "comm" / "channels.py").read_text()
+    assert list(imports_of(channels, ("comm", "channels"))) == []
 
 
 def test_the_check_sees_an_upward_import():

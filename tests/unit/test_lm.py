@@ -12,9 +12,9 @@ from tests.support.model_files import language_model_file
 from tests.support.paths import ROOT
 from tests.support.token_runs import pack_token_file, tiny_lm_run
 from tests.support.nets import (applied_gradients, end_to_end_gradients, flat_params, in_flight,
-                                max_relative_error)
+                                max_relative_error, stages_of)
 from petra_mpi.config import ConfigError, load_config
-from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.engines.build import build_workers
 from petra_mpi.engines.local import LocalEngine
 from petra_mpi.models import build_blocks, num_blocks, set_precision
 from petra_mpi.core.optim import LRSchedule
@@ -136,7 +136,7 @@ def test_invariant1_detects_a_wrong_gradient():
 
 
 def train(method, J, batches, arch="revlm"):
-    stages = build_stages(arch, 8, VOCAB, J, seed=0, dtype=torch.float64, **TINY)
+    stages = stages_of(arch, 8, VOCAB, J, seed=0, dtype=torch.float64, **TINY)
     schedule = LRSchedule(0.01, 3, warmup_epochs=1, kind="cosine", total_steps=4)
     workers = build_workers(stages, schedule, 2, weight_decay=0.05, optimizer="adamw")
     LocalEngine(workers, method).train_segment(iter(batches), len(batches))
@@ -149,7 +149,7 @@ def test_petra_at_one_stage_equals_reversible_backprop():
     batches = token_batches(8)
     petra = train("petra", 1, batches)
     backprop = train("backprop", 3, batches)
-    (net,) = build_stages("revlm", 8, VOCAB, 1, seed=0, dtype=torch.float64, **TINY)
+    (net,) = stages_of("revlm", 8, VOCAB, 1, seed=0, dtype=torch.float64, **TINY)
     model = torch.nn.Sequential(*net.blocks)
     from petra_mpi.core.optim import StageOptimizer
     opt = StageOptimizer(model, LRSchedule(0.01, 3, warmup_epochs=1, kind="cosine",

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from petra_mpi.models import build_blocks, count_parameters, num_blocks
-from petra_mpi.core.partition import balanced_partition, block_costs, resolve_partition
+from petra_mpi.models import NetSpec, build_blocks, count_parameters, num_blocks
+from petra_mpi.core.partition import balanced_partition, block_costs
+from petra_mpi.core.planner import plan_layout
 
 TABLE2 = {"resnet18": 11.7e6, "revnet18": 12.2e6, "resnet34": 21.8e6, "revnet34": 22.3e6,
           "resnet50": 25.6e6, "revnet50": 30.4e6}
@@ -21,7 +22,7 @@ def test_parameter_count_within_1_percent_of_table2(arch):
 def test_paper_split_stage_count(arch):
     blocks = build_blocks(arch, 4, 10)
     assert len(blocks) == num_blocks(arch) == STAGES[arch]
-    assert resolve_partition(blocks, STAGES[arch]) == [1] * STAGES[arch]
+    assert plan_layout(NetSpec(arch, 4, 10), STAGES[arch]).split == [1] * STAGES[arch]
 
 
 @pytest.mark.parametrize("arch", ["revnet18", "resnet50"])
@@ -53,4 +54,4 @@ def test_balanced_partition_minimises_the_largest_stage():
     with pytest.raises(ValueError, match="1 to 10"):
         balanced_partition(costs, 11)
     with pytest.raises(ValueError, match="model.partition"):
-        resolve_partition(build_blocks("revnet18", 4, 10), 3, fixed=[3, 3, 3])
+        plan_layout(NetSpec("revnet18", 4, 10), 3, partition=[3, 3, 3])

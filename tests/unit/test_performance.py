@@ -12,23 +12,26 @@ import torch
 from petra_mpi.perf import model as perfmodel
 from petra_mpi.core.blockcost import BlockCosts, measure_block_costs
 from petra_mpi.comm.transport import HostPool
-from petra_mpi.models import build_blocks
-from petra_mpi.core.partition import balanced_partition, resolve_partition
+from petra_mpi.models import NetSpec, build_blocks
+from petra_mpi.core.partition import balanced_partition
+from petra_mpi.core.planner import plan_layout
 from petra_mpi.core.stages import Stage
 from tests.support.paths import ROOT
+
+
+REVNET18 = NetSpec("revnet18", 4, 10)
 
 
 def test_balanced_split_on_measured_costs_is_deterministic():
     # Middle-stage costs 4 per block, 3 in the last stage: 10 blocks over 2 stages.
     costs = BlockCosts(forward=[1.0] * 10, backward=[3.0] * 10, last=[3.0] * 10,
                        step=[0.0] * 10, output_bytes=[1] * 10)
-    blocks = build_blocks("revnet18", 4, 10)
-    first = resolve_partition(blocks, 2, costs=costs)
+    first = plan_layout(REVNET18, 2, costs=costs).split
     assert first == [4, 6]  # 16 vs 18; [5, 5] would be 20 vs 15
-    assert all(resolve_partition(blocks, 2, costs=costs) == first for _ in range(3))
+    assert all(plan_layout(REVNET18, 2, costs=costs).split == first for _ in range(3))
     # A slow last block moves the cut towards the end: 32 vs 33 (and [9, 1]: 36 vs 30).
     slow_head = BlockCosts([1.0] * 10, [3.0] * 10, [3.0] * 9 + [30.0], [0.0] * 10, [1] * 10)
-    assert resolve_partition(blocks, 2, costs=slow_head) == [8, 2]
+    assert plan_layout(REVNET18, 2, costs=slow_head).split == [8, 2]
     # The last stage counted with its own costs, not a factor.
     assert balanced_partition([4, 4, 4, 4], 2, last_costs=[1, 1, 1, 1]) == [1, 3]
     assert balanced_partition([4, 4, 4, 4], 2) == [2, 2]
@@ -36,17 +39,20 @@ def test_balanced_split_on_measured_costs_is_deterministic():
 
 def test_near_tie_goes_to_the_split_that_stores_less():
     # [3, 2] is fastest (6 vs 6.1); [2, 3] is within TIE_TOLERANCE and keeps block 2's stored
-    # input out of stage 0's FIFO (3 deep at J = 2): it wins once stores are given.
+    # input out of stage 0's FIFO (2 deep at J = 2): it wins once stores are given.
     middle, last, stored = [2, 2, 2, 2, 2], [2, 2, 2, 2, 2.1], [0, 0, 9, 0, 0]
+    held = dict(stored=stored, depths=[2, 0])  # PETRA's in-flight counts at J = 2
     assert balanced_partition(middle, 2, last_costs=last) == [3, 2]
-    assert balanced_partition(middle, 2, last_costs=last, stored=stored) == [2, 3]
+    assert balanced_partition(middle, 2, last_costs=last, **held) == [2, 3]
     # Outside the tolerance (6.5 vs 6) speed wins whatever is stored.
-    assert balanced_partition(middle, 2, last_costs=[2, 2, 2, 2, 2.5], stored=stored) == [3, 2]
+    assert balanced_partition(middle, 2, last_costs=[2, 2, 2, 2, 2.5], **held) == [3, 2]
     # Equal stores: the fastest of the ties, as without stores.
-    assert balanced_partition(middle, 2, last_costs=last, stored=[1, 0, 0, 0, 0]) == [3, 2]
-    # Deeper stages hold fewer micro-batches: at J = 3, stage 0 holds 5, stage 1 holds 3.
+    assert balanced_partition(middle, 2, last_costs=last, stored=[1, 0, 0, 0, 0],
+                              depths=[2, 0]) == [3, 2]
+    # Deeper stages hold fewer micro-batches: at J = 3, stage 0 holds 4, stage 1 holds 2.
     assert balanced_partition([1] * 6, 3, last_costs=[1] * 6) == [2, 2, 2]
-    assert balanced_partition([1] * 6, 3, last_costs=[1] * 6, stored=[0, 0, 0, 0, 0, 0]) == [2, 2, 2]
+    assert balanced_partition([1] * 6, 3, last_costs=[1] * 6, stored=[0, 0, 0, 0, 0, 0],
+                              depths=[4, 2, 0]) == [2, 2, 2]
 
 
 def test_measured_split_stores_the_inputs_of_non_reversible_blocks():
@@ -56,12 +62,12 @@ def test_measured_split_stores_the_inputs_of_non_reversible_blocks():
     blocks = build_blocks("revnet18", 4, 10)
     out = [1000] * 10
     costs = BlockCosts([1.0] * 10, [3.0] * 10, [16 / 7] * 10, [0.0] * 10, out, input_bytes=10)
-    assert resolve_partition(blocks, 2, costs=costs) == [3, 7]
+    assert plan_layout(REVNET18, 2, costs=costs).split == [3, 7]
     # A reversible block's input is never stored: [5, 5] (20) ties with [4, 6] (20.4) and adds
     # only block 4 (reversible, with a huge input) to stage 0, so the faster [5, 5] stays.
     out = [1000, 1000, 1000, 10**6, 1000, 1000, 1000, 1000, 1000, 1000]
     costs = BlockCosts([1.0] * 10, [3.0] * 10, [3.4] * 10, [0.0] * 10, out, input_bytes=10)
-    assert resolve_partition(blocks, 2, costs=costs) == [5, 5]
+    assert plan_layout(REVNET18, 2, costs=costs).split == [5, 5]
     assert [b.reversible for b in blocks[2:5]] == [True, False, True]
 
 

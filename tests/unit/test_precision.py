@@ -74,10 +74,11 @@ def test_diagnostics_rebuild_error_in_bf16():
     """The per-stage rebuild error the diagnostics report is float32 rounding in bf16 mode when
     the weights do not change (lr = 0)."""
     from petra_mpi.run.diagnostics import Diagnostics
-    from petra_mpi.engines.build import build_stages, build_workers
+    from petra_mpi.engines.build import build_workers
+    from tests.support.nets import stages_of
     from petra_mpi.engines.local import LocalEngine
     from petra_mpi.core.optim import LRSchedule
-    stages = build_stages("revnet18", 4, 10, 10, seed=0, precision="bf16")
+    stages = stages_of("revnet18", 4, 10, 10, seed=0, precision="bf16")
     records = []
     diagnostics = Diagnostics(1, 1, emit=records.append)
     engine = LocalEngine(build_workers(stages, LRSchedule(0.0, 10), 1, hooks=[diagnostics]),

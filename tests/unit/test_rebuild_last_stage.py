@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from petra_mpi.config import ConfigError, load_config
-from petra_mpi.engines.build import build_stages
+from tests.support.nets import stages_of
 from petra_mpi.perf.bench.meter import ActivationMeter
+from petra_mpi.core.planner import Layout
 from petra_mpi.run.dryrun import stage_table
 from petra_mpi.run.layout import layout_changes
 from tests.support.paths import ROOT
@@ -22,7 +23,7 @@ ARCHS = ["revnet18", "irevnet18"]
 
 
 def last_stage(arch, rebuild, J=2):
-    stage = build_stages(arch, 4, 10, J, seed=0, dtype=torch.float64, image_size=SIDE,
+    stage = stages_of(arch, 4, 10, J, seed=0, dtype=torch.float64, image_size=SIDE,
                          rebuild_last_stage=rebuild)[-1]
     stage.arch = arch  # for microbatches
     return stage
@@ -32,7 +33,7 @@ def microbatches(stage, n=2):
     """n (input, labels) of the last stage's input shape (the earlier stages' output)."""
     with torch.no_grad():
         x = torch.zeros(1, 3, SIDE, SIDE, dtype=torch.float64)
-        for earlier in build_stages(stage.arch, 4, 10, stage.num_stages, seed=0,
+        for earlier in stages_of(stage.arch, 4, 10, stage.num_stages, seed=0,
                                     dtype=torch.float64, image_size=SIDE)[:-1]:
             x = earlier.eval().evaluate(x)
     g = torch.Generator().manual_seed(1)
@@ -113,7 +114,8 @@ def test_the_last_stage_holds_less_and_the_dry_run_says_how_much(arch):
         cfg = load_config(QUICKSTART, [f"model.arch={arch}", "model.width=4",
                                        f"data.batch_size={BATCH}",
                                        f"model.rebuild_last_stage={str(rebuild).lower()}"])
-        rows[rebuild] = stage_table(cfg, 2, torch.float64, stages[rebuild].partition, SIDE)[-1]
+        layout = Layout(stages[rebuild].partition)
+        rows[rebuild] = stage_table(cfg, layout, torch.float64, SIDE)[-1]
     assert rows[True]["graph_bytes"] == 0 and rows[False]["input_fifo_bytes"] == 0
     assert rows[True]["input_fifo_bytes"] == stages[True].peak_fifo_bytes
     assert peaks[False] <= rows[False]["graph_bytes"] <= 1.1 * peaks[False]
@@ -125,7 +127,7 @@ def test_the_last_stage_holds_less_and_the_dry_run_says_how_much(arch):
 def test_switching_a_built_stage():
     """set_rebuild_last: on the last stage only, with nothing in flight (a benchmark switches
     the stage it reuses)."""
-    stages = build_stages("revnet18", 4, 10, 2, seed=0, image_size=SIDE)
+    stages = stages_of("revnet18", 4, 10, 2, seed=0, image_size=SIDE)
     assert [s.rebuild_last for s in stages] == [False, False]
     stages[1].set_rebuild_last(True)
     assert stages[1].rebuild_last
@@ -162,14 +164,14 @@ def test_a_changed_option_is_a_layout_change():
 
 def test_the_measured_split_counts_a_rebuilding_last_stage_in_full():
     from petra_mpi.core.blockcost import BlockCosts
-    from petra_mpi.core.partition import resolve_partition
-    from petra_mpi.models import build_blocks
+    from petra_mpi.core.planner import plan_layout
+    from petra_mpi.models import NetSpec
     # a middle stage costs 4 per block, the last 3 with its graph: [4, 6] (16 against 18); a
     # last stage that rebuilds costs 4 per block too, so the balance is [5, 5]
     costs = BlockCosts(forward=[1.0] * 10, backward=[3.0] * 10, last=[3.0] * 10,
                        step=[0.0] * 10, output_bytes=[1] * 10)
-    blocks = build_blocks("revnet18", 4, 10)
-    assert resolve_partition(blocks, 2, costs=costs) == [4, 6]
+    net = NetSpec("revnet18", 4, 10)
+    assert plan_layout(net, 2, costs=costs).split == [4, 6]
     rebuilt = costs.with_rebuilt_last()
     assert rebuilt.last == [4.0] * 10 and rebuilt.forward == costs.forward
-    assert resolve_partition(blocks, 2, costs=rebuilt) == [5, 5]
+    assert plan_layout(net, 2, costs=costs, rebuild_last=True).split == [5, 5]

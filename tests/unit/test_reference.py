@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from tests.support.nets import make_batches, max_relative_error
-from petra_mpi.engines.build import build_stages, build_workers
+from tests.support.nets import make_batches, max_relative_error, stages_of
+from petra_mpi.engines.build import build_workers
 from petra_mpi.engines.local import LocalEngine
 from petra_mpi.models import frozen_bn_stats
 from petra_mpi.core.optim import LRSchedule
@@ -47,7 +47,7 @@ def reference_lr(step):
 
 
 def engine_run(arch, J, k, batches, buffer_inputs=False, stash_weights=False):
-    stages = build_stages(arch, 4, 10, J, seed=0, dtype=torch.float64,
+    stages = stages_of(arch, 4, 10, J, seed=0, dtype=torch.float64,
                           buffer_inputs=buffer_inputs, stash_weights=stash_weights)
     workers = build_workers(stages, LRSchedule(PEAK, STEPS_PER_EPOCH, warmup_epochs=1,
                                                milestones=(2,)),
@@ -62,7 +62,7 @@ def engine_run(arch, J, k, batches, buffer_inputs=False, stash_weights=False):
 def reference_run(arch, J, k, batches, buffer_inputs=False, stash_weights=False, delay_shift=0):
     """docs/design.md §1 tick by tick. `delay_shift` > 0 makes stage s's delay (2 + delay_shift)(J-1-s)
     instead of 2(J-1-s) (a deliberately wrong schedule for the negative control)."""
-    stages = build_stages(arch, 4, 10, J, seed=0, dtype=torch.float64)  # blocks + initial weights
+    stages = stages_of(arch, 4, 10, J, seed=0, dtype=torch.float64)  # blocks + initial weights
     blocks = [list(s.blocks) for s in stages]
     W = [[{n: p.detach().clone() for n, p in b.named_parameters()} for b in bs] for bs in blocks]
     # Which blocks keep their input from forward to backward (all but reversible ones in PETRA).
@@ -183,7 +183,7 @@ def compare(got, want):
 
 
 def moved(params, arch, J):
-    initial = build_stages(arch, 4, 10, J, seed=0, dtype=torch.float64)
+    initial = stages_of(arch, 4, 10, J, seed=0, dtype=torch.float64)
     return max((p - q).abs().max().item() for ps, s in zip(params, initial)
                for d, b in zip(ps, s.blocks) for (_, p), q in zip(d.items(), b.parameters()))
 

@@ -7,7 +7,7 @@ from tests.support.paths import QUICK
 from petra_mpi import train
 from petra_mpi.comm.compress import Compression
 from petra_mpi.engines import local
-from petra_mpi.engines.build import build_stages
+from tests.support.nets import stages_of
 
 STOCHASTIC = Compression(buffers="int8", stochastic=True, seed=5)
 
@@ -15,7 +15,7 @@ STOCHASTIC = Compression(buffers="int8", stochastic=True, seed=5)
 def test_build_stages_seeds_each_replicas_fifo_stream():
     seeds = {}
     for replica in (0, 1):
-        for stage in build_stages("revnet18", 4, 10, 3, seed=0, compression=STOCHASTIC,
+        for stage in stages_of("revnet18", 4, 10, 3, seed=0, compression=STOCHASTIC,
                                   replica=replica):
             codec = stage.buffer_codec
             assert codec.stochastic and codec.fmt == "int8"

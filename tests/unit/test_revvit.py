@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 from tests.support.paths import ROOT
 from tests.support.nets import (applied_gradients, end_to_end_gradients, flat_params, in_flight,
-                                make_batches, max_relative_error)
+                                make_batches, max_relative_error, stages_of)
 from petra_mpi.config import ConfigError, load_config, num_stages
-from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.engines.build import build_workers
 from petra_mpi.engines.local import LocalEngine
 from petra_mpi.models import build_blocks, num_blocks
 from petra_mpi.core.optim import LRSchedule, StageOptimizer
@@ -28,7 +28,7 @@ ARCHS = ["revvit", "vit"]
 
 
 def tiny_stages(arch, J, dtype=torch.float64, **kw):
-    return build_stages(arch, 8, 10, J, seed=0, dtype=dtype, **TINY, **kw)
+    return stages_of(arch, 8, 10, J, seed=0, dtype=dtype, **TINY, **kw)
 
 
 def test_block_list_and_rebuild_float64():

@@ -3,7 +3,8 @@ from collections import Counter
 
 import pytest
 
-from petra_mpi.core.schedule import Action, Kind, delay, main, num_ticks, schedule_for, updates_after
+from petra_mpi.core.schedule import (SCHEDULES, Action, Kind, PetraSchedule, main, num_ticks,
+                                     schedule_for, updates_after)
 
 
 @pytest.mark.parametrize("J", list(range(1, 19)))
@@ -29,7 +30,7 @@ def test_petra_every_microbatch_once_per_stage_with_the_design_delays(J, n):
     assert max(seen_f.values()) == 1 and max(seen_b.values()) == 1
     for s in range(J):
         for b in range(n):
-            assert bwd_tick[(s, b)] - fwd_tick[(s, b)] == delay(J, s) == 2 * (J - 1 - s)
+            assert bwd_tick[(s, b)] - fwd_tick[(s, b)] == schedule.in_flight(s) == 2 * (J - 1 - s)
             if s > 0:  # data dependencies: one tick per hop
                 assert fwd_tick[(s, b)] == fwd_tick[(s - 1, b)] + 1
                 assert bwd_tick[(s - 1, b)] == bwd_tick[(s, b)] + 1
@@ -159,15 +160,16 @@ def test_the_grid_cli_as_a_module():
 @pytest.mark.parametrize("arch,J", [("resnet18", 3), ("revnet18", 4)])
 def test_backward_first_a_stage_holds_its_delay_in_fifo_entries(arch, J):
     """The backward of a tick pops its FIFO entry before the forward pushes the next one, so a
-    buffered stage s holds delay(J, s) inputs at its peak, not one more; a reversible stage and
-    the last one (its forward_backward keeps the graph, not the input) hold none."""
+    buffered stage s holds its in-flight count d_s of inputs at its peak, not one more; a
+    reversible stage and the last one (its forward_backward keeps the graph, not the input)
+    hold none."""
     from tests.support.nets import make_batches, run_engine
     one = run_engine(arch, J, 1, make_batches(1))
     many = run_engine(arch, J, 1, make_batches(3 * J))
     for s, (a, b) in enumerate(zip(one, many)):
         # one micro-batch's inputs on a stage with buffered blocks, nothing on the others
         assert (a.peak_fifo_bytes > 0) == (any(a.buffered) and s < J - 1), s
-        assert b.peak_fifo_bytes == delay(J, s) * a.peak_fifo_bytes, s
+        assert b.peak_fifo_bytes == schedule_for("petra", J).in_flight(s) * a.peak_fifo_bytes, s
 
 
 @pytest.mark.parametrize("arch,J", [("resnet18", 3), ("revnet18", 4)])
@@ -176,10 +178,58 @@ def test_the_dry_run_counts_the_fifo_a_run_holds(arch, J):
     from tests.support.nets import make_batches, run_engine
     from petra_mpi.config import load_config
     import torch
+    from petra_mpi.core.planner import Layout
     from petra_mpi.run.dryrun import stage_table
     stages = run_engine(arch, J, 1, make_batches(3 * J))
     cfg = load_config("configs/quickstart.yaml", [f"model.arch={arch}", "model.width=4",
                                                   "data.batch_size=4"])
-    rows = stage_table(cfg, J, torch.float64, partition=stages[0].partition, side=8)
+    rows = stage_table(cfg, Layout(stages[0].partition), torch.float64, side=8)
     assert [r["input_fifo_bytes"] for r in rows[:-1]] == [s.peak_fifo_bytes for s in stages[:-1]]
     assert any(r["input_fifo_bytes"] for r in rows)
+
+
+class SlowerHops(PetraSchedule):
+    """A toy schedule: PETRA's order with three ticks a hop on the way back instead of two, so
+    stage s holds 3(J-1-s) micro-batches in flight, not 2(J-1-s)."""
+    method = "toy"
+
+    def in_flight(self, stage):
+        return 3 * (self.J - 1 - stage)
+
+
+def test_every_reader_of_the_in_flight_count_takes_the_schedules(monkeypatch, capsys):
+    """A schedule with another in-flight count changes the stages' window (FIFOs, kept graphs),
+    the delay the optimizers compensate, the windows the kept plan fills and the dry run's FIFO
+    bytes and delays, with no other change: each reads it from the schedule."""
+    import dataclasses
+    import torch
+    from petra_mpi.config import load_config
+    from petra_mpi.core.planner import Layout, plan_layout
+    from petra_mpi.engines.build import build_workers
+    from petra_mpi.models import NetSpec
+    from petra_mpi.run.dryrun import report, stage_table
+    from tests.support.nets import stages_of
+    monkeypatch.setitem(SCHEDULES, "toy", SlowerHops)
+    J, k, split = 4, 2, [1, 1, 2, 6]
+    toy = [9, 6, 3, 0]
+    stages = stages_of("revnet18", 4, 10, J, partition=split, method="toy")
+    assert [s.window for s in stages] == toy
+    workers = build_workers(stages, accumulation=k, method="toy")
+    assert [w.optimizer.delay for w in workers] == [d / k for d in toy]
+    net = NetSpec("revnet18", 4, 10, image_size=8)
+    layout = plan_layout(net, J, partition=split, budget="auto", batch_size=2, method="toy")
+    assert layout.plan.windows == toy
+    cfg = load_config("configs/quickstart.yaml", ["model.width=4", "data.batch_size=4"])
+    slower = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, method="toy"))
+    rows = {c.train.method: stage_table(c, Layout(split), torch.float64, side=8)
+            for c in (cfg, slower)}
+    petra = [2 * (J - 1 - s) for s in range(J)]
+    for s in range(J - 1):  # the same inputs, held for 3 ticks a hop instead of 2
+        assert rows["toy"][s]["input_fifo_bytes"] * petra[s] == (
+            rows["petra"][s]["input_fifo_bytes"] * toy[s])
+    assert any(r["input_fifo_bytes"] for r in rows["toy"])
+    report(slower, J)
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("delays"))
+    delays = [line.split()[:3] for line in lines[start + 2:start + 2 + J]]
+    assert [(int(d), float(u)) for _, d, u in delays] == [(d, d / k) for d in toy]

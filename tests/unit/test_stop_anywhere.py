@@ -6,10 +6,10 @@ length. tests/mpi/test_stop_engines_agree.py holds the MPI engine to the same st
 import pytest
 import torch
 
-from tests.support.nets import make_batches
+from tests.support.nets import make_batches, stages_of
 from stop_anywhere import StopAtTick
 from petra_mpi.run.checkpoint import save_blocks
-from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.engines.build import build_workers
 from petra_mpi.engines.local import LocalEngine
 from petra_mpi.core.optim import LRSchedule
 from petra_mpi.core.schedule import schedule_for
@@ -46,7 +46,7 @@ def train(method, J, k, n, stop=None):
     """One segment of the tiny float64 net of the invariant tests, at a learning rate that makes
     every step show; returns (micro-batches trained, workers)."""
     delayed = method == "delayed"
-    stages = build_stages("revnet18", 4, 10, J, seed=0, dtype=torch.float64,
+    stages = stages_of("revnet18", 4, 10, J, seed=0, dtype=torch.float64,
                           buffer_inputs=delayed, stash_weights=delayed)
     workers = build_workers(stages, LRSchedule(0.1, 10**6), k, weight_decay=5e-4,
                             hooks=[stop] if stop is not None else ())

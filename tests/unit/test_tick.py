@@ -6,9 +6,9 @@ from enum import Enum
 import pytest
 import torch
 
-from tests.support.nets import make_batches
+from tests.support.nets import make_batches, stages_of
 from petra_mpi.core.schedule import Action, Kind, PetraSchedule
-from petra_mpi.engines.build import build_stages, build_workers
+from petra_mpi.engines.build import build_workers
 from petra_mpi.engines.local import LocalEngine
 
 
@@ -36,7 +36,7 @@ class WithoutReceive(PetraSchedule):
 
 def engine_on(schedule):
     """A local engine of 3 tiny stages that runs `schedule`."""
-    stages = build_stages("revnet18", 4, 10, 3, seed=0, dtype=torch.float64)
+    stages = stages_of("revnet18", 4, 10, 3, seed=0, dtype=torch.float64)
     engine = LocalEngine(build_workers(stages), "petra")
     engine.schedule = schedule
     return engine

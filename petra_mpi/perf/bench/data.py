@@ -173,13 +173,15 @@ def _write_jpeg_demo(path, n=256, side=256, seed=0):
 def _pipeline_rate(arch, width, stages, side, num_classes, batch, device, imagenet_stem):
     """(images/s the PETRA pipeline of `arch` consumes, its split): one micro-batch enters per
     tick, and a tick lasts as long as the slowest stage, timed block by block on `device`
-    (blockcost.measured_partition) at the loader's output side. Each stage is costed on this
-    process's threads, as if every rank had as many."""
-    from petra_mpi.core.blockcost import measured_partition
-    from petra_mpi.models import num_blocks
+    (blockcost.py) at the loader's output side and balanced by those times (planner.py). Each
+    stage is costed on this process's threads, as if every rank had as many."""
+    from petra_mpi.core.blockcost import measure_net_costs
+    from petra_mpi.core.planner import plan_layout
+    from petra_mpi.models import NetSpec, num_blocks
     stages = stages or num_blocks(arch)
-    sizes, costs = measured_partition(arch, width, num_classes, stages, (3, side, side), batch,
-                                      imagenet_stem=imagenet_stem, device=device)
+    net = NetSpec(arch, width, num_classes, imagenet_stem, side)
+    costs = measure_net_costs(net, batch, device=device)
+    sizes = plan_layout(net, stages, costs=costs).split
     return batch / max(costs.stage_seconds(sizes)), sizes
 
 

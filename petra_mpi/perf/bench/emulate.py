@@ -30,9 +30,9 @@ from ..emulation import (Clock, WaitingOptimizer, WaitingPlainStage, WaitingStag
                          measured_profile, paper_profile, probe_shapes)
 from ...core.worker import StageWorker
 from ...engines.build import build_engine
-from ...models import build_blocks
-from ...core.partition import resolve_partition
-from ...core.schedule import delay
+from ...models import NetSpec, build_blocks
+from ...core.planner import Layout, plan_layout
+from ...core.schedule import PetraSchedule
 from .common import emit, last_json_line, measure_link, sleeping_barrier
 
 PETRA_METHODS = ("petra", "backprop")
@@ -166,8 +166,9 @@ class Emulation:
         if J > len(blocks):
             raise SystemExit(f"{profile.arch} has {len(blocks)} blocks: at most {len(blocks)} "
                              f"ranks")
-        self.sizes = resolve_partition(blocks, J, costs=self.petra_bc)
-        self.plain_sizes = resolve_partition(blocks, J, costs=self.plain_bc)
+        net = NetSpec(profile.arch, a.width, 10)
+        self.sizes = plan_layout(net, J, costs=self.petra_bc).split
+        self.plain_sizes = plan_layout(net, J, costs=self.plain_bc).split
         plain_first = sum(self.plain_sizes[:r])
         self.plain_mine = list(range(plain_first, plain_first + self.plain_sizes[r]))
         self.clock = Clock()
@@ -377,10 +378,10 @@ def add_budget_runs(em, peaks) -> list:
 def real_stages(em, results) -> dict:
     """Wall seconds of the real stages for our runs (validation of the emulation at small
     J, measured costs); two more emulated runs of each are added to `results`."""
-    from ...engines.build import build_stages, build_workers
+    from ...engines.build import StageSpec, build_stages, build_workers
     a, r, J = em.a, em.world.rank, em.world.size
-    (real_stage,) = build_stages(em.profile.arch, a.width, 10, J, seed=0, only=r,
-                                 partition=em.sizes)
+    (real_stage,) = build_stages(StageSpec(NetSpec(em.profile.arch, a.width, 10)),
+                                 Layout(em.sizes), only=r)
     workers = build_workers([real_stage])
     real_worker = workers[0]
     engines = {m: build_engine(workers, m, em.world, (3, 32, 32), a.batch)
@@ -727,9 +728,9 @@ def kept_stage_costs(stages, kept, rebuild, sizes):
     """PETRA's StageCosts under a kept plan (kept[s][i]: kept micro-batches of every d_s of
     block i of stage s): a kept micro-batch's backward skips the block's rebuild (rebuild[b]:
     block b's), so a stage's backward costs on average rebuild x kept / d_s less per block."""
-    J, out, first = len(stages), [], 0
+    petra, out, first = PetraSchedule(len(stages)), [], 0
     for s, (c, n) in enumerate(zip(stages, sizes)):
-        window = delay(J, s)
+        window = petra.in_flight(s)
         saved = sum(rebuild[first + i] * k / window for i, k in enumerate(kept[s]) if k)
         out.append(replace(c, backward=c.backward - saved))
         first += n

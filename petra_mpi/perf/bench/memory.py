@@ -17,8 +17,9 @@ import argparse
 import dataclasses
 
 from ...config import Config, DataConfig, ModelConfig, TrainConfig
+from ...core.planner import plan_layout
+from ...models import NetSpec, num_blocks
 from ...run.dryrun import stage_table
-from ...models import num_blocks
 from ...models.vit import VIT_ARCHS
 from .common import emit
 
@@ -59,7 +60,9 @@ def main(argv):
         cfg = dataclasses.replace(base, train=TrainConfig(method="delayed",
                                                           buffer_inputs=buffer_inputs,
                                                           stash_weights=stash))
-        rows = stage_table(cfg, a.stages, side=32 if vit else 224, as_the_paper_counts=True)
+        side = 32 if vit else 224
+        layout = plan_layout(NetSpec.of_config(cfg, side), a.stages)
+        rows = stage_table(cfg, layout, side=side, as_the_paper_counts=True)
         per_stage[buffer_inputs, stash] = rows
         results.append((buffer_inputs, stash, total_bytes(rows), paper_gb, paper_saving))
     reference = results[0][2]["total"]

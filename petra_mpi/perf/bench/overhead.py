@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from ...comm.devices import synchronize
-from ...engines.build import build_stages, build_workers
-from ...models import PRECISIONS, num_blocks
+from ...core.planner import plan_layout
+from ...engines.build import StageSpec, build_stages, build_workers
+from ...models import PRECISIONS, NetSpec, num_blocks
 from ...models.lm import LM_ARCHS
 from ...models.vit import VIT_ARCHS
 from ...core.optim import StageOptimizer, constant_lr
@@ -94,18 +95,18 @@ def build(a, device, lm):
     """(the PETRA workers of J stages, the same net as one plain module, a random batch
     (inputs, labels) on `device`)."""
     classes, depth = (256, a.depth or 4) if lm else (10, a.depth)
-    kw = {}
+    model_kw = None
     if a.arch in VIT_ARCHS:
-        kw["model_kw"] = dict(depth=depth, heads=a.heads, patch=a.patch)
+        model_kw = dict(depth=depth, heads=a.heads, patch=a.patch)
     elif lm:
-        kw["model_kw"] = dict(depth=depth, heads=a.heads, context=a.context)
-    kw.update(device=device, precision=a.precision)
+        model_kw = dict(depth=depth, heads=a.heads, context=a.context)
+    net = NetSpec(a.arch, a.width, classes, model_kw=model_kw, precision=a.precision)
+    spec = StageSpec(net, device=device)
     J = a.stages or num_blocks(a.arch, depth)
-    workers = build_workers(build_stages(a.arch, a.width, classes, J, seed=0, **kw),
-                            constant_lr())
+    workers = build_workers(build_stages(spec, plan_layout(net, J)), constant_lr())
     for w in workers:
         w.begin_segment()
-    (whole,) = build_stages(a.arch, a.width, classes, 1, seed=0, **kw)
+    (whole,) = build_stages(spec, plan_layout(net, 1))
     batch = random_batch(a.batch, classes, torch.Generator().manual_seed(0),
                          a.context if lm else 0)
     return workers, torch.nn.Sequential(*whole.blocks), [t.to(device) for t in batch]

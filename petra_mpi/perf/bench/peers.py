@@ -42,13 +42,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ...engines.build import build_engine, build_stages, build_workers
+from ...engines.build import StageSpec, build_engine, build_stages, build_workers
 from ...core.worker import WorkerHooks
 from ...comm.world import World
-from ...models import build_blocks
+from ...models import NetSpec, build_blocks
 from ...core.optim import constant_lr
-from ...core.partition import resolve_partition
-from ...core.schedule import Kind, delay
+from ...core.planner import Layout, plan_layout
+from ...core.schedule import Kind, PetraSchedule
 from .common import emit, last_json_line, random_batch
 from .meter import ActivationMeter
 from .pipelining import LR, MOMENTUM, pipelining_contenders
@@ -87,7 +87,7 @@ def steady_images_per_s(starts, num_stages, k, batch):
     the forward of micro-batch d_0 (the first tick that also runs a backward there) and the one a
     whole number of updates (k micro-batches each) later, as late as the segment allows; None
     when the segment is too short for one update of steady state."""
-    first = delay(num_stages, 0)
+    first = PetraSchedule(num_stages).in_flight(0)
     updates = (max(starts, default=-1) - first) // k
     if updates < 1:
         return None
@@ -125,9 +125,12 @@ class Workload:
     def blocks(self, arch):
         return build_blocks(arch, self.width, self.num_classes, **self.model_kw)
 
-    def stages(self, J, **kw):
-        return build_stages(self.arch, self.width, self.num_classes, J, seed=0,
-                            model_kw=self.model_kw, **kw)
+    def net(self, arch) -> NetSpec:
+        return NetSpec(arch, self.width, self.num_classes, model_kw=self.model_kw)
+
+    def stages(self, split, only=None):
+        """The stages of PETRA's reversible net split as `split` (just stage `only`)."""
+        return build_stages(StageSpec(self.net(self.arch)), Layout(split), only=only)
 
     def zeros(self, n):
         return (torch.zeros(n, self.context, dtype=torch.long) if self.context
@@ -199,18 +202,15 @@ def measured_splits(a, world, work):
     the plain twin and of the reversible net), unless --partition and --pt-partition give them
     (the memory a contender holds depends on its split): the pipelines on the reversible net
     then take --partition. The costs also drive the waterfall's model."""
-    from ...core.blockcost import measure_autograd_costs, measured_partition
+    from ...core.blockcost import measure_autograd_costs, measure_net_costs
     J, measured = world.size, None
     if world.rank == 0:
-        petra_split, costs = measured_partition(work.arch, work.width, work.num_classes, J,
-                                                work.input_shape, a.batch, time_kept=True,
-                                                **work.model_kw)
-        costs, pt_splits = {"ours": costs}, {}
+        costs = {"ours": measure_net_costs(work.net(work.arch), a.batch, time_kept=True)}
+        petra_split, pt_splits = plan_layout(work.net(work.arch), J, costs=costs["ours"]).split, {}
         for net in (work.plain, work.arch):
-            blocks = work.blocks(net)
-            costs[net] = measure_autograd_costs(blocks, work.input_shape, a.batch,
+            costs[net] = measure_autograd_costs(work.blocks(net), work.input_shape, a.batch,
                                                 work.num_classes)
-            pt_splits[net] = resolve_partition(blocks, J, costs=costs[net])
+            pt_splits[net] = plan_layout(work.net(net), J, costs=costs[net]).split
         measured = (petra_split, pt_splits)
     petra_split, pt_splits = world.bcast(measured)
     if a.partition and a.pt_partition:
@@ -260,15 +260,15 @@ class PeersBench:
         petra_split, self.pt_splits, self.block_costs = measured_splits(a, world, work)
         # the kept plans' costs: the measured ones, unless --partition fixes our split
         self.costs = None if a.partition or not self.block_costs else self.block_costs["ours"]
-        (self.stage,) = work.stages(J, only=world.rank, partition=a.partition or petra_split)
+        (self.stage,) = work.stages(a.partition or petra_split, world.rank)
         self.sizes = self.stage.partition
         self.sampler, self.clock = SampleAfterForward(), ForwardClock()
         # our contenders: name -> (engine, its stage on this rank, the stage's kept plan: None,
         # PETRA as in the paper)
         self.variants = {m: (engine, self.stage, None)
                          for m, engine in self.engines_on(self.stage, "petra", "backprop")}
-        self.rebuild_split = a.partition or world.bcast(self.block_costs and resolve_partition(
-            work.blocks(work.arch), J, costs=self.block_costs["ours"].with_rebuilt_last()))
+        self.rebuild_split = a.partition or world.bcast(self.block_costs and plan_layout(
+            work.net(work.arch), J, costs=self.block_costs["ours"], rebuild_last=True).split)
         self.variants[REBUILDS] = self.petra_on(self.rebuild_split, None)  # balanced for it
         # kept variant -> (memory_plan.Plan, kept budget per rank or None, its split, the
         # planner's time over PETRA's on PETRA's split)
@@ -308,7 +308,7 @@ class PeersBench:
         the split is the same, else a stage and an engine of its own."""
         engine, stage, _ = self.variants["petra"]
         if split != self.sizes:
-            (stage,) = self.work.stages(self.world.size, only=self.world.rank, partition=split)
+            (stage,) = self.work.stages(split, self.world.rank)
             ((_, engine),) = self.engines_on(stage, "petra")
         return engine, stage, kept
 
@@ -330,10 +330,10 @@ class PeersBench:
         1F1B's peak activation bytes less PETRA's own there (`peaks`: per contender and rank,
         on rank 0), so that PETRA holds at most what 1F1B holds, and without a limit. Where our
         split was measured, each variant's split is the measured balance redone with its plan's
-        costs (memory_plan.split_for_budget, as model.balance: measure does), and a variant
-        whose split differs runs on stages of its own. The plans are made on rank 0 on a fresh
-        copy of the net and sent to every rank."""
-        from ...core.memory_plan import AUTO, measured_units, plan_blocks, split_for_budget
+        costs (planner.plan_layout, as model.balance: measure does), and a variant whose split
+        differs runs on stages of its own. The plans are made on rank 0 on a fresh copy of the
+        net and sent to every rank."""
+        from ...core.memory_plan import AUTO
         a, world, work = self.a, self.world, self.work
         plans = None
         if world.rank == 0:
@@ -343,25 +343,19 @@ class PeersBench:
                 if rival:  # the pipeline on PETRA's own net when it ran
                     self.budget_from[name] = rival
                     budgets[name] = [max(0, f - p) for f, p in zip(peaks[rival], peaks[ours])]
-            where = {"image_size": work.input_shape[-1]}
-            units = None if self.costs is None else measured_units(self.costs)
-            # the planner's time of PETRA on its own split: what each plan is set against
-            petra = max(plan_blocks(work.blocks(work.arch), self.sizes, 0, a.batch,
-                                    units=units, **where).units)
             plans = {}
             for name, budget in sorted(budgets.items()):
-                budget = AUTO if budget is None else budget
-                blocks = work.blocks(work.arch)
-                if name in REBUILDING:  # balanced for a last stage that rebuilds: the plan only
-                    split = self.rebuild_split
-                    plan = plan_blocks(blocks, split, budget, a.batch, units=units, **where)
-                elif self.costs is None:
-                    split = self.sizes
-                    plan = plan_blocks(blocks, split, budget, a.batch, **where)
-                else:
-                    split, plan = split_for_budget(blocks, self.sizes, budget, a.batch,
-                                                   costs=self.costs, **where)
-                plans[name] = (plan, budgets[name], split, max(plan.units) / petra)
+                # balanced for a last stage that rebuilds: the plan only; where our split was
+                # given, the plan on it; else the measured balance redone with the plan's costs
+                fixed = (self.rebuild_split if name in REBUILDING else
+                         self.sizes if self.costs is None else None)
+                layout = plan_layout(work.net(work.arch), world.size, partition=fixed,
+                                     budget=AUTO if budget is None else budget,
+                                     batch_size=a.batch, costs=self.costs)
+                plan = layout.plan
+                # set against the planner's time of PETRA on its own split
+                petra = max(plan.petra_units_on(self.sizes))
+                plans[name] = (plan, budgets[name], layout.split, max(plan.units) / petra)
         self.plans = world.bcast(plans)
         for name, (plan, _, split, _) in self.plans.items():
             self.variants[name] = self.petra_on(split, plan.kept[world.rank])
@@ -486,7 +480,7 @@ def run(a):
     dist = world.torch_distributed()  # torch's schedules run over gloo
     work = Workload.from_args(a)
     bench = PeersBench(a, world, work)
-    flops = (flops_per_microbatch(work, a.batch, work.stages(world.size, partition=bench.sizes))
+    flops = (flops_per_microbatch(work, a.batch, work.stages(bench.sizes))
              if world.rank == 0 else None)
     # the contenders' memory first: PETRA's kept budget comes from 1F1B's
     peak_bytes, kept_bytes = bench.peak_bytes(bench.names())

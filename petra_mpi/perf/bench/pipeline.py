@@ -14,10 +14,10 @@ import torch
 
 from ...comm.compress import DIRECTIONS, Codec, Compression
 from ...comm.devices import bind_early, bound_cuda_device, rank_map, synchronize
-from ...engines.build import build_engine, build_stages, build_workers
+from ...engines.build import StageSpec, build_engine, build_stages, build_workers
 from ...comm.world import World
-from ...models import PRECISIONS, num_blocks
-from ...core.partition import resolve_partition
+from ...models import PRECISIONS, NetSpec
+from ...core.planner import Layout, plan_layout
 from ..model import speedup_bound
 from ...core.schedule import num_ticks
 from ...core import trace
@@ -31,12 +31,12 @@ def split_for(a, world, device):
     given = [int(n) for n in a.partition.split(",")] if a.partition else None
     sizes = costs = None
     if world.rank == 0:
-        from ...core.blockcost import measured_partition
-        sizes, costs = measured_partition(a.arch, a.width, 10, world.size, (3, 32, 32), a.batch,
-                                          device=device, precision=a.precision)
-        if given or a.balance == "estimate" or world.size == num_blocks(a.arch):
-            from ...models import build_blocks
-            sizes = resolve_partition(build_blocks(a.arch, a.width, 10), world.size, given)
+        from ...core.blockcost import measure_net_costs
+        net = NetSpec(a.arch, a.width, 10, precision=a.precision)
+        costs = measure_net_costs(net, a.batch, device=device)
+        estimated = given or a.balance == "estimate"
+        sizes = plan_layout(net, world.size, partition=given,
+                            costs=None if estimated else costs).split
         print(f"split {sizes}: measured ms per micro-batch per stage "
               f"{[round(1e3 * c) for c in costs.stage_seconds(sizes)]}", flush=True)
     sleeping_barrier(world)  # a rank spinning in Bcast would slow rank 0's timing
@@ -108,9 +108,9 @@ class PipelineBench:
             if table:
                 print(table, flush=True)
         sizes, self.costs = split_for(a, world, self.device)
-        stages = build_stages(a.arch, a.width, 10, world.size, seed=0, only=world.rank,
-                              partition=sizes, device=self.device, precision=a.precision,
-                              compression=self.compression)
+        net = NetSpec(a.arch, a.width, 10, precision=a.precision)
+        stages = build_stages(StageSpec(net, device=self.device, compression=self.compression),
+                              Layout(sizes), only=world.rank)
         self.split = stages[0].partition
         workers = build_workers(stages)
         self.worker = workers[0]

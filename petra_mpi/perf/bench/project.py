@@ -15,9 +15,8 @@ from dataclasses import dataclass, replace
 from .. import model as perfmodel
 from ..emulation import (WaitingStage, balanced_profile, estimated_profile, file_profile,
                          kept_plan, kept_sizes, paper_profile, probe_shapes)
-from ...core.partition import resolve_partition
-from ...core.schedule import delay
-from ...models import build_blocks
+from ...core.planner import plan_layout
+from ...models import NetSpec, build_blocks
 from .common import emit
 from .emulate import kept_stage_costs
 
@@ -98,7 +97,8 @@ def describe(a, profile):
     out = [FLOAT_BYTES * a.batch * math.prod(s) for s in shapes.outputs]
     in_bytes = FLOAT_BYTES * a.batch * 3 * a.image_size ** 2
     petra_bc, plain_bc = profile.petra_costs(out, in_bytes), profile.plain_costs(out, in_bytes)
-    sizes = resolve_partition(blocks, a.stages, costs=petra_bc)
+    sizes = plan_layout(NetSpec(a.arch, a.width, a.num_classes, stem), a.stages,
+                        costs=petra_bc).split
     net = Net(perfmodel.stage_costs(petra_bc, sizes),
               perfmodel.stage_costs(plain_bc, sizes, rebuilt_down=[False] * a.stages,
                                     weight=profile.weight),

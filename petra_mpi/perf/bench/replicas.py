@@ -12,7 +12,9 @@ import time
 
 import torch
 
-from ...engines.build import build_engine, build_stages, build_workers
+from ...core.planner import plan_layout
+from ...engines.build import StageSpec, build_engine, build_stages, build_workers
+from ...models import NetSpec
 from ...comm.world import World
 from .common import emit, sleeping_barrier
 
@@ -61,8 +63,8 @@ class Layouts:
 
     @staticmethod
     def _engine(a, w):
-        (stage,) = build_stages(a.arch, a.width, 10, a.stages, seed=0, only=w.stage,
-                                model_kw=None, image_size=32)
+        net = NetSpec(a.arch, a.width, 10)
+        (stage,) = build_stages(StageSpec(net), plan_layout(net, a.stages), only=w.stage)
         workers = build_workers([stage], accumulation=a.accumulation)
         return build_engine(workers, "petra", w, (3, 32, 32), a.batch)
 

@@ -14,11 +14,11 @@ import torch
 
 from .. import model as perfmodel
 from ...core.blockcost import measure_autograd_costs, measure_block_costs
-from ...engines.build import build_engine, build_stages, build_workers
+from ...engines.build import StageSpec, build_engine, build_stages, build_workers
 from ..emulation import PAPER_TABLE5_MS
 from ...comm.world import World
-from ...models import ARCHS, build_blocks
-from ...core.partition import resolve_partition
+from ...models import ARCHS, NetSpec, build_blocks
+from ...core.planner import Layout, plan_layout
 from .common import emit, last_json_line, measure_link, sleeping_barrier
 
 # Paper Table 5: mean time per micro-batch of 256 CIFAR-10 images, reversible backprop vs PETRA.
@@ -35,12 +35,12 @@ def measured_images_per_s(a, world, J, sizes, method, data):
     if J == 1:
         if rank != 0:
             return None
-        stages = build_stages(a.arch, a.width, 10, 1, seed=0)
+        stages = build_stages(StageSpec(NetSpec(a.arch, a.width, 10)), Layout(sizes))
         engine = build_engine(build_workers(stages), method, None, (3, 32, 32), a.batch)
     else:
         if rank >= J:
             return None
-        stages = build_stages(a.arch, a.width, 10, J, seed=0, only=rank, partition=sizes)
+        stages = build_stages(StageSpec(NetSpec(a.arch, a.width, 10)), Layout(sizes), only=rank)
         engine = build_engine(build_workers(stages), method, sub, (3, 32, 32), a.batch)
 
     def segment(n):
@@ -129,7 +129,7 @@ def run(a):
     link = (measure_link(world, max(costs.output_bytes)) if world
             else perfmodel.Link(0.0, float("inf")))
     # 3. Predictions for every J. 4. Validation at every J the ranks allow.
-    predictions = [predict(a, blocks, costs, plain, plain_costs, link, ours, pipelining, J)
+    predictions = [predict(a, costs, plain_costs, link, ours, pipelining, J)
                    for J in range(1, len(blocks) + 1)]
     validation = validate(a, world, min(P, len(blocks)), predictions)
     if rank != 0:
@@ -142,11 +142,11 @@ def run(a):
             "paper_table5": PAPER_TABLE5}
 
 
-def predict(a, blocks, costs, plain, plain_costs, link, ours, pipelining, J) -> dict:
+def predict(a, costs, plain_costs, link, ours, pipelining, J) -> dict:
     """The predicted images/s of the three methods at J stages, with the split PETRA uses."""
-    sizes = resolve_partition(blocks, J, costs=costs)
+    sizes = plan_layout(NetSpec(a.arch, a.width, 10), J, costs=costs).split
     sc = perfmodel.stage_costs(costs, sizes)
-    plain_sizes = resolve_partition(plain, J, costs=plain_costs)
+    plain_sizes = plan_layout(NetSpec(a.plain_arch, a.width, 10), J, costs=plain_costs).split
     pc = perfmodel.stage_costs(plain_costs, plain_sizes, rebuilt_down=[False] * J)
     row = {"ranks": J, "split": sizes,
            "petra": perfmodel.predict_images_per_s("petra", sc, link, a.microbatches, a.batch,

@@ -103,9 +103,10 @@ def waterfall(runs, microbatches, makespan, busy, measured) -> dict:
 def ours_model(method, block_costs, sizes, kept, n, k):
     """(makespan, busy per rank) in the model of one segment of n micro-batches of our engine
     (method petra or backprop) on `sizes`, with the kept plan `kept` (None: none)."""
-    from ...core.schedule import delay
+    from ...core.schedule import schedule_for
     J = len(sizes)
-    costs = kept_stage_costs(block_costs, sizes, kept, [delay(J, s) for s in range(J)])
+    schedule = schedule_for(method, J)
+    costs = kept_stage_costs(block_costs, sizes, kept, [schedule.in_flight(s) for s in range(J)])
     return model_run(perfmodel.petra_orders(method, J, n, k), costs)
 
 
