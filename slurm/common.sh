@@ -201,7 +201,7 @@ petra_forward() {
 # leaves as it was); said once, with the job's nodes that SLURM marks down.
 petra_slurm_requeued() {
     [[ $PETRA_SIGNAL == *TERM* ]] || return 1
-    if [[ -n ${PETRA_SLURM_REQUEUED:-} ]]; then return 0; fi
+    if [[ -n $PETRA_SLURM_REQUEUED ]]; then return 0; fi
     (trap '' TERM; petra_was_requeued) || return 1  # (SLURM's SIGTERM reaches every process)
     PETRA_SLURM_REQUEUED=1
     local down="" why="a preemption or a requeue by hand"
@@ -377,7 +377,7 @@ petra_train() {
     [[ -n ${SLURM_JOB_ID:-} ]] ||
         petra_die "submit with sbatch (or set DRY_RUN=1 to check the config)"
 
-    PETRA_SIGNAL="" PETRA_PID=""
+    PETRA_SIGNAL="" PETRA_PID="" PETRA_SLURM_REQUEUED=""
     trap 'petra_forward USR1' USR1
     trap 'petra_forward TERM' TERM
 
