@@ -204,13 +204,13 @@ petra_slurm_requeued() {
     if [[ -n $PETRA_SLURM_REQUEUED ]]; then return 0; fi
     (trap '' TERM; petra_was_requeued) || return 1  # (SLURM's SIGTERM reaches every process)
     PETRA_SLURM_REQUEUED=1
-    local down="" why="a preemption or a requeue by hand"
+    local down="" why=""
     if [[ -n ${SLURM_JOB_NODELIST:-} ]]; then
         down=$(trap '' TERM; sinfo -h -N -n "$SLURM_JOB_NODELIST" -t down,fail,no_respond \
                                    -o %N 2>/dev/null | sort -u | paste -sd , -)
     fi
-    if [[ -n $down ]]; then why="node failure: $down down"; fi
-    petra_say "SLURM requeued job $SLURM_JOB_ID ($why): it resumes from its last complete" \
+    if [[ -n $down ]]; then why=" (node failure: $down down)"; fi
+    petra_say "SLURM requeued job $SLURM_JOB_ID$why: it resumes from its last complete" \
               "checkpoint in $OUT_DIR/checkpoints"
 }
 

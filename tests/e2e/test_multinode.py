@@ -288,11 +288,11 @@ exec {sys.executable} "$@"
     try:
         (job,) = nodes.wait(jobid, lambda jobs: int(jobs[0].get("Restarts", 0)) >= 1,
                             timeout=180, what="to be requeued")
+        # the batch script writes its lines as SLURM's SIGTERM reaches it, while n3 is down
+        nodes.wait(jobid, lambda jobs: "SLURM requeued" in (out / "logs" / "train.log")
+                   .read_text(), timeout=60, what="to say that SLURM requeued it")
     finally:
         nodes.start_node("n3")
-    # the batch script writes its lines as SLURM's SIGTERM reaches it, while SLURM requeues
-    nodes.wait(jobid, lambda jobs: "SLURM requeued" in (out / "logs" / "train.log").read_text(),
-               timeout=60, what="to say that SLURM requeued it")
     log = (out / "logs" / "train.log").read_text()
     reports = re.findall(r"petra_mpi: watchdog: rank \d \((n[12]), stage \d\): no progress for "
                          r"10 s \(run.watchdog_s\) in the stop vote, a collective of every "
