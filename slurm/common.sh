@@ -32,7 +32,9 @@
 # SIGTERM by killing every rank at once, mid-checkpoint. A SIGTERM to the ranks alone (scancel -s
 # TERM, a preemption's grace time) makes them checkpoint and exit EXIT_CHECKPOINTED_TERM. After a
 # SIGTERM either way the job does not requeue itself (a cancelled job stays cancelled; SLURM
-# requeues a preempted job on its own) and ends with EXIT_CHECKPOINTED_TERM.
+# requeues a preempted job on its own) and ends with EXIT_CHECKPOINTED_TERM; when SLURM sent
+# it because a node of the job failed (or to preempt it) and has requeued the job itself, as
+# `scontrol show job` tells, the script says so and ends with 0.
 #
 # Exit statuses of a job: docs/clusters.md, "Exit statuses" (tests/e2e/test_slurm.py holds the
 # table to this script).
@@ -188,8 +190,41 @@ petra_forward() {
     petra_say "batch shell got SIG$1: sending SIGUSR1 to the launcher (pid ${PETRA_PID:-none})"
     if [[ -n ${PETRA_PID:-} ]]; then
         kill -s USR1 "$PETRA_PID" 2>/dev/null
-        if [[ $1 == TERM ]]; then petra_name_stall; fi
+        # SLURM kills this shell KillWait after its SIGTERM, maybe before srun is over: say now
+        # what was lost and what SLURM does with the job
+        if [[ $1 == TERM ]]; then petra_name_stall; petra_slurm_requeued; fi
     fi
+}
+
+# Whether SLURM itself requeued this job when it sent SIGTERM (a node failure, or a preemption,
+# of a --requeue job: `scontrol show job` has its restart count grown at once, which a scancel
+# leaves as it was); said once, with the job's nodes that SLURM marks down.
+petra_slurm_requeued() {
+    [[ $PETRA_SIGNAL == *TERM* ]] || return 1
+    if [[ -n $PETRA_SLURM_REQUEUED ]]; then return 0; fi
+    (trap '' TERM; petra_was_requeued) || return 1  # (SLURM's SIGTERM reaches every process)
+    PETRA_SLURM_REQUEUED=1
+    local down="" why=""
+    if [[ -n ${SLURM_JOB_NODELIST:-} ]]; then
+        down=$(trap '' TERM; sinfo -h -N -n "$SLURM_JOB_NODELIST" -t down,fail,no_respond \
+                                   -o %N 2>/dev/null | sort -u | paste -sd , -)
+    fi
+    if [[ -n $down ]]; then why=" (node failure: $down down)"; fi
+    petra_say "SLURM requeued job $SLURM_JOB_ID$why: it resumes from its last complete" \
+              "checkpoint in $OUT_DIR/checkpoints"
+}
+
+# The end of a job whose batch shell got SIGTERM: SLURM's doing, so say what SLURM does with the
+# job. $1: what the run saved ("checkpointed", "nothing saved"); $2: the status when SLURM does
+# not requeue the job (a scancel, a preemption that cancels): resubmit to resume.
+petra_end_after_term() {
+    if petra_slurm_requeued; then
+        petra_say "$1; SLURM requeued the job itself"
+        exit 0
+    fi
+    petra_say "$1 after SIGTERM (scancel or preemption), not requeueing:" \
+              "resubmit the same script to resume"
+    exit "$2"
 }
 
 # Requeue the job after a stop on SIGUSR1 (time limit, scancel -s USR1), unless a SIGTERM reached
@@ -198,9 +233,7 @@ petra_forward() {
 petra_requeue() {
     local saved=$1 restarts=${SLURM_RESTART_COUNT:-0}
     if [[ $PETRA_SIGNAL == *TERM* ]]; then
-        petra_say "$saved after SIGTERM (scancel or preemption), not requeueing:" \
-                  "resubmit the same script to resume"
-        exit "$EXIT_CHECKPOINTED_TERM"
+        petra_end_after_term "$saved" "$EXIT_CHECKPOINTED_TERM"
     fi
     if ((restarts >= ${MAX_REQUEUES:-100})); then
         petra_say "$saved, not requeueing: restarted $restarts times (MAX_REQUEUES)"
@@ -344,7 +377,7 @@ petra_train() {
     [[ -n ${SLURM_JOB_ID:-} ]] ||
         petra_die "submit with sbatch (or set DRY_RUN=1 to check the config)"
 
-    PETRA_SIGNAL="" PETRA_PID=""
+    PETRA_SIGNAL="" PETRA_PID="" PETRA_SLURM_REQUEUED=""
     trap 'petra_forward USR1' USR1
     trap 'petra_forward TERM' TERM
 
@@ -365,11 +398,15 @@ petra_train() {
         0) petra_say "finished: $OUT_DIR/summary.json"; exit 0 ;;
         "$EXIT_REQUEUE") petra_requeue checkpointed ;;
         "$EXIT_CHECKPOINTED_TERM")
+            if [[ $PETRA_SIGNAL == *TERM* ]]; then
+                petra_end_after_term checkpointed "$EXIT_CHECKPOINTED_TERM"
+            fi
             petra_say "checkpointed after a SIGTERM to the ranks (scancel -s TERM, or a" \
                       "preemption's grace time), not requeueing: resubmit the same script to resume"
             exit "$EXIT_CHECKPOINTED_TERM" ;;
         "$EXIT_STALLED") petra_stalled ;;
         *)
+            petra_name_stall  # a crash after a lost node: reports may name the node
             if [[ $PETRA_SIGNAL == *USR1* ]]; then
                 # a SIGUSR1 that reached a rank before its handler was installed ended it
                 petra_say "the run ended with status $status after SIGUSR1, before it could" \

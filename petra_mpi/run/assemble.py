@@ -71,9 +71,9 @@ def assemble_run(cfg, world, placement, layout, input_shape, microbatches_per_ep
                             compensation=DelayCompensation.from_config(cfg.optim,
                                                                        steps_per_epoch))
     # ends this rank with a report when it hangs (watchdog.py); its first micro-batch through
-    # every stage ends the start-up
+    # every stage ends the start-up; its heartbeat is in the run directory
     watchdog = start_watchdog(cfg.run.watchdog_s if world else 0, world, schedule_for(
-        cfg.train.method, J, cfg.train.accumulation).num_ticks(1))
+        cfg.train.method, J, cfg.train.accumulation).num_ticks(1), cfg.run.out_dir)
     engine = build_engine(workers, cfg.train.method, world, input_shape, cfg.data.batch_size,
                           dtype=placement.dtype, replicas=R,
                           compression=compression,  # the MPI engine's start-up line shows it

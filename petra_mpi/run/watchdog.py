@@ -29,8 +29,11 @@ when it wakes.
 
 The report, one block per rank on stderr (the job's log), names the last action (tick, action,
 micro-batch) and every receive and send still pending with the peer rank and its host; its first
-line alone says which neighbours went silent. docs/running.md, "A rank stalled", reads one.
+line alone says which neighbours went silent. Inside a collective, where no neighbour is waited
+on, it names the ranks whose heartbeats stopped (heartbeats.py). docs/running.md, "A rank
+stalled", reads one.
 """
+import math
 import os
 import re
 import select
@@ -40,6 +43,8 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+
+from .heartbeats import Heartbeats, beat_period
 
 EXIT_STALLED = 5  # the trainer's exit status when the watchdog ended it
 # run.watchdog_s unset: max(AUTO_FLOOR_S, AUTO_TICKS x the slowest gap between two actions so far)
@@ -70,12 +75,15 @@ class Watchdog:
     on now (called from the watchdog thread while the main thread waits; it calls no transport;
     None until watch_messages gives it). `rank_name`: this rank in reports ("rank 3 (n2, stage
     3)"). `warmup_ticks`: the ticks in which every stage trains its first micro-batch; the
-    start-up ends at an agreement posted after them. `exit`: how the rank ends (os._exit: the
-    main thread is stuck in the transport, where no exception would reach it)."""
+    start-up ends at an agreement posted after them. `heartbeats`: this rank's Heartbeats,
+    started with the watch (a report inside a collective names the ranks whose heartbeats
+    stopped), or None. `exit`: how the rank ends (os._exit: the main thread is stuck in the
+    transport, where no exception would reach it)."""
 
     def __init__(self, limit_s, rank_name, pending=None, warmup_ticks=0, out=sys.stderr,
-                 exit=os._exit):
+                 exit=os._exit, heartbeats=None):
         self.fixed, self.rank_name, self.pending = limit_s, rank_name, pending
+        self.heartbeats = heartbeats if limit_s != 0 else None
         self.warmup_ticks = warmup_ticks
         self.out, self.exit = out, exit
         self.slowest = 0.0
@@ -88,6 +96,8 @@ class Watchdog:
         self._thread = threading.Thread(target=self._watch, name="petra-watchdog", daemon=True)
         if limit_s != 0:
             self._thread.start()
+        if self.heartbeats:
+            self.heartbeats.start()
 
     def watch_messages(self, pending):
         """From now on the reports list `pending()`'s messages (the engine's, built after the
@@ -142,6 +152,8 @@ class Watchdog:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
+        if self.heartbeats:
+            self.heartbeats.close()
 
     def _watch(self):
         while True:
@@ -167,10 +179,10 @@ class Watchdog:
     def _report(self, limit, last):
         _, tick, action, microbatch = last
         key = "run.watchdog_s" + (f" + {self.grace_for} grace" if self.grace else "")
-        if tick is None:  # inside a collective
+        if tick is None:  # inside a collective: no neighbour to name, but the heartbeats
             self._write(f"petra_mpi: watchdog: {self.rank_name}: no progress for {limit:g} s "
-                        f"({key}) in the {action}, a collective of every rank: a rank or its "
-                        f"node is lost or stalled; exit status {EXIT_STALLED}")
+                        f"({key}) in the {action}, a collective of every rank: "
+                        f"{self._who_stopped()}; exit status {EXIT_STALLED}")
             return
         pending = self.pending() if self.pending else []
         blocked = [f"{direction} of {stream} {'from' if direction == 'receive' else 'to'} {peer}"
@@ -185,6 +197,32 @@ class Watchdog:
                           for b, direction, stream, peer, n in pending]
         _write(self.out, "\n".join(lines))
 
+    def _who_stopped(self) -> str:
+        """Which ranks of a collective are gone, as far as their heartbeats tell: by host, the
+        host whose ranks stopped first (its last beat the oldest) first."""
+        stopped = self.heartbeats.stopped() if self.heartbeats else None
+        if stopped is None:
+            return "a rank or its node is lost or stalled"
+        if not stopped:
+            return ("every rank's heartbeat goes on: a rank is stalled, or cut off from the "
+                    "others")
+        hosts, by_host = self.heartbeats.hosts, {}
+        for r in sorted(stopped):
+            by_host.setdefault(hosts[r], []).append(r)
+
+        def since(host):  # the newest beat of the host's stopped ranks
+            ages = [stopped[r] for r in by_host[host] if stopped[r] is not None]
+            return min(ages) if ages else math.inf
+
+        def group(host):
+            whole = len(by_host[host]) == hosts.count(host)  # then the node itself is likely gone
+            age = since(host)
+            return (f"{_ranks(by_host[host])} ({host}{', all of its ranks' if whole else ''})"
+                    + (f" for {age:.0f} s" if age < math.inf else ""))
+
+        order = sorted(by_host, key=lambda h: (-since(h), by_host[h][0]))
+        return f"no heartbeat from {' and from '.join(map(group, order))}: lost or stalled"
+
     def _write(self, text):
         _write(self.out, text)
 
@@ -196,14 +234,19 @@ def _write(out, text):
     out.flush()
 
 
-def start_watchdog(limit_s, world, warmup_ticks=0):
+def start_watchdog(limit_s, world, warmup_ticks=0, run_dir=None):
     """The watchdog of this rank (`limit_s`: run.watchdog_s; 0: none watches, under one process
-    too, world None; None: the automatic limit); `warmup_ticks`: see Watchdog."""
+    too, world None; None: the automatic limit); `warmup_ticks`: see Watchdog; `run_dir`: where
+    every rank's heartbeat is (None: no heartbeats)."""
     if world is None:
         return Watchdog(0, "rank 0", warmup_ticks=warmup_ticks)
     me = world.placement[world.rank] if world.placement else None
     rank_name = f"rank {world.rank}" + (f" ({me['host']}, stage {me['stage']})" if me else "")
-    return Watchdog(limit_s, rank_name, warmup_ticks=warmup_ticks)
+    heartbeats = None
+    if run_dir and me and limit_s != 0:
+        heartbeats = Heartbeats(run_dir, world.rank, [p["host"] for p in world.placement],
+                                beat_period(AUTO_FLOOR_S if limit_s is None else limit_s))
+    return Watchdog(limit_s, rank_name, warmup_ticks=warmup_ticks, heartbeats=heartbeats)
 
 
 # ---------------------------------------------------------------------------- the start-up
@@ -322,37 +365,51 @@ def _watch_startup(pipe, deadline_s, rank_name, rank_pid):
 
 # ------------------------------------------------------------------ reading the reports back
 # After a stalled run, the batch script asks which rank the reports point at: each report names
-# the rank it waited on, so the waits form chains, and a chain ends at the rank that is lost or
-# stalled itself (it printed no report, or its report says it was not waiting on MPI).
+# the rank it waited on (inside a collective: the first rank whose heartbeat stopped, one of a
+# host that lost every rank first), so the waits form chains, and a chain ends at the rank that
+# is lost or stalled itself (it printed no report, or its report says it was not waiting on MPI).
 
 _REPORT = re.compile(r"petra_mpi: watchdog: rank (\d+)(?: \(([^,)]+)[,)])?")
 _WAITED_ON = re.compile(r"waiting on the (?:receive|send) of .*? (?:from|to) rank (\d+)"
                         r"(?: \(([^)]+)\))?: ")
+_HEARTBEATS_STOPPED = re.compile(r"no heartbeat from (.+?): lost or stalled")
+_HOST_GROUP = re.compile(r"ranks? ([\d–, ]+) \(([^,)]+)")  # "ranks 4–5 (n3" of the above
 # srun's line for the first task that ended: the step is being torn down after it, and a rank
 # that was stopped (SIGSTOP, a suspended node) may still report then, blaming a live neighbour.
+# A report that names the heartbeats that stopped still counts then (a rank crashed as a node
+# was lost, and the watchdog of another fired after it): a rank stopped itself names none (its
+# own beat stopped too), and the ranks that stopped first come first.
 _STEP_ENDING = re.compile(r"^srun: error: (?:\S+: tasks? [\d,-]+: |Node failure)")
 OWN_WORK = "own work"  # a report's wait when the rank was not waiting on MPI
 
 
 def read_reports(log_text: str):
-    """The watchdog reports of a launch's part of the log, up to srun's first task end: returns
-    ({rank: the rank it waited on, OWN_WORK, or None (a collective, the start-up)}, {rank: host}
-    as the reports name them)."""
-    waits, hosts = {}, {}
+    """The watchdog reports of a launch's part of the log (up to srun's first task end, but for
+    those that name stopped heartbeats): returns ({rank: the rank it waited on, OWN_WORK, or
+    None (a collective, the start-up)}, {rank: host} as the reports name them)."""
+    waits, hosts, ending = {}, {}, False
     for line in log_text.splitlines():
-        if _STEP_ENDING.match(line):
-            break
+        ending = ending or bool(_STEP_ENDING.match(line))
         report = _REPORT.search(line)
         if not report or int(report.group(1)) in waits:
+            continue
+        peer, stopped = _WAITED_ON.search(line), _HEARTBEATS_STOPPED.search(line)
+        if ending and not stopped:
             continue
         rank = int(report.group(1))
         if report.group(2):
             hosts[rank] = report.group(2)
-        peer = _WAITED_ON.search(line)
         if peer:
             waits[rank] = int(peer.group(1))
             if peer.group(2):
                 hosts.setdefault(waits[rank], peer.group(2))
+        elif stopped:
+            groups = [(_rank_list(g.group(1)), g.group(2))
+                      for g in _HOST_GROUP.finditer(stopped.group(1))]
+            waits[rank] = groups[0][0][0]
+            for ranks, host in groups:
+                for r in ranks:
+                    hosts.setdefault(r, host)
         else:
             waits[rank] = OWN_WORK if "not waiting on MPI" in line else None
     return waits, hosts
@@ -368,6 +425,15 @@ def _ranks(ranks) -> str:
             spans.append([r, r])
     text = ", ".join(f"{a}" if a == b else f"{a}–{b}" for a, b in spans)
     return f"rank{'s' if len(ranks) > 1 else ''} {text}"
+
+
+def _rank_list(text: str) -> list:
+    """The ranks of _ranks' text without its word: "4–5, 7" -> [4, 5, 7]."""
+    ranks = []
+    for span in text.split(","):
+        first, _, last = span.strip().partition("–")
+        ranks += range(int(first), int(last or first) + 1)
+    return ranks
 
 
 def diagnose(waits: dict, hosts: dict, size: int | None = None):

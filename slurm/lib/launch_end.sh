@@ -107,18 +107,15 @@ petra_end_tree() {
 
 # A rank's watchdog ended the run. The reports name the rank each one waited on; the chain of
 # waits ends at the rank that is lost or stalled, and the requeued job avoids its node. When
-# SLURM itself is ending the job (a node failure: SIGTERM reached us) it requeues a --requeue job
-# on its own; otherwise (a hang, a node that came back in time) requeue it ourselves, within the
-# stall budget.
+# SLURM itself is ending the job (SIGTERM reached us) it requeues a --requeue job on its own after
+# a node failure, and a cancelled one stays cancelled; otherwise (a hang, a node that came back
+# in time) requeue it ourselves, within the stall budget.
 petra_stalled() {
     petra_say "a rank stopped making progress (exit $EXIT_STALLED, see 'watchdog' in $PETRA_LOG);" \
               "the run resumes from its last complete checkpoint"
     petra_name_stall
     local avoid=$PETRA_STALL_AVOID
-    if [[ $PETRA_SIGNAL == *TERM* ]]; then
-        petra_say "SLURM is ending this job (node failure or cancel): not requeueing it here"
-        exit "$EXIT_STALLED"
-    fi
+    if [[ $PETRA_SIGNAL == *TERM* ]]; then petra_end_after_term "stalled" "$EXIT_STALLED"; fi
     if ((${SLURM_RESTART_COUNT:-0} >= ${MAX_REQUEUES:-100})); then
         petra_say "not requeueing: restarted ${SLURM_RESTART_COUNT:-0} times (MAX_REQUEUES)"
         exit "$EXIT_STALLED"

@@ -1,7 +1,7 @@
 """The batch scripts on a several-node SLURM cluster (tests/support/netns_cluster.py: three nodes,
 each its own network namespace, 2 CPUs and 2 "GPUs"): ranks placed on the nodes the script intends,
 messages between nodes over the nodes' interfaces, the same result as one node, and a node lost
-mid-run survived (watchdog line, intact checkpoint, requeue, resume)."""
+mid-run or in a stop vote survived (watchdog line, intact checkpoint, requeue, resume)."""
 import json
 import re
 import shutil
@@ -68,9 +68,9 @@ def cifar_long(tmp_path_factory):
     return packed_cifar10(tmp_path_factory.mktemp("cifar_long"), 120)
 
 
-def submit(cluster, tmp_path, out, trainer_args):
+def submit(cluster, tmp_path, out, trainer_args, **env):
     env = {**netns_cluster.MPI_OVER_NETWORK, "OUT_DIR": str(out), "SRUN_MPI": "pmi2",
-           "EXTRA_ARGS": " ".join(trainer_args)}
+           "EXTRA_ARGS": " ".join(trainer_args), **env}
     return cluster.sbatch(SCRIPT, *LAYOUT, f"--output={tmp_path}/slurm-%j.out", env=env, cwd=ROOT)
 
 
@@ -256,6 +256,59 @@ def test_a_lost_node_ends_with_one_clear_line_requeues_and_resumes(nodes, cifar_
     ref_name, ref_files = final_files(reference)
     assert ref_name == name
     assert_bitwise_equal(files, ref_files)
+
+
+def test_a_node_lost_in_the_stop_vote_is_named_and_slurm_requeues_the_job(nodes, cifar,
+                                                                          tmp_path):
+    """Node n3 (ranks 4 and 5) dies while the other ranks wait in the stop vote that ends epoch
+    2's training (rank 5 holds before it: tests/programs/faulty_train.py hold-vote, in the job's
+    first run only). Inside that collective no neighbour is waited on, yet the
+    watchdogs that report name n3's ranks from their heartbeats, and the batch script names rank
+    4 on n3; SLURM's SIGTERM comes from the node failure and SLURM requeues the job, which the
+    script says (never "not requeueing"). Once n3 is back, the job resumes from epoch 1's
+    checkpoint and finishes."""
+    out = tmp_path / "run"
+    args = shrink(cifar, "train.epochs=3", "run.watchdog_s=10")
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"""#!/bin/bash
+if [[ $1 == -m && $2 == petra_mpi.train && ${{SLURM_RESTART_COUNT:-0}} == 0 ]]; then
+    exec {sys.executable} {ROOT / 'tests' / 'programs' / 'faulty_train.py'} hold-vote 5 2 "${{@:3}}"
+fi
+exec {sys.executable} "$@"
+""")
+    wrapper.chmod(0o755)
+    jobid = submit(nodes, tmp_path, out, args, PYTHON=str(wrapper))
+
+    def at_the_vote(jobs):
+        assert jobs[0]["JobState"] not in slurm_cluster.TERMINAL, explain(jobs[0], out)
+        return (out / "at_the_vote").exists()
+
+    nodes.wait(jobid, at_the_vote, timeout=240, what="to reach the stop vote of epoch 2")
+    nodes.kill_node("n3")
+    try:
+        (job,) = nodes.wait(jobid, lambda jobs: int(jobs[0].get("Restarts", 0)) >= 1,
+                            timeout=180, what="to be requeued")
+        # the batch script writes its lines as SLURM's SIGTERM reaches it, while n3 is down
+        nodes.wait(jobid, lambda jobs: "SLURM requeued" in (out / "logs" / "train.log")
+                   .read_text(), timeout=60, what="to say that SLURM requeued it")
+    finally:
+        nodes.start_node("n3")
+    log = (out / "logs" / "train.log").read_text()
+    reports = re.findall(r"petra_mpi: watchdog: rank \d \((n[12]), stage \d\): no progress for "
+                         r"10 s \(run.watchdog_s\) in the stop vote, a collective of every "
+                         r"rank: (.*)", log)
+    assert reports and all(r.startswith("no heartbeat from ranks 4–5 (n3, all of its ranks)")
+                           for _, r in reports), log[-4000:]
+    assert "watchdog reports: rank 4 on n3 is lost or stalled: ranks 4–5 did not report" in log, \
+        log[-4000:]
+    assert re.search(rf"SLURM requeued job {jobid} \(node failure: n3 down\)", log), log[-4000:]
+    assert "not requeueing" not in log, log[-4000:]
+
+    (job,) = nodes.wait(jobid, timeout=300)
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), explain(job, out)
+    (resume,) = [r for r in records(out) if r["event"] == "resume"]
+    assert Path(resume["from"]).name == "ckpt-e00001-b00000000", resume
+    nodes.wait_nodes(["idle"] * 3)  # n3 back for the next test
 
 
 def test_elastic_job_losing_a_node_goes_on_with_the_layout_that_fits(nodes, cifar, tmp_path):

@@ -380,9 +380,10 @@ def test_preemption_checkpoints_requeues_and_resumes(cluster, tmp_path):
 @pytest.mark.extended
 def test_scancel_stays_cancelled(cluster, tmp_path):
     """A plain scancel (SIGTERM to every process of the job, SIGKILL KillWait later) cancels the
-    job for good: it is never requeued. Whether the ranks finish a checkpoint first is a race
-    with KillWait (docs/clusters.md says not to count on it), so only its outcome is checked: a
-    resubmitted job resumes from a complete checkpoint or starts afresh, never from a partial one."""
+    job for good: it is never requeued, and the batch script, asking SLURM, says so. Whether the
+    ranks finish a checkpoint first is a race with KillWait (docs/clusters.md says not to count
+    on it), so only its outcome is checked: a resubmitted job resumes from a complete checkpoint
+    or starts afresh, never from a partial one."""
     jobid, out = start_training(cluster, tmp_path)
     cluster.run("scancel", jobid)
     # JobState reads CANCELLED at once; the job is over once its last step (the batch) is gone.
@@ -392,7 +393,8 @@ def test_scancel_stays_cancelled(cluster, tmp_path):
     (job,) = cluster.jobs(jobid)
     log = (out / "logs" / "train.log").read_text()
     assert job["JobState"] == "CANCELLED" and job["Restarts"] == "0", job_output(cluster, job) + log
-    assert "requeued job" not in log, log
+    assert "requeued job" not in log and "SLURM requeued" not in log, log
+    assert "after SIGTERM (scancel or preemption), not requeueing" in log, log
     complete = [os.path.dirname(m) for m in glob.glob(str(out / "checkpoints" / "*" /
                                                           "manifest.json"))]
     rerun = submit(cluster, tmp_path, "revnet18_cifar10.sh", CONFIG="configs/quickstart.yaml",
@@ -794,9 +796,12 @@ STALL_REPORT = ("petra_mpi: watchdog: rank 0 (n1, stage 0): no progress for 3 s 
 RANK_MAP = printed_rank_map(["n1", "n2"]).splitlines()  # the launch's own, printed at start-up
 
 
-def end_of_step(tmp_path, lines, srun_status, SRUN_BODY="", **env):
+def end_of_step(tmp_path, lines, srun_status, SRUN_BODY="", JOB="JobState=COMPLETED",
+                DOWN="", **env):
     """Run the batch script with an srun that prints `lines` (after running SRUN_BODY) and exits
-    `srun_status`; returns (the script's result, the scontrol commands it ran, its log)."""
+    `srun_status`, SLURM's view of the job `JOB` (in `scontrol -o show job`) and the nodes that
+    SLURM marks down `DOWN` (sinfo); returns (the script's result, the scontrol commands it ran,
+    its log)."""
     calls = tmp_path / "scontrol.calls"
     calls.unlink(missing_ok=True)
     printed = tmp_path / "srun.out"
@@ -805,7 +810,8 @@ def end_of_step(tmp_path, lines, srun_status, SRUN_BODY="", **env):
         tmp_path / "bin", srun=f"{SRUN_BODY}\ncat {printed} >&2; exit {srun_status}",
         scontrol=f'echo "$@" >>{calls}\n'
                  'if [[ $1 == -o ]]; then\n'
-                 '    echo "JobId=$4 JobState=COMPLETED ExcNodeList=(null)"\nfi')
+                 f'    echo "JobId=$4 {JOB} ExcNodeList=(null)"\nfi',
+        sinfo=f'[[ $* == *down* ]] && printf "%s\\n" {DOWN}')
     proc = run_batch_script(tmp_path, path, PYTHON=sys.executable, **env)
     log = (tmp_path / "run" / "logs" / "train.log").read_text()
     return proc, calls.read_text().splitlines() if calls.exists() else [], log
@@ -842,6 +848,46 @@ def test_a_crashed_rank_fails_the_job_though_a_watchdog_reported_after_it(tmp_pa
         "srun: error: n1: task 0: Exited with exit code 5"], 143)
     assert proc.returncode == 143 and not asked_to_requeue(calls), proc.stdout + log
     assert "a rank crashed, n2: task 1: Segmentation fault" in log, log
+
+
+# srun prints its lines (srun.out), then SLURM's SIGTERM reaches the batch shell while srun waits
+# on a lost node, until the shell's SIGUSR1 ends it
+SIGTERM_WHILE_SRUN_WAITS = 'cat "$(dirname "$0")/../srun.out" >&2; kill -TERM $PPID; exec sleep 60'
+# rank 3's report in the stop vote, where the heartbeats of n3's ranks had stopped
+VOTE_REPORT = ("petra_mpi: watchdog: rank 3 (n2, stage 3): no progress for 5 s (run.watchdog_s) "
+               "in the stop vote, a collective of every rank: no heartbeat from ranks 4–5 (n3, all "
+               "of its ranks) for 7 s and from rank 2 (n2) for 6 s: lost or stalled; exit "
+               "status 5")
+
+
+@pytest.mark.parametrize("slurm", ["node failure", "scancel"])
+def test_after_slurms_sigterm_the_script_says_what_slurm_does_with_the_job(tmp_path, slurm):
+    """SLURM sends the batch shell SIGTERM while srun still waits: a rank on n2 crashed after
+    n3 was lost in the stop vote, and rank 3's watchdog named n3's ranks. On a node failure
+    SLURM has requeued the job already (`scontrol show job`: its restart count grew; sinfo: n3
+    down): the script says so, names n3, and neither requeues the job nor calls it cancelled.
+    After a scancel (the count as it was) the job stays cancelled: status 4, resubmit."""
+    requeued = slurm == "node failure"
+    proc, calls, log = end_of_step(
+        tmp_path, printed_rank_map(["n1", "n1", "n2", "n2", "n3", "n3"]).splitlines()
+        + ["srun: error: n2: task 2: Segmentation fault", VOTE_REPORT], 139,
+        SRUN_BODY=SIGTERM_WHILE_SRUN_WAITS,
+        JOB=f"JobState=COMPLETING Reason=None Restarts={int(requeued)}",
+        DOWN="n3" if requeued else "", SLURM_JOB_NODELIST="n[1-3]")
+    said = [line.split("] ", 1)[1] for line in log.splitlines() if line.startswith("[petra ")]
+    assert "watchdog reports: rank 4 on n3 is lost or stalled: ranks 4–5 did not report" in said
+    assert not asked_to_requeue(calls), calls
+    if requeued:
+        assert proc.returncode == 0, proc.stdout + log
+        assert ("SLURM requeued job 7 (node failure: n3 down): it resumes from its last complete "
+                f"checkpoint in {tmp_path / 'run'}/checkpoints") in said, said
+        assert said[-1] == "nothing saved; SLURM requeued the job itself", said
+        assert not any("not requeueing" in line for line in said), said
+    else:
+        assert proc.returncode == 4, proc.stdout + log
+        assert said[-1] == ("nothing saved after SIGTERM (scancel or preemption), not requeueing: "
+                            "resubmit the same script to resume"), said
+        assert not any("SLURM requeued" in line for line in said), said
 
 
 def test_a_rank_killed_after_its_start_up_report_is_a_stall_not_a_crash(tmp_path):
@@ -1072,6 +1118,14 @@ ENDINGS = [
     (["srun: error: n1: task 1: Exited with exit code 3"], 143, {"MAX_REQUEUES": "0"},
      "MAX_REQUEUES"),
     (["srun: error: n1: tasks 0-1: Exited with exit code 4"], 4, {}, "scancel -s TERM"),
+    # SLURM's SIGTERM to the batch shell while srun waits on a stalled step: a node failure
+    # (SLURM requeued the job first), or a scancel
+    ([STALL_REPORT, "srun: error: n1: task 0: Exited with exit code 5"], 5,
+     {"SRUN_BODY": SIGTERM_WHILE_SRUN_WAITS, "JOB": "JobState=COMPLETING Restarts=1",
+      "DOWN": "n2", "SLURM_JOB_NODELIST": "n[1-2]"}, "node failure"),
+    ([STALL_REPORT, "srun: error: n1: task 0: Exited with exit code 5"], 5,
+     {"SRUN_BODY": SIGTERM_WHILE_SRUN_WAITS, "JOB": "JobState=COMPLETING Restarts=0"},
+     "scancel"),
     (["srun: error: n2: task 1: Segmentation fault"], 139, {}, "crashed"),
     (["srun: error: n2: task 1: Segmentation fault"], 5, {}, "crashed"),
     (["srun: error: n1: task 0: Exited with exit code 1"], 1, {}, "error"),

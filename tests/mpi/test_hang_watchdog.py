@@ -90,15 +90,17 @@ def test_the_summary_is_written_before_any_rank_leaves(tmp_path):
 def test_a_rank_lost_before_a_stop_vote_ends_the_job(tmp_path):
     """Rank 1 never votes at the end of the first segment (it sleeps in the vote): ranks 0 and
     2 wait inside that collective, where no neighbour can be named. Every rank's watchdog says
-    so, and the job ends (ENDED_BY_WATCHDOG) instead of hanging."""
+    so, and that every rank's heartbeat goes on (rank 1's process lives: it stalled), and the
+    job ends (ENDED_BY_WATCHDOG) instead of hanging."""
     proc, out = stalled_run("stall-vote", 0, tmp_path)
     assert proc.returncode in ENDED_BY_WATCHDOG, out[-3000:]
     heads = dict(re.findall(r"petra_mpi: watchdog: rank (\d) \(\S+, stage \d\): (.*)", out))
     assert sorted(heads) == ["0", "1", "2"], out[-3000:]
     for head in heads.values():
         assert head == (f"no progress for 3 s (run.watchdog_s) in the stop vote, a collective of "
-                        f"every rank: a rank or its node is lost or stalled; exit status "
-                        f"{EXIT_STALLED}"), head
+                        f"every rank: every rank's heartbeat goes on: a rank is stalled, or cut "
+                        f"off from the others; exit status {EXIT_STALLED}"), head
+    assert sorted(os.listdir(tmp_path / "logs" / "heartbeats")) == ["rank-0", "rank-1", "rank-2"]
 
 
 # ------------------------------------------------------------------ waits the watchdog allows for

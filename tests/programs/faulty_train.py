@@ -6,9 +6,13 @@ kill), or it sleeps in its first stop vote at a drain instead of voting
 of the run (MICROBATCH unused; RANK the writing rank): stall-end sleeps instead of writing the
 summary, with no grace beyond run.watchdog_s for the end; late-summary writes it 2 s late, and
 every rank writes to OUT_DIR/summary_at_exit.RANK whether summary.json was there as it left.
+hold-vote (MICROBATCH an epoch, counted from 1): at its first stop vote of that epoch (the one
+after the epoch's training, when it trains in one segment), RANK writes OUT_DIR/at_the_vote and
+waits until it is killed instead of voting: the other ranks wait for it in that stop vote.
 
 Usage: mpirun -n J python tests/programs/faulty_train.py
-       (fail|stall|kill|stall-vote|stall-end|late-summary) RANK MICROBATCH CONFIG [--set ...]
+       (fail|stall|kill|stall-vote|stall-end|late-summary|hold-vote) RANK MICROBATCH CONFIG
+       [--set ...]
 """
 import os
 import signal
@@ -22,7 +26,8 @@ from petra_mpi.run import trainer
 from petra_mpi.core.worker import StageWorker
 
 fault, fault_rank, fault_b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-assert fault in ("fail", "stall", "kill", "stall-vote", "stall-end", "late-summary"), fault
+assert fault in ("fail", "stall", "kill", "stall-vote", "stall-end", "late-summary",
+                 "hold-vote"), fault
 rank = MPI.COMM_WORLD.Get_rank()
 if fault in ("stall-end", "late-summary"):
     write_summary, pause = trainer.write_summary, 3600 if fault == "stall-end" else 2
@@ -40,6 +45,17 @@ if fault == "late-summary":
     with open(os.path.join(out_dir, f"summary_at_exit.{rank}"), "w") as f:
         f.write(str(os.path.exists(os.path.join(out_dir, "summary.json"))))
     sys.exit(status)
+if rank == fault_rank and fault == "hold-vote":
+    vote = trainer.Trainer.vote
+
+    def hold_at_the_vote(self):
+        if self.epoch + 1 == fault_b:
+            open(os.path.join(self.cfg.run.out_dir, "at_the_vote"), "w").close()
+            while True:
+                time.sleep(3600)
+        return vote(self)
+
+    trainer.Trainer.vote = hold_at_the_vote
 if MPI.COMM_WORLD.Get_rank() == fault_rank and fault == "stall-vote":
     def agree(world, interrupts):
         time.sleep(3600)

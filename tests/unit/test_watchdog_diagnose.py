@@ -12,20 +12,23 @@ import time
 
 from tests.support.outputs import printed_rank_map
 from tests.support.paths import ROOT
+from petra_mpi.run.heartbeats import Heartbeats
 from petra_mpi.run.watchdog import (NO_RANK_MAP, OWN_WORK, Watchdog, diagnose, read_reports,
                                      startup_report)
 
 HOSTS = ["n1", "n1", "n2", "n2", "n3", "n3"]  # 6 ranks, 2 a node
 
 
-def report(rank, waits_on=None, collective=None):
+def report(rank, waits_on=None, collective=None, heartbeats=None):
     """The report of `rank` as its watchdog writes it: waiting on the receive from rank
-    `waits_on`, inside `collective` ("stop vote"), or (neither) in its own work."""
+    `waits_on`, inside `collective` ("stop vote"), or (neither) in its own work; with the
+    `heartbeats` of its run directory, if any."""
     out = io.StringIO()
     pending = [] if waits_on is None else [
         (True, "receive", "rebuilt input", f"rank {waits_on} ({HOSTS[waits_on]})", 1),
         (False, "send", "activation", f"rank {waits_on} ({HOSTS[waits_on]})", 1)]
-    dog = Watchdog(3600, f"rank {rank} ({HOSTS[rank]}, stage {rank})", lambda: pending, out=out)
+    dog = Watchdog(3600, f"rank {rank} ({HOSTS[rank]}, stage {rank})", lambda: pending, out=out,
+                   heartbeats=heartbeats)
     try:
         last = (0.0, None, collective, None) if collective else (0.0, 41, "backward", 33)
         dog._report(5.0, last)
@@ -75,6 +78,39 @@ def test_inside_a_collective_the_ranks_that_did_not_report_are_to_blame():
     assert diagnose(waits, {**dict(enumerate(HOSTS)), **hosts}, 6) == (
         ["n3"], "rank 4 on n3, rank 5 on n3: lost or stalled (no report; the others' reports "
                 "name no rank they waited on)")
+
+
+def test_inside_a_collective_the_report_names_the_ranks_whose_heartbeats_stopped(tmp_path):
+    """Rank 3 waits in the stop vote. Ranks 0, 1 and 3 are alive (their heartbeats go on); n3 was
+    lost a minute ago (rank 4's last beat; rank 5 never beat), and rank 2 on n2 crashed half a
+    minute ago. The report names n3's ranks, which stopped first, then rank 2; read back, also
+    after srun's line for the crashed rank, the chain of waits ends at rank 4 on n3, the line a
+    loss mid-epoch gives. With every heartbeat going on, the report names no rank."""
+    alive = [Heartbeats(tmp_path, r, HOSTS, period_s=1.0).start() for r in (0, 1)]
+    try:
+        for r, age in ((2, 30), (4, 60)):
+            (tmp_path / "logs" / "heartbeats" / f"rank-{r}").write_text(
+                f"{time.time() - age:.1f} {HOSTS[r]}\n")
+        log = report(3, collective="stop vote",
+                     heartbeats=Heartbeats(tmp_path, 3, HOSTS, period_s=1.0))
+        assert ("in the stop vote, a collective of every rank: no heartbeat from ranks 4–5 (n3, "
+                "all of its ranks) for 60 s and from rank 2 (n2) for 30 s: lost or stalled; exit "
+                "status 5") in log, log
+        for log in (log, "srun: error: n2: task 2: Segmentation fault\n" + log):
+            waits, hosts = read_reports(log)
+            assert waits == {3: 4}
+            assert diagnose(waits, {**dict(enumerate(HOSTS)), **hosts}, 6) == (
+                ["n3"], "rank 4 on n3 is lost or stalled: ranks 4–5 did not report")
+
+        alive += [Heartbeats(tmp_path, r, HOSTS, period_s=1.0).start() for r in (2, 4, 5)]
+        log = report(3, collective="stop vote",
+                     heartbeats=Heartbeats(tmp_path, 3, HOSTS, period_s=1.0))
+        assert ("a collective of every rank: every rank's heartbeat goes on: a rank is stalled, "
+                "or cut off from the others; exit status 5") in log
+        assert read_reports(log)[0] == {3: None}
+    finally:
+        for beat in alive:
+            beat.close()
 
 
 def test_reports_after_the_step_began_to_end_are_not_read():
