@@ -17,7 +17,7 @@ from petra_mpi.models import build_network
 
 # The status of each command for a bad data file: verify's INVALID (2 for a file it cannot
 # open), the trainer's and evaluate's one-line error (docs/clusters.md, "Exit statuses").
-STATUS = {"verify": 1, "train": 1, "evaluate": 1}
+STATUS = {"verify": 1, "train": 1, "evaluate": 2}  # evaluate: a file it cannot use
 TINY = ["--set", "model.width=4", "--set", "model.balance=estimate", "--set", "run.progress=false",
         "--set", "data.batch_size=4", "--set", "train.limit_batches=2", "--set",
         "train.limit_eval_batches=1"]
@@ -95,6 +95,6 @@ def test_a_picture_that_does_not_decode_stops_training_in_one_line(tmp_path, mod
             f[f"{split}/jpeg"][:] = 0
     for name in ("train", "evaluate"):
         proc = run(name, path, model, tmp_path / "run")
-        assert proc.returncode == 1, proc.stderr
+        assert proc.returncode == STATUS[name], proc.stderr
         line, = the_line(name, proc, path)
         assert "/jpeg image" in line and "does not decode (not a picture)" in line, line
