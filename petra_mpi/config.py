@@ -14,7 +14,7 @@ import yaml
 
 # No torch here (nor through these imports): every rank checks its config and the world size
 # before it loads torch, which takes seconds per rank on a crowded node.
-from .archs import LM_ARCHS, Arch, VIT_ARCHS, default_heads, num_blocks
+from .archs import LM_ARCHS, Arch, VIT_ARCHS, default_heads, is_import_path, num_blocks
 # the schedules' table (pure data, no torch): train.method's choices are its names
 from .core.schedule import SCHEDULES
 
@@ -29,6 +29,12 @@ class ConfigError(ValueError):
 class AtLeast:
     """Annotated[int or float, AtLeast(n)]: the loader rejects a value below n."""
     low: int
+
+
+@dataclass(frozen=True)
+class OrImportPath:
+    """Annotated[Literal[...], OrImportPath()]: one of the names, or an import path
+    "package.module:function" (model.arch: a network of one's own, models/own.py)."""
 
 
 @dataclass
@@ -93,10 +99,13 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    arch: Arch = "revnet18"
+    arch: Annotated[Arch, OrImportPath()] = "revnet18"
     """revnet18, revnet34, revnet50, resnet18, resnet34, resnet50, irevnet18, irevnet34, irevnet50
     (fully invertible RevNets: invertible downsampling, only the stem buffers its input), revvit
-    (reversible vision transformer) or vit (its non-reversible twin)."""
+    (reversible vision transformer) or vit (its non-reversible twin), revlm or lm (causal
+    language models); or a network of your own, the import path "package.module:function" of
+    a function that takes this model section and returns its blocks in order (docs/own_model.md;
+    python -m petra_mpi.check_model checks them)."""
     width: Annotated[int, AtLeast(1)] = 64
     """Base channels per stream (64 in the paper); for revvit/vit the token features per stream
     (192 for a tiny ViT)."""
@@ -117,6 +126,10 @@ class ModelConfig:
     file's `num_classes`: 256 for bytes)."""
     stem: Literal["cifar", "imagenet"] = "cifar"
     """cifar (3x3 conv) or imagenet (7x7 stride-2 conv and max-pool)."""
+    options: dict = field(default_factory=dict)
+    """A network of your own (model.arch an import path): settings of its own that its function
+    reads from this section as it likes, e.g. {levels: 2}; recorded with its checkpoints and
+    exports like the other keys that describe the net. Empty for the built-in archs."""
     stages: Annotated[int, AtLeast(0)] = 0
     """Number of stages J; 0: the MPI world size, or in one process the paper's split (one stage
     per block)."""
@@ -391,7 +404,15 @@ def _build(raw: dict, where: str) -> Config:
 
 def _check_type(value, hint, what):
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is Annotated:  # a type and its bounds
+    if origin is Annotated:  # a type and its bounds, or names and an import path
+        if OrImportPath() in hint.__metadata__:
+            if is_import_path(value):
+                return value
+            try:
+                return _check_type(value, args[0], what)
+            except ConfigError as e:
+                raise ConfigError(f"{e}, or a network of your own: an import path "
+                                  f"package.module:function") from None
         value = _check_type(value, args[0], what)
         for bound in hint.__metadata__:
             if value < bound.low:
@@ -426,9 +447,11 @@ def _check_type(value, hint, what):
     return value
 
 
-def validate(cfg: Config, world_size: int | None = None):
+def validate(cfg: Config, world_size: int | None = None, blocks: int | None = None):
     """The checks that involve several fields (the loader has checked each field's type, choices
-    and bounds); `world_size` (the ranks) when known."""
+    and bounds); `world_size` (the ranks) when known. `blocks`: the net's block count, known
+    without building it for the built-in archs; a network of one's own (an import path) is
+    checked against its count once built (run/model_check.py), and until then without it."""
     w = cfg.source
 
     def need(ok, key, msg):
@@ -451,12 +474,15 @@ def validate(cfg: Config, world_size: int | None = None):
         need(not cfg.model.tie_weights or num_stages(cfg, world_size or 1) == 1,
              "model.tie_weights", "needs the embedding and the head on one stage (J = 1): with "
              "one weight copy per stage a table cannot live on two stages")
-    blocks = num_blocks(cfg.model.arch, cfg.model.depth)
-    need(0 <= cfg.model.stages <= blocks, "model.stages",
+    own = is_import_path(cfg.model.arch)
+    need(own or not cfg.model.options, "model.options",
+         f"belongs to a network of your own (model.arch an import path), not {cfg.model.arch}")
+    blocks = blocks or (None if own else num_blocks(cfg.model.arch, cfg.model.depth))
+    need(blocks is None or 0 <= cfg.model.stages <= blocks, "model.stages",
          f"{cfg.model.arch} has {blocks} blocks: use 1 to {blocks} stages (0: automatic)")
     if cfg.model.partition is not None:
         p = cfg.model.partition
-        need(min(p, default=0) >= 1 and sum(p) == blocks, "model.partition",
+        need(min(p, default=0) >= 1 and (blocks is None or sum(p) == blocks), "model.partition",
              f"needs positive block counts summing to {blocks} ({cfg.model.arch}), got {p}")
         need(cfg.model.stages in (0, len(p)), "model.partition",
              f"has {len(p)} stages but model.stages is {cfg.model.stages}")
@@ -508,21 +534,22 @@ def _validate_world(cfg: Config, world_size: int, blocks: int, need):
          f"{R} replicas of {asked} stages need {asked * R} ranks, but {world_size} are "
          f"running: run mpirun -n {asked * R}, or drop one of train.replicas/model.stages")
     J = num_stages(cfg, world_size)
-    need(J <= blocks, "world size",
+    need(blocks is None or J <= blocks, "world size",
          f"{world_size} ranks cannot each hold a stage of {cfg.model.arch}, which has "
          f"{blocks} blocks: run 1 to {blocks} ranks (one rank per stage), or set "
          f"model.stages (or train.replicas) to run data-parallel replicas of a shorter "
          f"pipeline")
 
 
-def num_stages(cfg: Config, world_size: int = 1) -> int:
+def num_stages(cfg: Config, world_size: int = 1, blocks: int | None = None) -> int:
     """J: under MPI what the config asks for (model.partition, model.stages, or the world size
     over train.replicas), else the world size; in one process what the config asks for, else one
-    stage per block. validate(cfg, world_size) has checked that the world size fits."""
+    stage per block (`blocks`: the net's count, which a network of one's own needs).
+    validate(cfg, world_size) has checked that the world size fits."""
     asked = len(cfg.model.partition) if cfg.model.partition else cfg.model.stages
     if world_size > 1:
         return asked or world_size // max(1, cfg.train.replicas)
-    return asked or num_blocks(cfg.model.arch, cfg.model.depth)
+    return asked or blocks or num_blocks(cfg.model.arch, cfg.model.depth)
 
 
 def num_replicas(cfg: Config, world_size: int = 1) -> int:
@@ -532,10 +559,17 @@ def num_replicas(cfg: Config, world_size: int = 1) -> int:
     return max(1, cfg.train.replicas)
 
 
+# The keys of the model section beyond arch, width, num_classes and stem that a network of one's
+# own may read: they describe the net (the others, its layout, must not change its blocks).
+OWN_NET_KEYS = ("depth", "heads", "patch", "context", "tie_weights", "options")
+
+
 def model_kwargs(cfg: Config) -> dict:
     """The model keys beyond arch/width/classes/stem that the net needs (NetSpec.model_kw), and
     that a checkpoint must share: depth, heads and patch for revvit/vit, depth, heads, context and
-    tie_weights for revlm/lm, nothing for the CNNs."""
+    tie_weights for revlm/lm, nothing for the CNNs, OWN_NET_KEYS for a network of one's own."""
+    if is_import_path(cfg.model.arch):
+        return {key: getattr(cfg.model, key) for key in OWN_NET_KEYS}
     if cfg.model.arch in LM_ARCHS:
         return {"depth": cfg.model.depth, "heads": cfg.model.heads,
                 "context": cfg.model.context, "tie_weights": cfg.model.tie_weights}

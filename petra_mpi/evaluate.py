@@ -25,19 +25,21 @@ import sys
 import torch
 
 from .engines.evaluation import EvalTotals
-from .export import (ExportError, as_evaluated, check_fits, checked_model, checked_preprocess,
-                     exported_run, from_model_file, load_model, preprocessing_of)
+from .export import (ExportError, add_arch_argument, as_evaluated, check_fits, checked_model,
+                     checked_preprocess, exported_run, from_model_file, load_model,
+                     preprocessing_of)
 from .run.torch_files import load_tensors
 
 
-def load_saved(source: str, checkpoint: str | None = None) -> dict:
-    """An exported model, checked (export.checked_model): the file `source`, read as weights
-    only, or exported in memory from a run directory (its newest readable checkpoint, or
+def load_saved(source: str, checkpoint: str | None = None, trusted: str | None = None) -> dict:
+    """An exported model, checked (export.checked_model; `trusted`: the import path of a network
+    of one's own that the command line named): the file `source`, read as weights only, or
+    exported in memory from a run directory (its newest readable checkpoint, or
     `checkpoint`)."""
     if os.path.isdir(source):
         path, saved = exported_run(source, checkpoint)
-        return checked_model(saved, path)
-    return from_model_file(checked_model(load_tensors(source), source), source)
+        return checked_model(saved, path, trusted)
+    return from_model_file(checked_model(load_tensors(source), source, trusted), source)
 
 
 def evaluate(saved: dict, data: str | None = None, split: str = "val",
@@ -89,9 +91,10 @@ def main(argv=None) -> int:
     p.add_argument("--plain", action="store_true",
                    help="the plain float32 module, without the run's precision (run.precision) "
                         "and forward rounding (comm.forward)")
+    add_arch_argument(p)
     args = p.parse_args(argv)
     try:
-        saved = load_saved(args.source, args.checkpoint)
+        saved = load_saved(args.source, args.checkpoint, args.arch)
         result = evaluate(saved, args.data, args.split, args.batch_size, args.device,
                           args.plain)
     except (ExportError, OSError, ValueError) as e:

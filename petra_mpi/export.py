@@ -20,7 +20,9 @@ petra_mpi.predict applies to a picture. It records no path of the machine that w
 checkpoint by its name, the data file relative to the model file's folder.
 
 A model file may come from anyone: the commands read it as weights only (nothing in it runs
-code) and check it before building anything (checked_model).
+code) and check it before building anything (checked_model). A network of one's own (model.arch
+an import path) is code the file only names: these commands import it only when the command
+line names it too (--arch).
 """
 import argparse
 import itertools
@@ -32,13 +34,13 @@ import sys
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .archs import ARCH_NAMES, LM_ARCHS
+from .archs import ARCH_NAMES, LM_ARCHS, is_import_path
 from .run.checkpoint import (LAYOUT_FREE, MANIFEST, UnreadableCheckpoint, complete_checkpoints,
                              is_complete, read_blocks, resume_readable)
 from .run.torch_files import first_non_finite, state_misfit
 from .comm.compress import FORMATS, Codec
 from .files import OutputRefused, atomic_path, check_output
-from .models import PRECISIONS, build_network, set_precision
+from .models import PRECISIONS, NetSpec, build_network, set_precision
 
 MODEL_FORMAT = "petra_mpi.model/1"
 # The largest picture side (stored or cropped) predict and evaluate prepare: a picture of that
@@ -166,12 +168,13 @@ def recorded_preprocessing(data: dict) -> dict | None:
         return None
 
 
-def checked_model(saved, source: str) -> dict:
+def checked_model(saved, source: str, trusted: str | None = None) -> dict:
     """`saved` (what the model file `source` holds) once it is a model of this format whose
     network holds exactly its weights, all finite, and whose record of its data is of the
     kinds and sizes the commands prepare; ExportError naming the file and what is wrong
     otherwise. Nothing is built at the file's word before that: the network is compared with
-    the weights on the meta device, which allocates nothing."""
+    the weights on the meta device, which allocates nothing; a network of one's own only when
+    `trusted` (the command's --arch) names its import path."""
     def wrong(why):
         return ExportError(f"{source}: {why}")
     if not isinstance(saved, dict) or saved.get("format") != MODEL_FORMAT:
@@ -190,7 +193,7 @@ def checked_model(saved, source: str) -> dict:
     if saved["dtype"] not in DTYPES or not evaluated_as_recorded(saved["evaluation"]):
         raise wrong("its dtype or its record of how the run evaluated is not one this version "
                     "reads")
-    misfit = network_misfit(network, state)
+    misfit = network_misfit(network, state, trusted)
     if misfit:
         raise wrong(misfit)
     if saved["preprocess"] is not None:
@@ -208,24 +211,41 @@ def evaluated_as_recorded(evaluation) -> bool:
             evaluation.get("forward", "none") in FORMATS)
 
 
-def network_misfit(network, state: dict):
+def network_misfit(network, state: dict, trusted: str | None = None):
     """Why `network` (build_network's arguments) is not the network of the tensors `state`,
-    found on the meta device (nothing allocated); None when it is."""
-    if not (isinstance(network, dict) and network.get("arch") in ARCH_NAMES and
-            isinstance(network.get("num_classes"), int)):
-        return f"its network is not one of {', '.join(ARCH_NAMES)} with its num_classes"
+    found on the meta device (nothing allocated); None when it is. A network of one's own
+    (its arch an import path) is built only when `trusted` is that import path."""
+    arch = network.get("arch") if isinstance(network, dict) else None
+    yours = is_import_path(arch)
+    if not ((arch in ARCH_NAMES or yours) and isinstance(network.get("num_classes"), int)):
+        return (f"its network is not one of {', '.join(ARCH_NAMES)} nor a network of your own "
+                f"(an import path), with its num_classes")
+    if yours and arch != trusted:
+        return (f"its network is {arch}, a network of your own: name it with --arch {arch} to "
+                f"let this command import that code (a file alone never makes it run code)")
     depth = network.get("depth", 0)  # every transformer block holds tensors: bound the build
-    if not isinstance(depth, int) or not 0 <= depth <= len(state):
+    if not yours and (not isinstance(depth, int) or not 0 <= depth <= len(state)):
         return f"its network's depth {depth!r} does not match its {len(state)} tensors"
     side = network.get("image_size", 32)  # a language model's is its context
-    if network["arch"] not in LM_ARCHS and not (type(side) is int and 1 <= side <= MAX_SIDE):
+
+    def not_a_side():
+        return not (type(side) is int and 1 <= side <= MAX_SIDE)
+    if not yours and arch not in LM_ARCHS and not_a_side():
         return f"its network's image_size {side!r} is not a picture side (1 to {MAX_SIDE})"
     try:
         own = shapes_of(network)
+        pictures = not takes_tokens(network)
     except Exception as e:  # noqa: BLE001 - arguments from a file: any of them may be wrong
         return f"its network does not build ({type(e).__name__}: {str(e).splitlines()[0]})"
+    if yours and pictures and not_a_side():
+        return f"its network's image_size {side!r} is not a picture side (1 to {MAX_SIDE})"
     misfit = state_misfit(own, state)
     return f"its weights are not its network's: {misfit}" if misfit else None
+
+
+def takes_tokens(network: dict) -> bool:
+    """Whether the network of build_network's arguments reads token ids (a language model)."""
+    return NetSpec.of_network(network).takes_tokens
 
 
 class _ValuesSkipped(TorchFunctionMode):
@@ -336,7 +356,7 @@ def write_torch_export(saved: dict, out: str):
     model = load_model(saved)
     network = saved["network"]
     batch = torch.export.Dim("batch", min=1)
-    if network["arch"] in LM_ARCHS:
+    if takes_tokens(network):
         context = network["context"]
         example = torch.zeros(2, context, dtype=torch.long)
         dims = {0: batch, 1: torch.export.Dim("tokens", min=1, max=context)}
@@ -347,9 +367,10 @@ def write_torch_export(saved: dict, out: str):
     torch.export.save(program, out)
 
 
-def export(run_dir: str, out: str, checkpoint: str | None = None, fmt: str = "state_dict") -> dict:
+def export(run_dir: str, out: str, checkpoint: str | None = None, fmt: str = "state_dict",
+           trusted: str | None = None) -> dict:
     path, saved = exported_run(run_dir, checkpoint)
-    checked_model(saved, path)  # write only what the commands that read it accept
+    checked_model(saved, path, trusted)  # write only what the commands that read it accept
     # torch.export's writer wants the extension kept
     with atomic_path(out, keep_extension=True) as tmp:
         if fmt == "torch.export":
@@ -357,6 +378,15 @@ def export(run_dir: str, out: str, checkpoint: str | None = None, fmt: str = "st
         else:
             torch.save(model_file(saved, out), tmp)
     return saved
+
+
+def add_arch_argument(parser):
+    """--arch, for the model of a network of one's own, which these commands import only when
+    told to."""
+    parser.add_argument("--arch", metavar="PACKAGE.MODULE:FUNCTION",
+                        help="a network of your own: the import path the model names (its "
+                             "model.arch), to let this command import that code; a file alone "
+                             "never makes these commands run code")
 
 
 def main(argv=None) -> int:
@@ -369,6 +399,7 @@ def main(argv=None) -> int:
     p.add_argument("--format", choices=("state_dict", "torch.export"), default="state_dict",
                    help="state_dict (default): the state_dict and build_network's arguments; "
                         "torch.export: a program that loads with torch alone")
+    add_arch_argument(p)
     args = p.parse_args(argv)
     try:  # before any checkpoint is read: not a folder, not an existing file unless --force
         check_output(args.out, [os.path.join(args.run_dir, "checkpoints")], force=args.force)
@@ -376,7 +407,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        saved = export(args.run_dir, args.out, args.checkpoint, args.format)
+        saved = export(args.run_dir, args.out, args.checkpoint, args.format, args.arch)
     except (ExportError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -16,7 +16,6 @@ import sys
 
 import torch
 
-from .archs import LM_ARCHS
 
 
 class GenerateError(RuntimeError):
@@ -89,18 +88,20 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=0, help="draw among the k most likely (0: all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the draws")
     p.add_argument("--data", help="the token file of the vocabulary (default: the run's)")
+    from .export import add_arch_argument
+    add_arch_argument(p)
     args = p.parse_args(argv)
     try:
         if args.tokens < 0 or args.top_k < 0:
             raise GenerateError("--tokens and --top-k must be >= 0")
         from .evaluate import load_saved
-        from .export import ExportError, load_model
+        from .export import ExportError, load_model, takes_tokens
         try:
-            saved = load_saved(args.model)  # read as weights only, and checked
+            saved = load_saved(args.model, trusted=args.arch)  # weights only, and checked
         except (ExportError, ValueError) as e:
             raise GenerateError(str(e)) from None
         network = saved["network"]
-        if network["arch"] not in LM_ARCHS:
+        if not takes_tokens(network):
             raise GenerateError(f"{args.model} is a {network['arch']}, not a language model")
         model = load_model(saved)
         vocab = Vocabulary.of(args.data or saved["data"]["path"], network["num_classes"])

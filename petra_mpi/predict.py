@@ -23,10 +23,10 @@ import sys
 import numpy as np
 import torch
 
-from .archs import LM_ARCHS
 from .data.augment import center_box, decode_crop_pil, norm_constants, normalize
 from .evaluate import load_saved
-from .export import ExportError, as_evaluated, check_fits, checked_preprocess, preprocessing_of
+from .export import (ExportError, add_arch_argument, as_evaluated, check_fits, checked_preprocess,
+                     preprocessing_of, takes_tokens)
 from .prep.pictures import encode, image_extensions
 
 
@@ -117,9 +117,9 @@ def predict(predictor, paths, args):
 
 def load(args):
     """The exported model as a Predictor, or ExportError saying why it cannot predict."""
-    saved = load_saved(args.model)
+    saved = load_saved(args.model, trusted=args.arch)
     arch = saved["network"]["arch"]
-    if arch in LM_ARCHS:
+    if takes_tokens(saved["network"]):
         raise ExportError(f"{args.model} holds a language model ({arch}): write text with it by "
                           f"python -m petra_mpi.generate {args.model} --prompt TEXT")
     pre = saved["preprocess"]  # checked with the model (export.checked_model)
@@ -147,6 +147,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=64, help="pictures per batch (default 64)")
     p.add_argument("--data", help="the data file the model trained on (default: recorded at "
                                   "export)")
+    add_arch_argument(p)
     args = p.parse_args(argv)
     if args.top < 1 or args.batch_size < 1:
         p.error("--top and --batch-size must be at least 1")

@@ -12,6 +12,7 @@ import argparse
 import faulthandler
 import sys
 
+from .archs import is_import_path
 from .config import ConfigError, load_config, validate
 from .engines.stopping import StopRequest
 from .run.watchdog import begin_startup, startup_step
@@ -84,6 +85,11 @@ def main(argv=None) -> int:
         from .perf.allocator import keep_freed_memory
         keep_freed_memory()
     startup_step("loading torch")
+    if is_import_path(cfg.model.arch):  # every rank checks the network and its block count
+        startup_step("checking the network")
+        from .run.model_check import check_at_start
+        if check_at_start(cfg, rank, size):
+            return 2
     from .run.checkpoint import CheckpointError
     from .comm.compress import NonFiniteError
     from .run.errors import TrainingError

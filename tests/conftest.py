@@ -32,3 +32,14 @@ def picture_model(tmp_path_factory):
     it (copy what a test damages)."""
     from tests.support.model_files import train_picture_model
     return train_picture_model(tmp_path_factory.mktemp("own"))
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (nets so small that a second thread only waits on the
+    first, seconds on a busy machine), as it was after."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -1,7 +1,10 @@
 """Splitting the block list into J contiguous stages: the estimated cost of each block, and the
 split that minimises the slowest stage (the planner, planner.py, chooses what to balance)."""
+from contextlib import nullcontext
+
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 
 # Cost of writing one activation element, in multiply-accumulates: elementwise layers (batch norm,
@@ -10,14 +13,21 @@ from torch import nn
 ELEMENT_COST = 128
 
 
-def block_costs(blocks, image_size: int) -> list[float]:
+def block_costs(blocks, image_size: int, x=None, every_op: bool = False) -> list[float]:
     """Estimated cost of each block: multiply-accumulates of its convolutions and linear layers
     (and of leaf modules that count their own with a `macs(inputs, output)` method, such as
-    attention) plus ELEMENT_COST per output element of every layer, from one batch-1 forward."""
+    attention) plus ELEMENT_COST per output element of every layer, from one batch-1 forward of
+    `x` (default: zeros of an image of side `image_size`, or of a language model's context).
+    every_op: count the multiply-accumulates of every operation the blocks run instead, whatever
+    module or function runs it (torch's FLOP counter: convolutions of any kind, matrix products
+    written in a forward): the estimate of blocks of one's own, of kinds the list above does
+    not know."""
     costs, current = [], [0.0]
 
     def count(module, inputs, output):
-        if isinstance(module, nn.Conv2d):
+        if every_op:
+            pass  # FlopCounterMode below counts the products
+        elif isinstance(module, nn.Conv2d):
             current[0] += module.weight.numel() * output.shape[-1] * output.shape[-2]
         elif isinstance(module, nn.Linear):  # once per row: per token in a transformer
             current[0] += module.weight.numel() * (output.numel() // output.shape[-1])
@@ -31,13 +41,17 @@ def block_costs(blocks, image_size: int) -> list[float]:
     try:
         # a language model's embedding takes a context of token ids, not an image
         context = getattr(blocks[0], "context", None)
-        x = (torch.zeros(1, context, dtype=torch.long) if context
-             else torch.zeros(1, 3, image_size, image_size))
+        if x is None:
+            x = (torch.zeros(1, context, dtype=torch.long) if context
+                 else torch.zeros(1, 3, image_size, image_size))
         with torch.no_grad():
             for b in blocks:
                 b.eval()
                 current[0] = 0.0
-                x = b(x)
+                with FlopCounterMode(display=False) if every_op else nullcontext() as ops:
+                    x = b(x)
+                if every_op:  # FLOPs count a multiply and an add apart
+                    current[0] += ops.get_total_flops() / 2
                 costs.append(max(current[0], 1.0))
     finally:
         for h in hooks:

@@ -69,7 +69,8 @@ def plan_layout(net, num_stages: int, *, partition=None, budget=0, batch_size: i
         if costs is None and measure:
             costs = measure_block_costs(blocks, net.input_shape, batch_size, net.num_classes,
                                         device=device, dtype=dtype, time_kept=bool(budget))
-        estimate = block_costs(blocks, net.image_size) if costs is None else None
+        estimate = (block_costs(blocks, net.image_size, net.zeros(1), every_op=bool(net.own))
+                    if costs is None else None)
         balance = _Balance(blocks, num_stages, costs, estimate)
         petra = fixed or balance.split(rebuild_last=rebuild_last)
         why = why or f"balanced by {'estimated' if costs is None else 'measured'} cost"

@@ -3,8 +3,9 @@
 forward(x) runs without an autograd graph. backward(ỹ, δy) walks the blocks in reverse: a
 reversible block rebuilds its input from its output with the current weights while recording the
 graph of its branch (one forward of the branch, not two) in its own `backward_from_output(ỹ, δy)`,
-since the coupling rule is the block's business (RevNet: models/blocks.py, RevViT: models/vit.py),
-a buffered block pops its input from a
+since the coupling rule is the block's business (RevNet: models/blocks.py, RevViT: models/vit.py;
+a block of one's own with an inverse alone is rebuilt by it, then its forward recomputed under
+autograd), a buffered block pops its input from a
 FIFO and recomputes its forward; one vector-Jacobian product per block gives the input gradient and
 accumulates the parameter gradients into .grad. The last stage does forward, loss and backward at
 once (no delay, so nothing is kept), with the graph of its whole part or, with rebuild_last, by
@@ -219,11 +220,13 @@ class Stage(PollsBetweenBlocks, LossAtOnce, nn.Module):
         block = self.blocks[i]
         need_grad_x = self._needs_grad_x(i)
         stashed = self.stashes[i].popleft() if self.stash_weights else None
-        if not self.buffered[i] and stashed is None:
-            return block.backward_from_output(y, grad_y, need_grad_x)
+        own_backward = getattr(block, "backward_from_output", None)
+        if not self.buffered[i] and stashed is None and own_backward is not None:
+            return own_backward(y, grad_y, need_grad_x)
         if self.buffered[i]:
             x = self.buffer_codec.unpack_checked(self.fifos[i].popleft())
-        else:  # rebuild with the current weights, differentiate with the stashed ones
+        else:  # rebuild with the current weights, differentiate with the stashed ones (or,
+            # for a block with an inverse alone, the current ones: two forwards)
             with torch.no_grad(), frozen_bn_stats():  # the graph pass below updates the stats
                 x = block.inverse(y)
         with _weights(block, stashed):

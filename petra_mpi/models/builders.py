@@ -11,11 +11,12 @@ from torch import nn
 
 from ..config import model_kwargs
 from ..archs import (ARCH_NAMES, ARCHS, INVERTIBLE_ARCHS, VIT_ARCHS, default_heads,  # noqa: F401
-                     num_blocks)
+                     is_import_path, num_blocks)
 from .blocks import (DownsampleBlock, Head, PadShortcut, ResidualBlock, ReversibleBlock, Stem,
                      basic_branch, bottleneck_branch, conv_bn, set_precision)
 from .invertible import build_invertible_blocks
 from .lm import LM_ARCHS, build_lm_blocks
+from .own import build_own_blocks, own_net, remember
 from .vit import build_vit_blocks
 
 
@@ -23,7 +24,11 @@ def build_blocks(arch: str, width: int = 64, num_classes: int = 10, imagenet_ste
                  *, image_size: int = 32, **vit_kw) -> list[nn.Module]:
     """The block list; `image_size` and `vit_kw` (depth, heads, patch) concern revvit/vit only;
     for revlm/lm num_classes is the vocabulary and `vit_kw` holds depth, heads, context and
-    tie_weights (models/lm.py)."""
+    tie_weights (models/lm.py); for a network of one's own (an import path, models/own.py) the
+    model section's keys config.OWN_NET_KEYS (its function does not see the image size)."""
+    if is_import_path(arch):
+        return remember(build_own_blocks(arch, width, num_classes, imagenet_stem, **vit_kw),
+                        arch, width, num_classes, imagenet_stem, vit_kw)
     if arch in LM_ARCHS:
         kw = dict(vit_kw)
         kw["heads"] = kw.get("heads") or default_heads(width)
@@ -79,7 +84,7 @@ class NetSpec:
     seed: int = 0
 
     @classmethod
-    def of_config(cls, cfg, image_size: int) -> "NetSpec":
+    def of_config(cls, cfg, image_size: int = 32) -> "NetSpec":
         """The net of a run's config, taking images of side `image_size` (the loader's)."""
         return cls(cfg.model.arch, cfg.model.width, cfg.model.num_classes,
                    cfg.model.stem == "imagenet", image_size, model_kwargs(cfg),
@@ -94,20 +99,44 @@ class NetSpec:
         set_precision(blocks, self.precision)
         return blocks
 
+    @classmethod
+    def of_network(cls, network: dict) -> "NetSpec":
+        """The net of build_network's arguments (an exported model's `network`)."""
+        kw = {k: v for k, v in network.items()
+              if k not in ("arch", "width", "num_classes", "imagenet_stem", "image_size")}
+        return cls(network["arch"], network["width"], network["num_classes"],
+                   network.get("imagenet_stem", False), network.get("image_size", 32), kw)
+
+    @property
+    def own(self):
+        """What a network of one's own is (models/own.py: its block count, whether it reads
+        tokens), built once per process; None for the built-in archs."""
+        if not is_import_path(self.arch):
+            return None
+        return own_net(self.arch, self.width, self.num_classes, self.imagenet_stem,
+                       self.model_kw or {})
+
     @property
     def num_blocks(self) -> int:
+        if self.own:
+            return self.own.num_blocks
         return num_blocks(self.arch, (self.model_kw or {}).get("depth", 0))
+
+    @property
+    def takes_tokens(self) -> bool:
+        """Whether its input is windows of token ids (a language model), not images."""
+        return self.own.takes_tokens if self.own else self.arch in LM_ARCHS
 
     @property
     def input_shape(self) -> tuple:
         """One sample's shape: a window of token ids (revlm/lm), else an image."""
-        if self.arch in LM_ARCHS:
+        if self.takes_tokens:
             return (self.model_kw["context"],)
         return (3, self.image_size, self.image_size)
 
     def zeros(self, n: int, dtype=torch.float32) -> torch.Tensor:
         """A network input of n samples of zeros (token ids are int64 whatever `dtype`)."""
-        if self.arch in LM_ARCHS:
+        if self.takes_tokens:
             return torch.zeros(n, *self.input_shape, dtype=torch.long)
         return torch.zeros(n, *self.input_shape, dtype=dtype)
 

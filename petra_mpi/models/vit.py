@@ -18,6 +18,7 @@ from torch import nn
 
 from ..archs import DEFAULT_DEPTH, VIT_ARCHS, default_heads  # noqa: F401 (VIT_ARCHS re-exported)
 from .blocks import MixedPrecision
+from .coupling import AdditiveCoupling
 
 
 
@@ -91,47 +92,21 @@ class PatchEmbed(MixedPrecision, nn.Module):
         return torch.cat([tokens] * self.streams, dim=-1) if self.streams > 1 else tokens
 
 
-class ReversibleViTBlock(MixedPrecision, nn.Module):
-    """Two couplings: y1 = x1 + F(x2), y2 = x2 + G(y1), F = Attn∘LN, G = MLP∘LN."""
-    reversible = True
+class ReversibleViTBlock(AdditiveCoupling):
+    """Two couplings: y1 = x1 + F(x2), y2 = x2 + G(y1), F = Attn∘LN, G = MLP∘LN, the streams
+    concatenated along the features (coupling.AdditiveCoupling: inverse, and the backward that
+    runs each branch once)."""
+    dim = -1
 
     def __init__(self, dim, heads):
-        super().__init__()
+        nn.Module.__init__(self)
         self.attn, self.mlp = attention_branch(dim, heads), mlp_branch(dim)
 
-    def forward(self, x):
-        x1, x2 = x.chunk(2, dim=-1)
-        y1 = x1 + self.sub(self.attn, x2)
-        return torch.cat([y1, x2 + self.sub(self.mlp, y1)], dim=-1)
+    def branch_f(self, x2):
+        return self.sub(self.attn, x2)
 
-    def inverse(self, y):
-        y1, y2 = y.chunk(2, dim=-1)
-        x2 = y2 - self.sub(self.mlp, y1)
-        return torch.cat([y1 - self.sub(self.attn, x2), x2], dim=-1)
-
-    def backward_from_output(self, y, grad_y, need_grad_x=True):
-        """Rebuild x from y with the current weights while recording the graphs of G and then F
-        (one forward of each), and back-propagate δy through them: accumulates the parameter
-        gradients and returns (x, δx) (δx None when not needed).
-
-        y1 is an input of G, so its total gradient is δy1 + Gᵀδy2 (this is δx1), and
-        δx2 = δy2 + Fᵀ(δy1 + Gᵀδy2)."""
-        y1, y2 = y.chunk(2, dim=-1)
-        g1, g2 = grad_y.chunk(2, dim=-1)
-        y1_leaf = y1.detach().requires_grad_(True)
-        with torch.enable_grad():
-            g = self.sub(self.mlp, y1_leaf)
-        x2 = y2 - g.detach()
-        g.backward(g2)
-        grad_x1 = g1 + y1_leaf.grad
-        x2_leaf = x2.detach().requires_grad_(need_grad_x)
-        with torch.enable_grad():
-            f = self.sub(self.attn, x2_leaf)
-        x1 = y1 - f.detach()
-        f.backward(grad_x1)
-        x = torch.cat([x1, x2], dim=-1)
-        grad_x = torch.cat([grad_x1, g2 + x2_leaf.grad], dim=-1) if need_grad_x else None
-        return x, grad_x
+    def branch_g(self, y1):
+        return self.sub(self.mlp, y1)
 
 
 class ViTBlock(MixedPrecision, nn.Module):

@@ -4,7 +4,6 @@ one process)."""
 import dataclasses
 import sys
 
-from ..archs import LM_ARCHS
 from ..comm.compress import Compression
 from ..core.compensation import DelayCompensation
 from ..engines.build import StageSpec, build_engine, build_stages, build_workers
@@ -47,7 +46,8 @@ def assemble_run(cfg, world, placement, layout, input_shape, microbatches_per_ep
     for train.diag_every's records."""
     J, R = placement.J, placement.R
     compression = Compression.from_config(cfg.comm, cfg.run.seed)
-    spec = StageSpec(NetSpec.of_config(cfg, input_shape[-1]),  # the loader's image side
+    net = NetSpec.of_config(cfg, input_shape[-1])  # the loader's image side
+    spec = StageSpec(net,
                      cfg.train.method, cfg.train.buffer_inputs, cfg.train.stash_weights,
                      cfg.model.rebuild_last_stage, placement.device, placement.dtype, compression)
     stages = []
@@ -79,7 +79,7 @@ def assemble_run(cfg, world, placement, layout, input_shape, microbatches_per_ep
                           compression=compression,  # the MPI engine's start-up line shows it
                           **({"heartbeat": watchdog,
                               "labels_per_sample": (cfg.model.context
-                                                    if cfg.model.arch in LM_ARCHS else 1)}
+                                                    if net.takes_tokens else 1)}
                              if world else {}))
     if world:
         watchdog.watch_messages(engine.pending_messages)

@@ -8,7 +8,6 @@ import sys
 
 import torch
 
-from ..archs import LM_ARCHS
 from ..comm.compress import Codec
 from ..core.compensation import DelayCompensation
 from ..core.memory_plan import last_stage_graph_bytes
@@ -84,6 +83,7 @@ def stage_table(cfg, layout, dtype=torch.float32, side=None,
         rows.append({
             "stage": stage.index, "blocks": len(stage.blocks),
             "kind": "+".join("rev" if not b else "buf" for b in stage.buffered),
+            "classes": [type(b).__name__ for b in stage.blocks],
             "input": in_shape, "output": tuple(x.shape[1:]),
             "param_bytes": params,
             # SGD: one momentum buffer; AdamW: two moments; weight prediction: one more copy
@@ -112,8 +112,7 @@ def profile_blocks(cfg, net, num_stages: int, device, dtype):
                          costs=costs, rebuild_last=cfg.model.rebuild_last_stage,
                          method=cfg.train.method, device=device, dtype=dtype)
     side = net.image_size
-    what = (batch_input(cfg, side) if cfg.model.arch in LM_ARCHS
-            else f"of {side}x{side} images")
+    what = (batch_input(cfg, side) if net.takes_tokens else f"of {side}x{side} images")
     print(f"measured on {device}, batch {cfg.data.batch_size} {what}, ms per micro-batch:")
     kept_header = (f" {'kept':>8}  (kept: forward + backward of a micro-batch it keeps)"
                    if costs.kept else "")  # timed under model.memory_budget only
@@ -148,7 +147,7 @@ def dry_run_layout(cfg, net, num_stages: int, device, dtype, profile: bool):
 
 def batch_input(cfg, side) -> str:
     """What one micro-batch's samples are: token windows for a language model, else images."""
-    if cfg.model.arch in LM_ARCHS:
+    if NetSpec.of_config(cfg).takes_tokens:
         return (f"windows of {cfg.model.context} tokens "
                 f"({cfg.data.batch_size * cfg.model.context} tokens a micro-batch)")
     return f"images {side}x{side}"
@@ -243,6 +242,10 @@ def report(cfg, num_stages: int, world=None, device="cpu", dtype=torch.float32,
               f"{r['optimizer_bytes'] / mib:>9.2f} {r['input_fifo_bytes'] / mib:>9.2f} "
               f"{r['stash_bytes'] / mib:>9.2f} {r['graph_bytes'] / mib:>9.2f} {t / mib:>9.2f}")
     print(f"total estimated memory (without activations of the running op): {total / mib:.1f} MiB")
+    print("blocks per stage (rev: rebuilds its input, buf: keeps it):")
+    for r in rows:
+        print(f"{r['stage']:>5}  " + ", ".join(f"{name} ({kind})" for name, kind in
+                                             zip(r["classes"], r["kind"].split("+"))))
     print_last_stage(rows[-1]["last_stage"])
     if cfg.model.memory_budget:
         print_kept_plan(cfg, layout, device)

@@ -15,17 +15,17 @@ import argparse
 import sys
 
 from ..config import ConfigError, load_config, validate
-from ..models import num_blocks
+from ..models import NetSpec, OwnModelError
 
 
 def fit(cfg, ranks: int) -> tuple[int, list[str]]:
     """(ranks to launch, overrides) for a job of `ranks` ranks."""
+    blocks = NetSpec.of_config(cfg).num_blocks
     try:
-        validate(cfg, ranks)
+        validate(cfg, ranks, blocks)
         return ranks, []
     except ConfigError:
         pass
-    blocks = num_blocks(cfg.model.arch, cfg.model.depth)
     asked = len(cfg.model.partition) if cfg.model.partition else (cfg.model.stages or blocks)
     replicas = cfg.train.replicas or max(1, ranks // asked)
     stages = min(asked, ranks // replicas)
@@ -47,8 +47,9 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.set)
         used, overrides = fit(cfg, args.ranks)
-        validate(load_config(args.config, [*args.set, *overrides]), used)
-    except ConfigError as e:
+        validate(load_config(args.config, [*args.set, *overrides]), used,
+                 NetSpec.of_config(cfg).num_blocks)
+    except (ConfigError, OwnModelError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(" ".join([str(used), *(a for o in overrides for a in ("--set", o))]))

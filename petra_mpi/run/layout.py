@@ -9,7 +9,7 @@ import time
 
 from .checkpoint import MANIFEST
 from ..core.planner import Layout, plan_layout
-from ..models import NetSpec, num_blocks
+from ..models import NetSpec
 
 
 def choose_layout(cfg, J, world, device, dtype, input_shape, resume) -> Layout:
@@ -26,7 +26,7 @@ def choose_layout(cfg, J, world, device, dtype, input_shape, resume) -> Layout:
         if layout:
             return layout
     net = NetSpec.of_config(cfg, input_shape[-1])
-    fixed = bool(cfg.model.partition) or J == num_blocks(cfg.model.arch, cfg.model.depth)
+    fixed = bool(cfg.model.partition) or J == net.num_blocks
     measured = cfg.model.balance == "measure"
     if not cfg.model.memory_budget and (fixed or not measured):
         return config_layout(cfg, net, J, device, dtype)

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from ..archs import LM_ARCHS
+from ..models import NetSpec
 from .errors import TrainingError
 from .placement import decode_threads
 
@@ -27,10 +27,12 @@ def open_data(cfg, device, shard=(0, 1), decoders=1):
     if train.num_classes != cfg.model.num_classes:
         raise TrainingError(f"data.path {cfg.data.path} has {train.num_classes} classes but "
                             f"model.num_classes is {cfg.model.num_classes}")
-    if (train.kind == "tokens") != (cfg.model.arch in LM_ARCHS):
+    if (train.kind == "tokens") != NetSpec.of_config(cfg).takes_tokens:
         held = "tokens" if train.kind == "tokens" else "images"
         raise TrainingError(f"data.path {cfg.data.path} holds {held} but model.arch is "
-                            f"{cfg.model.arch}: token files (petra_mpi.prep.text) go with revlm/lm")
+                            f"{cfg.model.arch}: token files (petra_mpi.prep.text) go with revlm/lm "
+                            f"and networks whose first block reads token ids (input_dtype "
+                            f"torch.long, docs/own_model.md)")
     if train.kind == "tokens":  # the windows are the model's context
         try:
             train.set_context(cfg.model.context)

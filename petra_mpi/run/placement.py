@@ -9,6 +9,7 @@ import torch
 from ..comm.compress import Compression
 from ..comm.world import busy_cpus, cpu_affinity, cpu_share, oversubscribed
 from ..config import num_replicas, num_stages
+from ..models import NetSpec
 from .errors import TrainingError
 
 
@@ -61,7 +62,10 @@ class Placement:
 def find_placement(cfg, world) -> Placement:
     """Split the world into R replicas of J stages, bind the device and set the CPU threads."""
     size = world.size if world else 1
-    J, R = num_stages(cfg, size), num_replicas(cfg, size)
+    # a network of one's own has the blocks its function returned (built already by the
+    # check at the start)
+    J = num_stages(cfg, size, NetSpec.of_config(cfg).num_blocks)
+    R = num_replicas(cfg, size)
     if world:
         world.split(J)  # rank = replica · J + stage
     device = pick_device(cfg, world.local_rank if world else 0)

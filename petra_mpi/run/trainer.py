@@ -24,10 +24,10 @@ import sys
 import time
 
 from .checkpoint import find_resume, load_blocks, read_manifest, resume_readable
-from ..archs import LM_ARCHS
 from ..engines.evaluation import correct
 from ..files import write_json_atomic
 from .errors import TrainingError
+from ..models import NetSpec
 from .loaders import open_loaders, segment_lengths, training_batches, validation_batches
 from .metrics import MetricsWriter, Progress, fmt_time, stage_memory
 from .placement import Placement, find_placement
@@ -38,6 +38,12 @@ from .layout import choose_layout, layout_changes
 from .assemble import assemble_run
 from .watchdog import END_GRACE_S, EVALUATION_GRACE_S, end_startup, startup_step
 from ..core import trace
+
+
+def counts_tokens(cfg) -> bool:
+    """Whether the run's samples are token windows (a language model: its figures count
+    tokens), not images."""
+    return NetSpec.of_config(cfg).takes_tokens
 
 
 def evaluate_in_pieces(engine, batches, m, vote):
@@ -99,7 +105,7 @@ class TrainLog:
         images/s count every replica's (they advance in step: the averages synchronise them).
         For a language model the count is of tokens (one label each), logged as tokens/s."""
         self.cfg, self.worker, self.writer, self.epoch = cfg, worker, writer, epoch
-        self.tokens = cfg.model.arch in LM_ARCHS
+        self.tokens = counts_tokens(cfg)
         self.microbatches = n
         self.replicas = replicas
         self.loss_sum = self.correct = self.count = 0
@@ -420,7 +426,7 @@ class Trainer:
 
 
 def log_epoch(cfg, writer, state, epoch, step, train_stats, result):
-    if cfg.model.arch in LM_ARCHS:  # val_loss is nats per token
+    if counts_tokens(cfg):  # val_loss is nats per token
         from ..data.text import bytes_per_token
         result = {**result, "val_bpb": result["val_loss"] / math.log(2)
                   / bytes_per_token(cfg.data.path)}
@@ -431,7 +437,7 @@ def log_epoch(cfg, writer, state, epoch, step, train_stats, result):
     print(f"epoch {epoch + 1}/{cfg.train.epochs}: train loss {train_stats['train_loss']:.4f} "
           f"acc {train_stats['train_acc']:.3f} | val loss {result['val_loss']:.4f} "
           f"acc {result['val_acc']:.3f} top5 {result['val_top5']:.3f} | "
-          f"{train_stats['images_per_s']:.0f} {'tok' if cfg.model.arch in LM_ARCHS else 'img'}/s",
+          f"{train_stats['images_per_s']:.0f} {'tok' if counts_tokens(cfg) else 'img'}/s",
           file=sys.stderr, flush=True)
 
 
@@ -456,7 +462,7 @@ def write_summary(cfg, state, J, R, n, memory, wall, writer_rank=0):
                "stages": J, "replicas": R, "method": cfg.train.method, "arch": cfg.model.arch,
                "microbatches_per_epoch": n,  # per replica: an epoch is R times as many
                **({"tokens_per_s": trained / max(sum(h["seconds"] for h in history), 1e-9)}
-                  if cfg.model.arch in LM_ARCHS else {}),
+                  if counts_tokens(cfg) else {}),
                "history": history, "memory": memory,
                "writer_rank": writer_rank}  # the rank that wrote every output of the run
     write_json_atomic(os.path.join(cfg.run.out_dir, "summary.json"), summary)

@@ -9,12 +9,17 @@ runs as written. The extended selection runs the `run` and `long` kinds together
 a long command may use an earlier one's outputs (the default one checks the classification; the
 quick start itself runs there in tests/e2e/test_train_cli.py).
 """
+import contextlib
+import importlib
+import io
 import os
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.doc_commands import ROOT, SHORTEN, extract
 from tests.support.pictures import make_picture_folder
@@ -314,10 +319,45 @@ KINDS = {
     '--set run.out_dir=runs/fm_folder': ("download", None),
     'python -m petra_mpi.export runs/fm_folder --out fm_model.pt': ("download", None),
     'python -m petra_mpi.predict fm_model.pt fashion_mnist_folder/val --json': ("download", None),
+    # docs/own_model.md: the example networks; data/my_photos.h5 from docs/own_data.md above
+    'python -m petra_mpi.check_model CONFIG': ("usage", None),
+    'python -m petra_mpi.check_model examples/revunet.yaml':
+        ("run", r"^ok: examples\.revunet:build, 7 blocks \(5 reversible\), checked in "),
+    'python -m petra_mpi.check_model configs/quickstart.yaml':
+        ("run", r"^ok: revnet18, 10 blocks \(5 reversible\), checked in "),
+    'python -m petra_mpi.check_model examples/broken.yaml':
+        ("refused", r"^error: model\.arch examples\.broken:build: block 2 \(AdditiveCoupling\): "
+                    r"its forward gives another output for the same input"),
+    'python -m petra_mpi.train examples/revunet.yaml --dry-run':
+        ("run", r"^blocks per stage \[2, 2, 1, 2\]: balanced by estimated cost$[\s\S]*"
+                r"^    3  AdditiveCoupling \(rev\), Head \(buf\)$"),
+    'python -m petra_mpi.train examples/revunet.yaml': ("long", r"outputs in runs/revunet$"),
+    'mpirun -n 4 python -m petra_mpi.train examples/revunet.yaml --set run.out_dir=runs/revunet_mpi':
+        ("long", r"\Apetra_mpi: model\.arch examples\.revunet:build: 7 blocks \(5 reversible\) "
+                 r"checked in [\s\S]*outputs in runs/revunet_mpi$"),
+    'python -m petra_mpi.export runs/revunet --out revunet.pt --arch examples.revunet:build':
+        ("long", r"^exported examples\.revunet:build from \S*runs/revunet/checkpoints/ckpt-e00001"),
+    'python -m petra_mpi.evaluate revunet.pt --arch examples.revunet:build':
+        ("long", r"^examples\.revunet:build on synthetic \(val, 1000 images\): .*top-1 0\.\d+"),
+    'python -m petra_mpi.train examples/revunet.yaml --set data.path=data/my_photos.h5 --set model.num_classes=3 --set data.batch_size=8 --set run.out_dir=runs/revunet_photos':
+        ("long", r"outputs in runs/revunet_photos$"),
+    'python -m petra_mpi.export runs/revunet_photos --out revunet_photos.pt --arch examples.revunet:build':
+        ("long", r"^exported examples\.revunet:build from \S*runs/revunet_photos/"),
+    'python -m petra_mpi.predict revunet_photos.pt my_photos/fox --arch examples.revunet:build --top 1':
+        ("long", r"\A(my_photos/fox/fox_\d\d\.(jpg|png): (cat|dog|fox) \([01]\.\d{3}\)\n){14}\Z"),
+    'python -m petra_mpi.train examples/revunet.yaml --set model.balance=estimate --set run.threads=1 --set run.out_dir=runs/revunet_petra':
+        ("long", r"outputs in runs/revunet_petra$"),
+    'python -m petra_mpi.train examples/revunet.yaml --set train.method=backprop --set model.balance=estimate --set run.threads=1 --set run.out_dir=runs/revunet_backprop':
+        ("long", r"outputs in runs/revunet_backprop$"),
+    'python -m petra_mpi.train examples/revunet.yaml --set data.path=data/fm_folder.h5 --set train.epochs=4 --set "optim.milestones=[3]" --set model.balance=estimate --set run.threads=1 --set run.out_dir=runs/revunet_fm_petra':
+        ("download", None),
+    'python -m petra_mpi.train examples/revunet.yaml --set data.path=data/fm_folder.h5 --set train.epochs=4 --set "optim.milestones=[3]" --set train.method=backprop --set model.balance=estimate --set run.threads=1 --set run.out_dir=runs/revunet_fm_backprop':
+        ("download", None),
     'python -m petra_mpi.evaluate fm_model.pt': ("download", None),
 }
-RUNS_HERE = ("run", "long")
-KNOWN = {"run", "long", "bench", "usage", "install", "site", "slurm", "gpu", "download", "suite"}
+RUNS_HERE = ("run", "long", "refused")
+KNOWN = {"run", "long", "refused", "bench", "usage", "install", "site", "slurm", "gpu", "download",
+         "suite"}
 
 
 def test_every_documented_command_is_classified():
@@ -357,8 +397,9 @@ def test_readme_results_table_fits_a_first_screen():
 
 def fresh_directory(tmp_path) -> Path:
     """A directory like a new clone's root for the commands: the repository's configs, SLURM
-    scripts and scripts, and a user's folder of pictures (no runs/, no data/)."""
-    for name in ("configs", "slurm", "scripts"):
+    scripts, scripts and example networks, and a user's folder of pictures (no runs/, no
+    data/)."""
+    for name in ("configs", "slurm", "scripts", "examples"):
         (tmp_path / name).symlink_to(ROOT / name)
     make_picture_folder(tmp_path / "my_photos")  # the user's pictures of docs/own_data.md
     return tmp_path
@@ -382,10 +423,36 @@ def run_in_order(tmp_path, kinds):
                               capture_output=True, text=True, timeout=900)
         out = proc.stdout + proc.stderr
         where = f"{name}:{line}: {shortened(command)}\n{out[-3000:]}"
-        assert proc.returncode == 0, where
+        assert proc.returncode == (2 if kind == "refused" else 0), where
         assert re.search(expect, out, re.M), f"expected /{expect}/ in the output of {where}"
         ran.add(command)
     return len(ran)
+
+
+def test_the_own_network_pages_short_commands_run(monkeypatch):
+    """docs/own_model.md's commands that take seconds (kinds run and refused: the checks and the
+    dry run of the example networks), each through its command's main in this process, from the
+    repository's root; the extended test below runs them as a reader does, with the training
+    ones."""
+    monkeypatch.chdir(ROOT)
+    threads, ran = torch.get_num_threads(), set()
+    for name, line, command in extract():
+        kind, expect = KINDS[command]
+        if name != "own_model.md" or kind not in ("run", "refused") or command in ran:
+            continue
+        python, flag, module, *args = shlex.split(command)
+        assert (python, flag) == ("python", "-m"), command
+        out, err = io.StringIO(), io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                status = importlib.import_module(module).main(args)
+        finally:
+            torch.set_num_threads(threads)  # a run sets its own
+        said = out.getvalue() + err.getvalue()
+        assert status == (2 if kind == "refused" else 0), f"{name}:{line}: {command}\n{said}"
+        assert re.search(expect, said, re.M), f"expected /{expect}/ of {command}:\n{said}"
+        ran.add(command)
+    assert len(ran) == 4
 
 
 @pytest.mark.slow

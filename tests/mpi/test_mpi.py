@@ -3,6 +3,8 @@ bitwise on CPU: RevNet18 with each method, the reversible ViT, bf16; over MPI an
 torch.distributed), faults that must end every rank, bad world sizes, and the transport's real
 messages."""
 import json
+import os
+import sys
 
 import pytest
 import torch
@@ -15,8 +17,9 @@ from petra_mpi.core.optim import LRSchedule
 
 from tests.support.launch import mpirun
 from tests.support.outputs import check_run_outputs
-from tests.support.paths import PROGRAMS, QUICK
-from equivalence import (COMPRESSED, REVVIT, accumulation_of, batches, eval_batches,
+from tests.support.paths import PROGRAMS, QUICK, ROOT
+from tests.support.own_nets import forget_package, write_package
+from equivalence import (COMPRESSED, REVVIT, accumulation_of, arch_of, batches, eval_batches,
                          optimizer_settings)
 
 
@@ -48,6 +51,7 @@ EXTENDED = pytest.mark.extended
 RUNS = {
     2: ["petra:1", "backprop:1", "delayed:2:buffer",
         "petra:1:irevnet:rebuild_last",  # its last stage: reversible blocks one after another
+        "petra:2:own",  # a network of one's own, imported from a package written for the test
         "petra:2:torch:short_eval"],  # over torch.distributed (gloo): a header per message
     3: ["petra:2", "backprop:2", "delayed:1:buffer:stash",
         "petra:1:short_eval",  # evaluation's last batch has 2 samples, not 4
@@ -65,17 +69,26 @@ RUNS = {
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """launched(J, run): the folder of that run's rank{r}.pt, from one mpirun -n J of all
-    RUNS[J] (launched the first time a test asks for J)."""
+    RUNS[J] (launched the first time a test asks for J). The package of the network of one's
+    own is written into a temporary folder on the ranks' Python path (with the repository's,
+    where the program finds its name) and this process's."""
     outs = {}
+    root = tmp_path_factory.mktemp("own_package")
+    write_package(root)
+    sys.path.insert(0, str(root))
+    path = os.pathsep.join([str(root), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
     def folder(J, run):
         if J not in outs:  # a failed launch is kept too: every test of that size reports it
             out = tmp_path_factory.mktemp(f"equivalence{J}")
-            outs[J] = out, mpirun(J, [PROGRAMS / "equivalence.py", out, N, *RUNS[J]], timeout=300)
+            outs[J] = out, mpirun(J, [PROGRAMS / "equivalence.py", out, N, *RUNS[J]], timeout=300,
+                                  env={"PYTHONPATH": path})
         out, proc = outs[J]
         assert proc.returncode == 0, proc.stderr[-3000:]
         return out / run
-    return folder
+    yield folder
+    sys.path.remove(str(root))
+    forget_package()
 
 
 def revnet_runs(J, marks=()):
@@ -90,7 +103,7 @@ def test_invariant3_mpi_equals_local_bitwise(launched, J, run):
     if run == "petra:u16":
         assert k == 4  # the config's k: 16 images per update, 4 a micro-batch
     out = launched(J, run)
-    arch = "irevnet18" if "irevnet" in flags else "revnet18"
+    arch = arch_of(flags)
     stages, ref_eval = local_reference(J, method, k, N, short_eval="short_eval" in flags,
                                        arch=arch, buffer_inputs="buffer" in flags,
                                        stash_weights="stash" in flags,

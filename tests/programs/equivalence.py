@@ -6,7 +6,8 @@ RUN is METHOD:K[:FLAG...], K the accumulation, or uN: N images per update (train
 the micro-batches of 4 below, k as a config derives it (accumulation_of); FLAG one of buffer, stash
 (the delayed method's switches), short_eval (evaluation ends with a batch of 2), revvit (the tiny
 reversible ViT below instead of RevNet18), irevnet (the fully invertible irevnet18 instead of
-RevNet18), bf16 (the blocks compute in bf16), compress (COMPRESSED below on every message and
+RevNet18), own (the network of one's own of tests/support/own_nets.py, by its import path: its
+package must be on PYTHONPATH), bf16 (the blocks compute in bf16), compress (COMPRESSED below on every message and
 buffer), compensate (COMPENSATED below: every delay compensation on), adamw (AdamW instead of SGD),
 rebuild_last (model.rebuild_last_stage: the last stage holds no graph), torch (the messages over
 torch.distributed, comm.transport torch, instead of MPI). Run RUN writes OUT_DIR/RUN/rank{r}.pt.
@@ -57,6 +58,14 @@ def eval_batches(short=False):
         yield x[:2], y[:2]
 
 
+def arch_of(flags) -> str:
+    """The CNN a run's flags name: RevNet18, irevnet18 or the network of one's own."""
+    if "own" in flags:
+        from tests.support.own_nets import PICTURES
+        return PICTURES
+    return "irevnet18" if "irevnet" in flags else "revnet18"
+
+
 # The tiny revvit of the invariant-3 test in tests/mpi/test_mpi.py (flag "revvit"): 16x16 images,
 # 4x4 patches.
 REVVIT = dict(width=8, image_size=16, model_kw=dict(depth=4, heads=2, patch=4))
@@ -88,8 +97,7 @@ def train_and_save(world, out, method, k, n, flags):
         net = NetSpec("revvit", REVVIT["width"], 10, image_size=REVVIT["image_size"],
                       model_kw=REVVIT["model_kw"], precision=precision)
     else:
-        net = NetSpec("irevnet18" if "irevnet" in flags else "revnet18", 4, 10,
-                      precision=precision)
+        net = NetSpec(arch_of(flags), 4, 10, precision=precision)
     spec = StageSpec(net, buffer_inputs="buffer" in flags, stash_weights="stash" in flags,
                      rebuild_last_stage="rebuild_last" in flags, compression=compression)
     stages = build_stages(spec, plan_layout(net, world.size), only=world.rank)

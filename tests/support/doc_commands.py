@@ -10,6 +10,7 @@ Kinds:
   run       runs here in seconds (training runs shortened by SHORTEN)
   long      runs here but takes minutes (training runs, export, evaluate); the extended selection
             runs both kinds, in document order
+  refused   runs here in seconds and refuses its input: exit status 2 and the line it prints
   bench     a benchmark as documented (minutes to an hour each here): tests/e2e/test_bench.py
             runs every bench, shortened, and checks its report
   usage     a synopsis with placeholders (CONFIG.yaml, RUN_DIR, [options], SEED): not a command

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.paths import ROOT
-from petra_mpi.config import Config, ConfigError, load_config, num_stages
+from petra_mpi.config import AtLeast, Config, ConfigError, load_config, num_stages
 from petra_mpi.models import ARCHS, PRECISIONS, num_blocks
 from petra_mpi.models.vit import VIT_ARCHS
 from petra_mpi.models.lm import LM_ARCHS
@@ -201,7 +201,13 @@ def test_loading_and_validating_a_config_does_not_import_torch():
                   "from petra_mpi.config import load_config, validate\n"
                   "from petra_mpi import train\n"
                   "validate(load_config('configs/quickstart.yaml'), 4)\n"
-                  "assert 'torch' not in sys.modules, 'torch was imported'\n")
+                  # a network of one's own: its import path is checked, its module not imported
+                  "own = load_config('configs/quickstart.yaml', ['model.arch=examples.revunet:"
+                  "build', 'model.options={levels: 2}'])\n"
+                  "validate(own, 4)\n"
+                  "assert own.model.arch == 'examples.revunet:build'\n"
+                  "assert 'torch' not in sys.modules, 'torch was imported'\n"
+                  "assert 'examples.revunet' not in sys.modules\n")
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
@@ -296,7 +302,8 @@ def test_bounds_are_annotations_checked_by_the_loader():
         if section.name == "source":
             continue
         for name, hint in typing.get_type_hints(section.type, include_extras=True).items():
-            if typing.get_origin(hint) is typing.Annotated:
+            if typing.get_origin(hint) is typing.Annotated and \
+                    isinstance(hint.__metadata__[0], AtLeast):
                 bounded[f"{section.name}.{name}"] = hint.__metadata__[0].low
     assert {"train.epochs", "train.accumulation", "data.batch_size", "model.width",
             "model.num_classes", "optim.lr", "run.keep_checkpoints"} <= bounded.keys()

@@ -14,7 +14,7 @@ LAYERS = [  # bottom to top
     {"run"},                              # a training run: trainer, checkpoints, logs, dry run
     {"perf", "prep"},                     # performance model, emulation, benchmarks; packers
     {"train", "evaluate", "export", "generate", "predict", "schedule", "watchdog", "elastic",
-     "plot", "bench", "__init__"},        # the commands users run
+     "plot", "bench", "check_model", "__init__"},  # the commands users run
 ]
 # The one import across layers allowed: the config takes train.method's choices from the
 # schedules' table, which is pure data (it imports no torch and nothing of the package).

@@ -14,6 +14,8 @@ from petra_mpi.engines.local import LocalEngine
 from petra_mpi.core.optim import LRSchedule
 from petra_mpi.core.schedule import schedule_for
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CHECK = 8    # stopping.STOP_CHECK_TICKS, restated: the test pins the rule
 MARGIN = 3   # stopping.STOP_MARGIN
 
@@ -32,14 +34,6 @@ def segment_length(method, J):
     """The fewest micro-batches whose segment an early stop shortens."""
     schedule = schedule_for(method, J)
     return next(n for n in range(1, 100) if expected_length(schedule, n, 0) < n)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def train(method, J, k, n, stop=None):

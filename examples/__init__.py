@@ -1,0 +1,1 @@
+"""Networks of one's own that PETRA trains from their import paths (docs/own_model.md)."""
