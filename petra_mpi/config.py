@@ -462,30 +462,7 @@ def validate(cfg: Config, world_size: int | None = None, blocks: int | None = No
          "bf16 needs run.dtype float32 (the storage dtype of the tensors between blocks)")
     need(cfg.train.replicas <= 1 or not cfg.train.diag_every, "train.diag_every",
          "the diagnostics need a single replica: drop train.replicas")
-    if cfg.model.arch in VIT_ARCHS or cfg.model.arch in LM_ARCHS:  # the transformers
-        need(cfg.model.depth >= 1, "model.depth", "must be >= 1")
-        need(cfg.model.heads >= 0, "model.heads", "must be >= 0 (0: one per 64 features)")
-        heads = cfg.model.heads or default_heads(cfg.model.width)
-        need(cfg.model.width % heads == 0, "model.heads",
-             f"{heads} heads must divide model.width {cfg.model.width}")
-    if cfg.model.arch in VIT_ARCHS:
-        need(cfg.model.patch >= 1, "model.patch", "must be >= 1")
-    if cfg.model.arch in LM_ARCHS:
-        need(not cfg.model.tie_weights or num_stages(cfg, world_size or 1) == 1,
-             "model.tie_weights", "needs the embedding and the head on one stage (J = 1): with "
-             "one weight copy per stage a table cannot live on two stages")
-    own = is_import_path(cfg.model.arch)
-    need(own or not cfg.model.options, "model.options",
-         f"belongs to a network of your own (model.arch an import path), not {cfg.model.arch}")
-    blocks = blocks or (None if own else num_blocks(cfg.model.arch, cfg.model.depth))
-    need(blocks is None or 0 <= cfg.model.stages <= blocks, "model.stages",
-         f"{cfg.model.arch} has {blocks} blocks: use 1 to {blocks} stages (0: automatic)")
-    if cfg.model.partition is not None:
-        p = cfg.model.partition
-        need(min(p, default=0) >= 1 and (blocks is None or sum(p) == blocks), "model.partition",
-             f"needs positive block counts summing to {blocks} ({cfg.model.arch}), got {p}")
-        need(cfg.model.stages in (0, len(p)), "model.partition",
-             f"has {len(p)} stages but model.stages is {cfg.model.stages}")
+    blocks = _validate_model(cfg, world_size, blocks, need)
     if cfg.train.update_batch:
         k, rest = divmod(cfg.train.update_batch, cfg.data.batch_size)
         need(k and not rest, "train.update_batch", f"{cfg.train.update_batch} images per update "
@@ -516,6 +493,36 @@ def validate(cfg: Config, world_size: int | None = None, blocks: int | None = No
     need(free is None or free < 1, "optim.delay_free_momentum", "must be in [0, 1) or null")
     if world_size is not None and world_size > 1:
         _validate_world(cfg, world_size, blocks, need)
+
+def _validate_model(cfg: Config, world_size: int | None, blocks: int | None, need) -> int | None:
+    """The checks among the model keys; returns the net's block count (None for a network of
+    one's own not yet built)."""
+    if cfg.model.arch in VIT_ARCHS or cfg.model.arch in LM_ARCHS:  # the transformers
+        need(cfg.model.depth >= 1, "model.depth", "must be >= 1")
+        need(cfg.model.heads >= 0, "model.heads", "must be >= 0 (0: one per 64 features)")
+        heads = cfg.model.heads or default_heads(cfg.model.width)
+        need(cfg.model.width % heads == 0, "model.heads",
+             f"{heads} heads must divide model.width {cfg.model.width}")
+    if cfg.model.arch in VIT_ARCHS:
+        need(cfg.model.patch >= 1, "model.patch", "must be >= 1")
+    if cfg.model.arch in LM_ARCHS:
+        need(not cfg.model.tie_weights or num_stages(cfg, world_size or 1) == 1,
+             "model.tie_weights", "needs the embedding and the head on one stage (J = 1): with "
+             "one weight copy per stage a table cannot live on two stages")
+    own = is_import_path(cfg.model.arch)
+    need(own or not cfg.model.options, "model.options",
+         f"belongs to a network of your own (model.arch an import path), not {cfg.model.arch}")
+    blocks = blocks or (None if own else num_blocks(cfg.model.arch, cfg.model.depth))
+    need(blocks is None or 0 <= cfg.model.stages <= blocks, "model.stages",
+         f"{cfg.model.arch} has {blocks} blocks: use 1 to {blocks} stages (0: automatic)")
+    if cfg.model.partition is not None:
+        p = cfg.model.partition
+        need(min(p, default=0) >= 1 and (blocks is None or sum(p) == blocks), "model.partition",
+             f"needs positive block counts summing to {blocks} ({cfg.model.arch}), got {p}")
+        need(cfg.model.stages in (0, len(p)), "model.partition",
+             f"has {len(p)} stages but model.stages is {cfg.model.stages}")
+    return blocks
+
 
 def _validate_world(cfg: Config, world_size: int, blocks: int, need):
     """The checks of a config against the ranks running it (more than one)."""
