@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..archs import DEFAULT_DEPTH, VIT_ARCHS, default_heads  # noqa: F401 (VIT_ARCHS re-exported)
-from .blocks import MixedPrecision
+from .blocks import MixedPrecision, joined
 
 
 
@@ -102,12 +102,12 @@ class ReversibleViTBlock(MixedPrecision, nn.Module):
     def forward(self, x):
         x1, x2 = x.chunk(2, dim=-1)
         y1 = x1 + self.sub(self.attn, x2)
-        return torch.cat([y1, x2 + self.sub(self.mlp, y1)], dim=-1)
+        return joined(x, -1, torch.add, x2, self.sub(self.mlp, y1), y1, op_first=False)
 
     def inverse(self, y):
         y1, y2 = y.chunk(2, dim=-1)
         x2 = y2 - self.sub(self.mlp, y1)
-        return torch.cat([y1 - self.sub(self.attn, x2), x2], dim=-1)
+        return joined(y, -1, torch.sub, y1, self.sub(self.attn, x2), x2)
 
     def backward_from_output(self, y, grad_y, need_grad_x=True):
         """Rebuild x from y with the current weights while recording the graphs of G and then F
@@ -127,10 +127,10 @@ class ReversibleViTBlock(MixedPrecision, nn.Module):
         x2_leaf = x2.detach().requires_grad_(need_grad_x)
         with torch.enable_grad():
             f = self.sub(self.attn, x2_leaf)
-        x1 = y1 - f.detach()
+        x = joined(y, -1, torch.sub, y1, f.detach(), x2)
         f.backward(grad_x1)
-        x = torch.cat([x1, x2], dim=-1)
-        grad_x = torch.cat([grad_x1, g2 + x2_leaf.grad], dim=-1) if need_grad_x else None
+        grad_x = (joined(grad_y, -1, torch.add, g2, x2_leaf.grad, grad_x1, op_first=False)
+                  if need_grad_x else None)
         return x, grad_x
 
 
