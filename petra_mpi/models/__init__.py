@@ -1,7 +1,8 @@
-from .blocks import PRECISIONS, BatchNorm2d, frozen_bn_stats, recorded_bn_stats, set_precision
+from .blocks import (PRECISIONS, BatchNorm2d, frozen_bn_stats, recorded_bn_stats, set_compiled,
+                     set_precision)
 from .builders import (ARCH_NAMES, ARCHS, NetSpec, Network, build_blocks, build_network,
                        count_parameters, num_blocks)
 
 __all__ = ["ARCH_NAMES", "ARCHS", "BatchNorm2d", "build_blocks", "build_network", "count_parameters",
            "frozen_bn_stats", "recorded_bn_stats", "NetSpec", "Network", "num_blocks", "PRECISIONS",
-           "set_precision"]
+           "set_compiled", "set_precision"]

@@ -86,13 +86,50 @@ class MixedPrecision:
     the storage dtype (float32), and a coupling block's inverse x2 = y1 - F(y2) cancels F up to
     float32 rounding: F is a deterministic function of (y2 = x1, θ) whatever its inner precision."""
     compute_dtype = None  # None: no autocast (set per block by set_precision)
+    compiled = None  # {sub-module: its torch.compile'd twin} once set_compiled has run
 
     def sub(self, module, x):
+        if self.compiled is not None:
+            module = self._compiled(module)
         if self.compute_dtype is None:
             return module(x)
         with torch.autocast(x.device.type, dtype=self.compute_dtype):
             out = module(x)
         return out.to(x.dtype)
+
+
+    def _compiled(self, module):
+        # torch.compile of the sub-module itself (not nn.Module.compile, whose compiled frame is
+        # torch's own _call_impl: dynamo skips it and would compile only our batch norms). The
+        # twin sits in a plain dict, outside the module tree: the state dict, the parameters and
+        # what torch's pipelining schedules inspect stay those of the eager module.
+        twin = self.compiled.get(module)
+        if twin is None:
+            twin = self.compiled[module] = torch.compile(module, dynamic=False)
+        return twin
+
+
+# Sequential.forward is one code object for every branch of a net, and dynamo keeps a graph per
+# shape, dtype, grad mode and batch-norm mode of each: far more than its default of 8, past
+# which it runs the rest eagerly without a word.
+COMPILED_GRAPHS_PER_CODE = 512
+
+
+def set_compiled(modules, on: bool = True):
+    """Make every MixedPrecision block among `modules` (and their children) run its sub-modules
+    (branches, shortcuts, bodies, heads) through torch.compile (model.compile): the forward, the
+    inverse and the rebuild with its backward all call them, so all three are compiled, each
+    graph once, at its first call (inductor: C++ on CPUs, Triton on GPUs)."""
+    if on:
+        import torch._dynamo
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, COMPILED_GRAPHS_PER_CODE)
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit,
+                                                 4 * COMPILED_GRAPHS_PER_CODE)
+    for top in modules:
+        for m in top.modules():
+            if isinstance(m, MixedPrecision):
+                m.compiled = {} if on else None
 
 
 def set_precision(modules, precision: str):
