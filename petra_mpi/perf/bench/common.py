@@ -125,3 +125,13 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": memory,
             "load_average": list(os.getloadavg()), "torch": torch.__version__,
             "python": platform.python_version()}
+
+
+def save_figure(fig, path, dpi=120) -> str:
+    """Lay out a matplotlib figure, write it to `path` (its folder made), close it; the path."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path

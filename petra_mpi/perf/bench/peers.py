@@ -66,11 +66,12 @@ from ...core.optim import constant_lr
 from ...core.planner import Layout
 from ...core.schedule import Kind, PetraSchedule
 from . import peers_layout
-from .common import emit, last_json_line, machine, process_memory_bytes, random_batch
+from .common import last_json_line, machine, process_memory_bytes, random_batch
 from .meter import ActivationMeter
+from .peers_report import report
 from .pipelining import (LR, MOMENTUM, SCHEDULES, SPLIT_BACKWARD, pipelining_contenders,
                          stages_per_rank)
-from .waterfall import STEPS, ScheduleClock, draw, ours_model, pipeline_model, waterfall
+from .waterfall import ScheduleClock, draw, ours_model, pipeline_model, waterfall
 
 SAME_NET = "_rev"  # suffix of the pipelining contenders on PETRA's own net
 REBUILDS = "petra_rebuild_last"  # PETRA whose last stage rebuilds (model.rebuild_last_stage)
@@ -340,30 +341,42 @@ class PeersBench:
 
     def __init__(self, a, world, work, layout=None):
         self.a, self.world, self.work, self.layout = a, world, work, layout
-        J, wanted = world.size, set(a.contenders)
         if layout:
             petra_split, rebuild_split, self.pt_splits = peers_layout.splits_of(layout)
             self.block_costs = peers_layout.costs_of(layout, a.batch) if world.rank == 0 else None
         else:
             petra_split, rebuild_split, self.pt_splits, self.block_costs = measured_splits(
                 a, world, work)
-        self.petra_split = a.partition or petra_split
+        self.petra_split = self.sizes = a.partition or petra_split
         self.rebuild_split = a.partition or rebuild_split
         # the kept plans' costs: the measured ones, unless --partition fixes our split
         self.costs = None if a.partition or not self.block_costs else self.block_costs["ours"]
-        self.sizes = self.petra_split
         self.sampler, self.clock = SampleAfterForward(), ForwardClock()
         self.stages = {}  # (split, switches) -> this rank's stage, shared by the variants on it
         # our contenders: name -> (engine, its stage on this rank, the stage's kept plan: None,
         # PETRA as in the paper)
-        self.variants = {}
-        self.net_of = {}
+        self.variants, self.net_of = {}, {}
         # kept variant -> its plan (peers_layout.plan_kept's entry), read or made here; the
         # budgets made here come from a pipeline's memory less ours: both run here too
         self.plans = {}
         if layout:
             self.add_planned(peers_layout.kept_of(layout, a.batch))
-        to_plan = {n for n in BUDGETS if n in wanted} - set(self.plans)
+        to_plan = {n for n in BUDGETS if n in a.contenders} - set(self.plans)
+        self.add_ours(to_plan)
+        self.M = a.pt_microbatches
+        self.add_pipelines({n for n in a.contenders if n in PIPELINES}
+                           | {BUDGETS[n][0] + SAME_NET for n in to_plan})
+        self.measured = {}  # contender -> [wall, compute, wait] seconds over its timed runs
+        g = torch.Generator().manual_seed(0)
+        self.data = [work.batch(a.batch, g) for _ in range(max(4, self.M))]
+        self.full_x = torch.cat([d[0] for d in self.data[:self.M]])
+        self.full_y = torch.cat([d[1] for d in self.data[:self.M]])
+        self.pt_steps = max(1, round(a.microbatches / self.M))
+
+    def add_ours(self, to_plan):
+        """Our contenders of a.contenders, and PETRA and its rebuilding variant where a budget
+        of `to_plan` is planned from their memory."""
+        wanted, work = set(self.a.contenders), self.work
         for m in ("petra", "backprop"):
             if m in wanted or m == "petra" and "petra_budget_1f1b" in to_plan:
                 self.variants[m] = self.ours_on(self.petra_split, m)
@@ -373,39 +386,33 @@ class PeersBench:
         if REBUILDS in wanted or "petra_budget_1f1b_checkpointed" in to_plan:
             self.variants[REBUILDS] = self.ours_on(self.rebuild_split, "petra")
         if PIPEDREAM in wanted:  # on the split of the pipelines that store their graphs too
-            split = self.pt_splits[work.arch][J]
+            split = self.pt_splits[work.arch][self.world.size]
             engine, stage, _ = self.ours_on(split, "petra")
-            self.variants[PIPEDREAM] = engine, stage, keeps_all(split)[world.rank]
-        nets = {"": work.plain, SAME_NET: work.arch}
-        self.M = a.pt_microbatches
-        names = {n for n in wanted if n in PIPELINES} | {BUDGETS[n][0] + SAME_NET
-                                                         for n in to_plan}
-        self.skipped = {}
-        if a.compile:
+            self.variants[PIPEDREAM] = engine, stage, keeps_all(split)[self.world.rank]
+        for name in self.variants:
+            self.net_of[name] = work.arch
+
+    def add_pipelines(self, names):
+        """torch's schedules of `names` (those that cannot run skipped, with the reason), each
+        watched by the schedule clock."""
+        work, self.skipped = self.work, {}
+        if self.a.compile:
             for name in sorted(names & set(ZERO_BUBBLES)):
                 self.skipped[name] = ("torch.compile: torch's pipelining cannot split a compiled "
                                       "backward into input and weight gradients")
             names -= set(ZERO_BUBBLES)
-        pts, skipped = pipelining_contenders(
-            world, {suffix: (lambda n=net: work.blocks(n), self.pt_splits[net])
-                    for suffix, net in nets.items()},
-            self.M, work.zeros(a.batch), names)
-        self.pts = pts
+        nets = {"": work.plain, SAME_NET: work.arch}
+        self.pts, skipped = pipelining_contenders(
+            self.world, {suffix: (lambda n=net: work.blocks(n), self.pt_splits[net])
+                         for suffix, net in nets.items()},
+            self.M, work.zeros(self.a.batch), names)
         self.skipped.update(skipped)
-        for name in self.variants:
-            self.net_of[name] = work.arch
         for name in [*self.pts, *self.skipped]:
             self.net_of[name] = work.arch if name.endswith(SAME_NET) else work.plain
         self.schedule_clock = ScheduleClock()
         for pt in self.pts.values():
             for stage in pt.stages:
                 self.schedule_clock.watch(stage, pt.opt)
-        self.measured = {}  # contender -> [wall, compute, wait] seconds over its timed runs
-        g = torch.Generator().manual_seed(0)
-        self.data = [work.batch(a.batch, g) for _ in range(max(4, self.M))]
-        self.full_x = torch.cat([d[0] for d in self.data[:self.M]])
-        self.full_y = torch.cat([d[1] for d in self.data[:self.M]])
-        self.pt_steps = max(1, round(a.microbatches / self.M))
 
     def ours_on(self, split, method, **switches):
         """(engine, stage, None) of our `method` on `split`: this rank's stage, shared with the
@@ -440,30 +447,6 @@ class PeersBench:
                    else None)
         engine.train_segment(batches, n)
         return n * self.a.batch
-
-    def add_kept_variants(self, peaks):
-        """PETRA with kept blocks, planned as training plans them: at a budget per rank of
-        1F1B's peak activation bytes less PETRA's own there (`peaks`: per contender and rank,
-        on rank 0), so that PETRA holds at most what 1F1B holds, and without a limit. Where our
-        split was measured, each variant's split is the measured balance redone with its plan's
-        costs (planner.plan_layout, as model.balance: measure does), and a variant whose split
-        differs runs on stages of its own. The plans are made on rank 0 on a fresh copy of the
-        net and sent to every rank."""
-        a, world, work = self.a, self.world, self.work
-        wanted = [n for n in KEPT if n in a.contenders and n not in self.plans]
-        plans = None
-        if world.rank == 0 and wanted:
-            budgets = {UNLIMITED: (None, None)}
-            for name, (rival, ours) in BUDGETS.items():
-                rival = next((n for n in (rival + SAME_NET, rival) if n in peaks), None)
-                if rival:  # the pipeline on PETRA's own net when it ran
-                    budgets[name] = ([max(0, f - p) for f, p in zip(peaks[rival], peaks[ours])],
-                                     rival)
-            plans = peers_layout.plan_kept(
-                work.net(work.arch), world.size, {n: budgets[n] for n in wanted if n in budgets},
-                self.costs, a.batch, self.sizes, self.rebuild_split,
-                self.sizes if self.costs is None else None, REBUILDING)
-        self.add_planned(world.bcast(plans) or {})
 
     def add_planned(self, plans):
         """Run the kept variants of `plans` ({name: peers_layout.plan_kept's entry}) that were
@@ -535,30 +518,56 @@ class PeersBench:
                     steady[name].append(steady_speed)
         return speeds, {name: v for name, v in steady.items() if v}, orders
 
-    def peak_bytes(self, names) -> tuple:
-        """(peak activation bytes, peak bytes of kept graphs) of each of `names` from one
-        untimed pass with the hooks on; per rank, gathered on rank 0. Ours count their FIFOs,
-        what autograd saves, their kept graphs (Stage.kept_bytes: activations, stashed
-        weights, inputs) and their stashed weights, together at every sample."""
-        world, peaks, kept = self.world, {}, {}
-        for m in [n for n in names if n in self.variants]:
-            stage = self.variants[m][1]
-            meter = ActivationMeter(stage, lambda s=stage: (t for f in s.fifos for t in f),
-                                    extra=lambda s=stage: s.kept_bytes + s.stash_bytes)
-            self.sampler.meter = meter
-            stage.reset_peaks()
-            try:
-                with meter.hooks():
-                    world.barrier()
-                    self.petra_run(m, self.a.microbatches)
-            finally:
-                self.sampler.meter = None
-            peaks[m], kept[m] = meter.peak, stage.peak_kept_bytes
-        for n in [n for n in names if n in self.pts]:
-            world.barrier()
-            peaks[n] = self.pts[n].measure(self.full_x, self.full_y)
-        return ({name: world.gather(peaks[name]) for name in names},
-                {name: world.gather(kept[name]) for name in kept})
+
+def plan_kept_here(bench, peaks):
+    """PETRA with kept blocks, planned as training plans them: at a budget per rank of
+    1F1B's peak activation bytes less PETRA's own there (`peaks`: per contender and rank, on
+    rank 0), so that PETRA holds at most what 1F1B holds, and without a limit. Where our split
+    was measured, each variant's split is the measured balance redone with its plan's costs
+    (planner.plan_layout, as model.balance: measure does), and a variant whose split differs
+    runs on stages of its own. The plans are made on rank 0 on a fresh copy of the net and sent
+    to every rank."""
+    a, world, work = bench.a, bench.world, bench.work
+    wanted = [n for n in KEPT if n in a.contenders and n not in bench.plans]
+    plans = None
+    if world.rank == 0 and wanted:
+        budgets = {UNLIMITED: (None, None)}
+        for name, (rival, ours) in BUDGETS.items():
+            rival = next((n for n in (rival + SAME_NET, rival) if n in peaks), None)
+            if rival:  # the pipeline on PETRA's own net when it ran
+                budgets[name] = ([max(0, f - p) for f, p in zip(peaks[rival], peaks[ours])],
+                                 rival)
+        plans = peers_layout.plan_kept(
+            work.net(work.arch), world.size, {n: budgets[n] for n in wanted if n in budgets},
+            bench.costs, a.batch, bench.sizes, bench.rebuild_split,
+            bench.sizes if bench.costs is None else None, REBUILDING)
+    bench.add_planned(world.bcast(plans) or {})
+
+
+def activation_peaks(bench, names) -> tuple:
+    """(peak activation bytes, peak bytes of kept graphs) of each of `names` from one untimed
+    pass of `bench` (PeersBench) with the hooks on; per rank, gathered on rank 0. Ours count
+    their FIFOs, what autograd saves, their kept graphs (Stage.kept_bytes: activations, stashed
+    weights, inputs) and their stashed weights, together at every sample."""
+    world, peaks, kept = bench.world, {}, {}
+    for m in [n for n in names if n in bench.variants]:
+        stage = bench.variants[m][1]
+        meter = ActivationMeter(stage, lambda s=stage: (t for f in s.fifos for t in f),
+                                extra=lambda s=stage: s.kept_bytes + s.stash_bytes)
+        bench.sampler.meter = meter
+        stage.reset_peaks()
+        try:
+            with meter.hooks():
+                world.barrier()
+                bench.petra_run(m, bench.a.microbatches)
+        finally:
+            bench.sampler.meter = None
+        peaks[m], kept[m] = meter.peak, stage.peak_kept_bytes
+    for n in [n for n in names if n in bench.pts]:
+        world.barrier()
+        peaks[n] = bench.pts[n].measure(bench.full_x, bench.full_y)
+    return ({name: world.gather(peaks[name]) for name in names},
+            {name: world.gather(kept[name]) for name in kept})
 
 
 def waterfalls(bench, names) -> dict:
@@ -613,29 +622,22 @@ def run(a):
     a.pt_microbatches = a.pt_microbatches or max(a.accumulation, world.size)
     dist = world.torch_distributed()  # torch's schedules run over gloo
     work = Workload.from_args(a)
-    layout = None
-    if a.layout:
-        try:
-            layout = peers_layout.read(a.layout, work, world.size)
-        except peers_layout.LayoutError as e:
-            if world.rank == 0:
-                print(f"petra_mpi.bench peers: {e}", file=sys.stderr)
-            raise SystemExit(2)
-    bench = PeersBench(a, world, work, layout)
+    bench = PeersBench(a, world, work, read_layout(a, world, work))
     # PETRA's kept budgets come from 1F1B's memory: measured first where they are planned here
     peak_bytes, kept_bytes = {}, {}
     if any(n in a.contenders and n not in bench.plans for n in KEPT):
         rivals = [n for n in (*bench.variants, *bench.pts) if n in ("petra", REBUILDS) or n in (
             r + suffix for r, _ in BUDGETS.values() for suffix in ("", SAME_NET))]
-        peak_bytes, kept_bytes = bench.peak_bytes(rivals)
-        bench.add_kept_variants(peak_bytes)
+        peak_bytes, kept_bytes = activation_peaks(bench, rivals)
+        plan_kept_here(bench, peak_bytes)
     names = bench.names()
     speeds, steady, orders = bench.rounds()
     # the real peak of each rank: what one contender alone made the process hold
     peak_rss = world.gather(process_memory_bytes()[0])
     extras = {}
     if not a.timing_only:
-        more_peaks, more_kept = bench.peak_bytes([n for n in names if n not in peak_bytes])
+        more_peaks, more_kept = activation_peaks(bench, [n for n in names
+                                                          if n not in peak_bytes])
         peak_bytes.update(more_peaks)
         kept_bytes.update(more_kept)
         extras["waterfall"] = waterfalls(bench, names)
@@ -649,7 +651,33 @@ def run(a):
         peers_layout.write(a.save_layout, peers_layout.make(
             work, world.size, bench.petra_split, bench.rebuild_split, bench.pt_splits,
             bench.block_costs, a.batch, bench.plans))
-    record = {"bench": "peers", "ranks": world.size, "threads": torch.get_num_threads(),
+    record = record_of(bench, speeds, steady, orders, extras)
+    record.update({"peak_activation_bytes": {n: peak_bytes[n] for n in names if n in peak_bytes},
+                   "peak_kept_bytes": {n: kept_bytes[n] for n in kept_bytes if n in names},
+                   "base_rss_bytes": base_rss})
+    if len(names) == 1:  # the process ran one contender: its high-water mark is that one's
+        record["peak_rss_bytes"] = {names[0]: peak_rss}
+    return record
+
+
+def read_layout(a, world, work):
+    """The layout of --layout (None without it); a file that is not one for this run ends it on
+    every rank, in one line from rank 0, exit status 2."""
+    if not a.layout:
+        return None
+    try:
+        return peers_layout.read(a.layout, work, world.size)
+    except peers_layout.LayoutError as e:
+        if world.rank == 0:
+            print(f"petra_mpi.bench peers: {e}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def record_of(bench, speeds, steady, orders, extras) -> dict:
+    """The JSON record of a run (on rank 0): its settings, splits and plans, each contender's
+    images/s per round and median, the ratios, and `extras` (the waterfall, the FLOPs)."""
+    a, work, J = bench.a, bench.work, bench.world.size
+    record = {"bench": "peers", "ranks": J, "threads": torch.get_num_threads(),
               "machine": machine(), "compile": a.compile,
               "transport": {"ours": "mpi" if a.transport == "mpi" else "gloo",
                             "pipelining": "gloo"},
@@ -658,21 +686,16 @@ def run(a):
               "accumulation": a.accumulation, "pt_microbatches": a.pt_microbatches,
               "rounds": a.rounds, "seed": a.seed, "orders": orders,
               "layout": a.layout, "partition": bench.sizes,
-              "pt_partition": bench.pt_splits[work.plain][world.size],
-              "pt_partition_rev": bench.pt_splits[work.arch][world.size],
-              "pt_partition_two_per_rank": {net: s.get(2 * world.size)
+              "pt_partition": bench.pt_splits[work.plain][J],
+              "pt_partition_rev": bench.pt_splits[work.arch][J],
+              "pt_partition_two_per_rank": {net: s.get(2 * J)
                                             for net, s in bench.pt_splits.items()},
-              "net": {name: bench.net_of[name] for name in names},
+              "net": {name: bench.net_of[name] for name in speeds},
               "images_per_s": {n: statistics.median(v) for n, v in speeds.items()},
               "images_per_s_rounds": speeds,
               "steady_images_per_s": {n: statistics.median(v) for n, v in steady.items()},
-              "steady_images_per_s_rounds": steady,
-              "peak_activation_bytes": {n: peak_bytes[n] for n in names if n in peak_bytes},
-              "peak_kept_bytes": {n: kept_bytes[n] for n in kept_bytes if n in names},
-              "base_rss_bytes": base_rss, **extras,
+              "steady_images_per_s_rounds": steady, **extras,
               "kept": {name: dict(entry) for name, entry in bench.plans.items()}}
-    if len(names) == 1:  # the process ran one contender: its high-water mark is that one's
-        record["peak_rss_bytes"] = {names[0]: peak_rss}
     record.update(ratios(speeds, steady))
     if work.context:  # a language model: every window is context tokens
         record["tokens_per_s"] = {n: v * work.context
@@ -706,83 +729,3 @@ def ratios(speeds, steady) -> dict:
                     out[key] = spreads[key]["median"]
     out["ratios"] = spreads
     return out
-
-
-def report(a, r):
-    """The table on rank 0, then the JSON line (nothing on the other ranks)."""
-    if r is None:
-        return
-    mib, M = 2.0 ** 20, r["pt_microbatches"]
-    net, plain = r["model"], r["plain_model"]
-    words = "tokens" if "tokens_per_s" in r else "images"
-    scale = r["context"] if "tokens_per_s" in r else 1
-    print(f"width {r['width']}, micro-batch {a.batch}, {r['ranks']} ranks x {r['threads']} "
-          f"threads, median (min-max) of {a.rounds} rounds in shuffled order; messages: ours "
-          f"over {r['transport']['ours']}, pipelining over {r['transport']['pipelining']}"
-          + ("; compiled (torch.compile)" if r["compile"] else ""))
-    print(f"ours: {net}, {a.microbatches} micro-batches per timed segment (fill and drain "
-          f"included; 'steady': without them), k = {a.accumulation}; pipelining: {M} "
-          f"micro-batches per step, {max(1, round(a.microbatches / M))} step(s) per timed "
-          f"segment; blocks per stage: ours {r['partition']}, pipelines on {plain} "
-          f"{r['pt_partition']}, on {net} {r['pt_partition_rev']}; two stages per rank: "
-          + ", ".join(f"{n} {s}" for n, s in r["pt_partition_two_per_rank"].items())
-          + (f"; layout from {r['layout']}" if r["layout"] else ""))
-    flops = r.get("flops_per_microbatch")
-    if flops:
-        print("GFLOPs per micro-batch (forward + backward): " + ", ".join(
-            f"{n} {(f['forward'] + f['backward']) / 1e9:.2f}" for n, f in flops.items()
-            if isinstance(f, dict)) + f", PETRA on {net} (rebuild included) "
-            f"{flops['petra'] / 1e9:.2f}")
-    # a cluster sizes every GPU for the rank that holds most: the fullest rank first
-    print(f"{'contender':<31} {'net':<9} {words + '/s':>9} {'min-max':>15} {'steady':>8}  "
-          f"{'fullest':>8}  peak activation MiB per rank")
-    rss = r.get("peak_rss_bytes", {})
-    for name, rounds in r["images_per_s_rounds"].items():
-        held = r["peak_activation_bytes"].get(name)
-        per_rank = " ".join(f"{b / mib:8.2f}" for b in held) if held else ""
-        fullest = f"{max(held) / mib:8.2f}" if held else f"{'':8}"
-        still = (f"{r['steady_images_per_s'][name] * scale:8.1f}"
-                 if name in r["steady_images_per_s"] else f"{'':8}")
-        span = f"{min(rounds) * scale:.1f}-{max(rounds) * scale:.1f}"
-        print(f"{name:<31} {r['net'][name]:<9} {r['images_per_s'][name] * scale:>9.1f} "
-              f"{span:>15} {still}  {fullest}  {per_rank}")
-        if name in rss:
-            print(f"{'':<31} real peak (VmHWM) MiB per rank: "
-                  + " ".join(f"{b / mib:.1f}" for b in rss[name]) + " (at start: "
-                  + " ".join(f"{b / mib:.1f}" for b in r["base_rss_bytes"]) + ")")
-    for name, why in r.get("skipped", {}).items():
-        print(f"{name:<31} did not run: {why}")
-    for name, k in r["kept"].items():
-        budget = ("no limit" if k["budget_bytes"] is None else "budget " + " ".join(
-            f"{b / mib:.2f}" for b in k["budget_bytes"]) + f" MiB per rank ({k['budget_from']}'s "
-            "peak less ours without kept blocks)")
-        held = r["peak_kept_bytes"].get(name)
-        print(f"{name}: blocks per stage {k['partition']}, kept graphs ({budget}) per stage "
-              f"{k['plan']}" + (f", peak kept MiB per rank "
-                                f"{' '.join(f'{b / mib:.2f}' for b in held)}" if held else "")
-              + f"; planned time {k['planned_relative_time']:.3f} of PETRA's on its split")
-    if r.get("waterfall"):
-        print("where the time goes, ms per micro-batch on the rank that computes most (the model "
-              "at isolated block costs, then what the run adds):")
-        print(f"{'contender':<31} {'rank':>4} {'model':>7} {'+compute':>10} {'+waiting':>10} "
-              f"{'+framework':>10} {'measured':>9}")
-        for name, w in r["waterfall"].items():
-            ms = 1e3 / w["microbatches"]
-            print(f"{name:<31} {w['rank']:>4} {w['model_s'] * ms:7.2f} " + " ".join(
-                f"{w['steps_s'][s_] * ms:+10.2f}" for s_ in STEPS[1:])
-                + f" {w['wall_s'] * ms:9.2f}")
-    pairs = r["ratios"]
-    if pairs:
-        print("ours / rival, images/s in the same round: median (min-max) of the rounds; "
-              "ours in steady state after the semicolon")
-        for key, v in pairs.items():
-            if key.startswith("steady_"):
-                continue
-            still = pairs.get("steady_" + key)
-            print(f"{key.replace('_vs_', ' / '):<54} {_cell(v)}"
-                  + (f"; {_cell(still)}" if still else ""))
-    emit(r)
-
-
-def _cell(v) -> str:
-    return f"{v['median']:.2f} ({v['min']:.2f}-{v['max']:.2f})"

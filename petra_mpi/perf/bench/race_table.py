@@ -10,7 +10,7 @@ import os
 import re
 import statistics
 
-from .common import emit, last_json_line
+from .common import emit, last_json_line, save_figure
 from .peers import RATIO_OURS, spread
 
 MIB = 2.0 ** 20
@@ -352,8 +352,4 @@ def draw(r, path) -> str:
     ax.set_ylabel("images/s (median, min-max over the rounds)")
     ax.set_title(f"{r['ranks']} ranks, {r['rounds']} rounds: PETRA (blue), delayed gradients "
                  "(green), torch's schedules (red)", fontsize=9)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
