@@ -97,7 +97,6 @@ class MixedPrecision:
             out = module(x)
         return out.to(x.dtype)
 
-
     def _compiled(self, module):
         # torch.compile of the sub-module itself (not nn.Module.compile, whose compiled frame is
         # torch's own _call_impl: dynamo skips it and would compile only our batch norms). The
