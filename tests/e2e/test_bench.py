@@ -419,6 +419,18 @@ def test_bench_race_tunes_plans_and_races_in_rounds(tmp_path):
     assert "bench race: -m" not in proc.stdout
 
 
+def test_race_script_passes_race_args_after_its_own(tmp_path):
+    """scripts/race.sh hands RACE_ARGS to bench race after its own options, so they win: here
+    --rounds 0 replaces the script's 5 and the race refuses it in one line, exit status 2,
+    before anything is launched."""
+    env = {**os.environ, "RACE_ARGS": "--rounds 0 --width 4"}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "race.sh"), str(tmp_path / "r")],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--rounds must be at least 1" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
 def test_bench_emulate_under_mpirun_4(tmp_path):
     """The emulated pipeline runs PETRA, backprop and pipelining's schedules on the real engines
     and reports every run with the model beside it (the figures are not checked: no timing);
