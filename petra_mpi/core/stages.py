@@ -94,6 +94,11 @@ class Stage(PollsBetweenBlocks, LossAtOnce, nn.Module):
     def kept_bytes(self) -> int:
         return self.kept_held.bytes
 
+    @property
+    def stash_bytes(self) -> int:
+        """The weights stashed for in-flight micro-batches now (stash_weights)."""
+        return _queued_bytes(self.stashes)
+
     def reset_peaks(self):
         """Start the peak byte counts afresh from what the stage holds now (a benchmark measures
         runs one after another on one stage)."""

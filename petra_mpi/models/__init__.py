@@ -1,5 +1,5 @@
 from .blocks import (PRECISIONS, BatchNorm2d, ReversibleBlock, frozen_bn_stats, recorded_bn_stats,
-                     set_precision)
+                     set_compiled, set_precision)
 from .builders import (ARCH_NAMES, ARCHS, NetSpec, Network, build_blocks, build_network,
                        count_parameters, num_blocks)
 from .coupling import AdditiveCoupling, AffineCoupling
@@ -8,4 +8,4 @@ from .own import OwnModelError
 __all__ = ["AdditiveCoupling", "AffineCoupling", "ARCH_NAMES", "ARCHS", "BatchNorm2d",
            "build_blocks", "build_network", "count_parameters", "frozen_bn_stats",
            "recorded_bn_stats", "NetSpec", "Network", "num_blocks", "OwnModelError", "PRECISIONS",
-           "ReversibleBlock", "set_precision"]
+           "ReversibleBlock", "set_compiled", "set_precision"]

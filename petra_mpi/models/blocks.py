@@ -60,6 +60,22 @@ class BatchNorm2d(nn.BatchNorm2d):
         self.running_var.copy_(m * var + (1 - m) * self.running_var)
 
 
+def joined(like, dim, op, a, b, other, op_first=True):
+    """torch.cat([op(a, b), other], dim), or [other, op(a, b)] without op_first, shaped as
+    `like`: op writes straight into its half of the result, which saves a temporary and a copy
+    of it (a coupling block's two streams are one tensor). Bitwise the cat's result. Under
+    autograd (an input that requires grad) it is the cat itself: an out= op records no graph."""
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or other.requires_grad):
+        return torch.cat([op(a, b), other] if op_first else [other, op(a, b)], dim)
+    out = torch.empty_like(like)
+    first, second = out.split([a.shape[dim], other.shape[dim]] if op_first
+                              else [other.shape[dim], a.shape[dim]], dim)
+    into, rest = (first, second) if op_first else (second, first)
+    op(a, b, out=into)
+    rest.copy_(other)
+    return out
+
+
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 
 
@@ -70,13 +86,49 @@ class MixedPrecision:
     the storage dtype (float32), and a coupling block's inverse x2 = y1 - F(y2) cancels F up to
     float32 rounding: F is a deterministic function of (y2 = x1, θ) whatever its inner precision."""
     compute_dtype = None  # None: no autocast (set per block by set_precision)
+    compiled = None  # {sub-module: its torch.compile'd twin} once set_compiled has run
 
     def sub(self, module, x):
+        if self.compiled is not None:
+            module = self._compiled(module)
         if self.compute_dtype is None:
             return module(x)
         with torch.autocast(x.device.type, dtype=self.compute_dtype):
             out = module(x)
         return out.to(x.dtype)
+
+    def _compiled(self, module):
+        # torch.compile of the sub-module itself (not nn.Module.compile, whose compiled frame is
+        # torch's own _call_impl: dynamo skips it and would compile only our batch norms). The
+        # twin sits in a plain dict, outside the module tree: the state dict, the parameters and
+        # what torch's pipelining schedules inspect stay those of the eager module.
+        twin = self.compiled.get(module)
+        if twin is None:
+            twin = self.compiled[module] = torch.compile(module, dynamic=False)
+        return twin
+
+
+# Sequential.forward is one code object for every branch of a net, and dynamo keeps a graph per
+# shape, dtype, grad mode and batch-norm mode of each: far more than its default of 8, past
+# which it runs the rest eagerly without a word.
+COMPILED_GRAPHS_PER_CODE = 512
+
+
+def set_compiled(modules, on: bool = True):
+    """Make every MixedPrecision block among `modules` (and their children) run its sub-modules
+    (branches, shortcuts, bodies, heads) through torch.compile (model.compile): the forward, the
+    inverse and the rebuild with its backward all call them, so all three are compiled, each
+    graph once, at its first call (inductor: C++ on CPUs, Triton on GPUs)."""
+    if on:
+        import torch._dynamo
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, COMPILED_GRAPHS_PER_CODE)
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit,
+                                                 4 * COMPILED_GRAPHS_PER_CODE)
+    for top in modules:
+        for m in top.modules():
+            if isinstance(m, MixedPrecision):
+                m.compiled = {} if on else None
 
 
 def set_precision(modules, precision: str):
@@ -150,11 +202,11 @@ class ReversibleBlock(MixedPrecision, nn.Module):
 
     def forward(self, x):
         x1, x2 = x.chunk(2, dim=1)
-        return torch.cat([x2 + self.f(x1), x1], dim=1)
+        return joined(x, 1, torch.add, x2, self.f(x1), x1)
 
     def inverse(self, y):
         y1, y2 = y.chunk(2, dim=1)
-        return torch.cat([y2, y1 - self.f(y2)], dim=1)
+        return joined(y, 1, torch.sub, y1, self.f(y2), y2, op_first=False)
 
     def backward_from_output(self, y, grad_y, need_grad_x=True):
         """Rebuild x from y with the current weights while recording the graph of F (one forward
@@ -165,10 +217,9 @@ class ReversibleBlock(MixedPrecision, nn.Module):
         x1 = y2.detach().requires_grad_(need_grad_x)
         with torch.enable_grad():
             f = self.f(x1)
-        x2 = y1 - f.detach()
+        x = joined(y, 1, torch.sub, y1, f.detach(), y2, op_first=False)
         f.backward(g1)
-        x = torch.cat([y2, x2], dim=1)
-        grad_x = torch.cat([g2 + x1.grad, g1], dim=1) if need_grad_x else None
+        grad_x = joined(grad_y, 1, torch.add, g2, x1.grad, g1) if need_grad_x else None
         return x, grad_x
 
 

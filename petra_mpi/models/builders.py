@@ -13,7 +13,7 @@ from ..config import model_kwargs
 from ..archs import (ARCH_NAMES, ARCHS, INVERTIBLE_ARCHS, VIT_ARCHS, default_heads,  # noqa: F401
                      is_import_path, num_blocks)
 from .blocks import (DownsampleBlock, Head, PadShortcut, ResidualBlock, ReversibleBlock, Stem,
-                     basic_branch, bottleneck_branch, conv_bn, set_precision)
+                     basic_branch, bottleneck_branch, conv_bn, set_compiled, set_precision)
 from .invertible import build_invertible_blocks
 from .lm import LM_ARCHS, build_lm_blocks
 from .own import build_own_blocks, own_net, remember
@@ -82,13 +82,14 @@ class NetSpec:
     model_kw: dict | None = None  # depth, heads, patch of revvit/vit; context ... of revlm/lm
     precision: str = "fp32"
     seed: int = 0
+    compile: bool = False  # the blocks' sub-modules through torch.compile (model.compile)
 
     @classmethod
     def of_config(cls, cfg, image_size: int = 32) -> "NetSpec":
         """The net of a run's config, taking images of side `image_size` (the loader's)."""
         return cls(cfg.model.arch, cfg.model.width, cfg.model.num_classes,
                    cfg.model.stem == "imagenet", image_size, model_kwargs(cfg),
-                   cfg.run.precision, cfg.run.seed)
+                   cfg.run.precision, cfg.run.seed, cfg.model.compile)
 
     def blocks(self) -> list[nn.Module]:
         """A fresh copy of the net's blocks, its weights from the seed alone (the global random
@@ -97,6 +98,7 @@ class NetSpec:
         blocks = build_blocks(self.arch, self.width, self.num_classes, self.imagenet_stem,
                               image_size=self.image_size, **(self.model_kw or {}))
         set_precision(blocks, self.precision)
+        set_compiled(blocks, self.compile)
         return blocks
 
     @classmethod

@@ -2,6 +2,8 @@
 each runs and reports its figures in its last line (no timed assertion), and says so clearly when
 asked for a GPU that is not there."""
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -171,9 +173,9 @@ def test_bench_peers_runs_every_contender(tmp_path):
     # depends on them
     figure = tmp_path / "waterfall.png"
     proc = mpirun(2, ["-m", "petra_mpi.bench", "peers", "--width", "4", "--batch", "8",
-                      "--microbatches", "6", "--accumulation", "2", "--rounds", "1",
+                      "--microbatches", "6", "--accumulation", "2", "--rounds", "2",
                       "--threads", "1", "--partition", "3,7", "--pt-partition", "2,8",
-                      "--waterfall", str(figure)], timeout=600)
+                      "--waterfall", str(figure)], timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(proc.stdout.strip().splitlines()[-1])
     assert f"waterfall: {figure}" in proc.stdout.splitlines()
@@ -182,7 +184,9 @@ def test_bench_peers_runs_every_contender(tmp_path):
     # rank that computes most; the steps add up to that rank's measured time, for ours and for
     # every pipeline the model runs (not zero bubble)
     falls = record["waterfall"]
-    assert set(falls) == {n for n in record["images_per_s"] if not n.startswith("zero_bubble")}
+    one_stage_per_rank = {n for n in record["images_per_s"] if not n.startswith(
+        ("zero_bubble", "interleaved_1f1b", "zbv", "dualpipev"))}
+    assert set(falls) == one_stage_per_rank
     for name, w in falls.items():
         assert w["model_s"] > 0 and w["microbatches"] == 6, name
         assert sum(w["steps_s"].values()) == pytest.approx(w["wall_s"]), name
@@ -192,20 +196,37 @@ def test_bench_peers_runs_every_contender(tmp_path):
             assert 0 < r["compute_s"] < r["wall_s"] and 0 <= r["wait_s"] < r["wall_s"], name
     assert record["bench"] == "peers" and record["ranks"] == 2
     assert record["transport"] == {"ours": "mpi", "pipelining": "gloo"}
+    # the machine and the allocator it ran on
+    assert record["machine"]["cores"] >= 1 and record["allocator"] == "glibc-keep"
     # one update per K micro-batches for every contender: a pipelining step runs max(K, J)
     assert record["accumulation"] == 2 and record["pt_microbatches"] == 2
     # the pipelines on PETRA's own net take its split when the splits are given
     assert record["partition"] == [3, 7] and record["pt_partition"] == [2, 8]
     assert record["pt_partition_rev"] == [3, 7]
-    ours = {"petra", "backprop", "petra_budget_1f1b", "petra_unlimited", "petra_rebuild_last",
-            "petra_budget_1f1b_checkpointed"}
-    pipelines = {"gpipe", "1f1b", "1f1b_checkpointed"}
+    # two stages per rank: each given stage's blocks in two
+    assert record["pt_partition_two_per_rank"] == {"resnet18": [1, 1, 4, 4],
+                                                   "revnet18": [1, 2, 3, 4]}
+    ours = {"petra", "backprop", "delayed", "pipedream", "petra_budget_1f1b", "petra_unlimited",
+            "petra_rebuild_last", "petra_budget_1f1b_checkpointed"}
+    pipelines = {"gpipe", "1f1b", "1f1b_checkpointed", "interleaved_1f1b", "zbv"}
     names = ours | pipelines | {p + "_rev" for p in pipelines}
     ran = set(record["images_per_s"])
     assert names <= ran
     assert ran - names <= {"zero_bubble", "zero_bubble_rev"}
     for zb in ("zero_bubble", "zero_bubble_rev"):
         assert (zb in ran) != (zb in record.get("skipped", {}))
+    # DualPipeV needs as many micro-batches per step (2) as pipeline stages (4): it says so
+    for name in ("dualpipev", "dualpipev_rev"):
+        assert "at least as many microbatches as stages" in record["skipped"][name]
+        assert any(ln.split()[:1] == [name] and "did not run: ValueError: DualPipeV requires"
+                   in ln for ln in proc.stdout.splitlines()), name
+    # two rounds, each contender once in each, in an order shuffled per round
+    assert len(record["orders"]) == 2 and record["orders"][0] != record["orders"][1]
+    assert all(sorted(order) == sorted(ran) for order in record["orders"])
+    for name in ran:
+        assert len(record["images_per_s_rounds"][name]) == 2, name
+        assert record["images_per_s"][name] == pytest.approx(
+            sum(record["images_per_s_rounds"][name]) / 2)
     # which net each contender trains: ours and the *_rev pipelines the reversible one
     assert {n for n in ran if record["net"][n] == "revnet18"} == ours | {
         n for n in ran if n.endswith("_rev")}
@@ -225,16 +246,35 @@ def test_bench_peers_runs_every_contender(tmp_path):
         assert len(peaks) == 2 and min(peaks) > 0, (name, peaks)
     # ours also in steady state (6 micro-batches, k = 2: stage 0's forwards 2 to 4)
     assert set(record["steady_images_per_s"]) == ours
-    for rival in ("1f1b", "1f1b_checkpointed", "1f1b_rev", "1f1b_checkpointed_rev"):
+    for rival in ("1f1b", "1f1b_checkpointed", "1f1b_rev", "1f1b_checkpointed_rev", "zbv_rev",
+                  "interleaved_1f1b", "delayed", "pipedream"):
         for key in (f"petra_vs_{rival}", f"steady_petra_vs_{rival}"):
             assert record[key] > 0, key
-    assert record["steady_petra_vs_1f1b_rev"] == pytest.approx(
-        record["steady_images_per_s"]["petra"] / record["images_per_s"]["1f1b_rev"])
-    # the table gives each contender's fullest rank first (what a cluster sizes its GPUs for)
+    # every ratio is taken within a round: its median over the rounds, with the range
+    per_round = [m / r for m, r in zip(record["steady_images_per_s_rounds"]["petra"],
+                                       record["images_per_s_rounds"]["1f1b_rev"])]
+    spread = record["ratios"]["steady_petra_vs_1f1b_rev"]
+    assert record["steady_petra_vs_1f1b_rev"] == spread["median"] == pytest.approx(
+        sum(per_round) / 2)
+    assert (spread["min"], spread["max"]) == pytest.approx((min(per_round), max(per_round)))
+    # the table: per contender its net, images/s with the range over the rounds, and its
+    # fullest rank first (what a cluster sizes its GPUs for), then every rank
+    rows = {}
+    for ln in proc.stdout.splitlines():  # the first line of each name (the waterfall's follow)
+        if ln.split()[:1] and ln.split()[0] in ran:
+            rows.setdefault(ln.split()[0], ln.split())
     for name in ran:
-        row = next(ln.split() for ln in proc.stdout.splitlines() if ln.split()[:1] == [name])
+        row, rounds = rows[name], record["images_per_s_rounds"][name]
+        assert row[1] == record["net"][name]
+        assert float(row[2]) == pytest.approx(record["images_per_s"][name], abs=0.06)
+        assert row[3] == f"{min(rounds):.1f}-{max(rounds):.1f}"
         assert float(row[-3]) == pytest.approx(
             max(record["peak_activation_bytes"][name]) / 2**20, abs=0.006), row
+    # and the ratios' lines: median (min-max) over the rounds
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("petra / 1f1b_rev "))
+    plain = record["ratios"]["petra_vs_1f1b_rev"]
+    assert line.split()[3:5] == [f"{plain['median']:.2f}",
+                                 f"({plain['min']:.2f}-{plain['max']:.2f});"]
     # PETRA with kept blocks: at a budget of 1F1B's peak on the same net less its own, its kept
     # graphs (activations, stashed weights, inputs) stay within the budget, so it holds at most
     # what 1F1B holds where it keeps anything; only stage 0 has micro-batches in flight at
@@ -265,6 +305,130 @@ def test_bench_peers_runs_every_contender(tmp_path):
     assert kept["petra_unlimited"] == unlimited["planned_kept_bytes"]
     assert kept["petra_unlimited"][0] >= kept["petra_budget_1f1b"][0]
     assert kept["petra"] == kept["backprop"] == [0, 0]
+    # delayed stashes weights and buffers every block's input; PipeDream keeps every graph of
+    # stage 0's two in-flight micro-batches: both hold more than PETRA there
+    assert peaks["delayed"][0] > peaks["petra"][0]
+    assert kept["pipedream"][0] > 0 and peaks["pipedream"][0] > peaks["petra"][0]
+    assert kept["pipedream"][1] == 0  # the last stage holds nothing in flight
+
+
+PEERS_TINY = ["-m", "petra_mpi.bench", "peers", "--width", "4", "--batch", "8",
+              "--microbatches", "6", "--accumulation", "2", "--rounds", "1", "--threads", "1"]
+
+
+def test_bench_peers_one_contender_on_a_saved_layout(tmp_path):
+    """--save-layout writes the splits, the kept plans and the block costs; --layout runs on
+    them without measuring or planning again, and a run of one contender gives each rank's real
+    peak (its process's high-water mark). A layout made for another run is refused in one
+    line, exit status 2."""
+    layout = tmp_path / "layout.json"
+    first = last_json(mpirun(2, [*PEERS_TINY, "--contenders", "petra,petra_budget_1f1b",
+                                 "--save-layout", layout], timeout=600))
+    saved = json.loads(layout.read_text())
+    assert saved["kept"]["petra_budget_1f1b"] == first["kept"]["petra_budget_1f1b"]
+    assert saved["splits"]["ours"] == first["partition"] and set(saved["costs"]) == {"8"}
+    # the budget came from 1F1B on the same net, built and measured, not timed
+    assert set(first["images_per_s"]) == {"petra", "petra_budget_1f1b"}
+    proc = mpirun(2, [*PEERS_TINY, "--contenders", "petra_budget_1f1b", "--layout", layout,
+                      "--timing-only"], timeout=600)
+    again = last_json(proc)
+    assert again["kept"]["petra_budget_1f1b"] == first["kept"]["petra_budget_1f1b"]
+    assert list(again["images_per_s"]) == ["petra_budget_1f1b"] and again["layout"] == str(
+        layout)
+    rss = again["peak_rss_bytes"]["petra_budget_1f1b"]
+    assert len(rss) == 2 and all(p >= b > 0 for p, b in zip(rss, again["base_rss_bytes"]))
+    assert again["peak_activation_bytes"] == {} and "waterfall" not in again  # --timing-only
+    line = next(ln for ln in proc.stdout.splitlines() if "real peak (VmHWM)" in ln)
+    assert line.split(": ")[1].split()[:2] == [f"{b / 2**20:.1f}" for b in rss]
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**saved, "width": 8}))
+    proc = mpirun(2, [*PEERS_TINY, "--contenders", "petra", "--layout", other], timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"petra_mpi.bench peers: {other}: made for width 8, this run has 4" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bench_peers_compiled():
+    """--compile: every contender's blocks through torch.compile; the schedules that split the
+    backward cannot take compiled stages and say so."""
+    proc = mpirun(2, [*PEERS_TINY, "--contenders", "petra,1f1b,zero_bubble", "--compile",
+                      "--timing-only", "--partition", "3,7", "--pt-partition", "2,8"],
+                  timeout=1200)
+    record = last_json(proc)
+    assert record["compile"] and set(record["images_per_s"]) == {"petra", "1f1b"}
+    assert "torch.compile" in record["skipped"]["zero_bubble"]
+    assert "; compiled (torch.compile)" in proc.stdout.splitlines()[0]
+
+
+def test_bench_race_tunes_plans_and_races_in_rounds(tmp_path):
+    """bench race: tuning runs at two micro-batch sizes, each contender at its faster one (and
+    net), the kept plan made once from the chosen 1F1B's memory, then rounds of one launch per
+    contender; the table reads them. Run again on its output, it launches nothing."""
+    out = tmp_path / "race"
+    contenders = ["petra", "pipedream", "1f1b", "petra_budget_1f1b", "petra_rebuild_last"]
+    argv = [sys.executable, "-m", "petra_mpi.bench", "race", "--rounds", "2", "--batches",
+            "8,4", "--update", "16", "--width", "4", "--microbatches", "1",
+            "--tune-microbatches", "1", "--threads", "1", "--contenders", ",".join(contenders),
+            "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800, cwd=ROOT, env=env)
+    record = last_json(proc)
+    tuned = {b: json.loads((out / "tune" / f"batch{b}.txt").read_text().splitlines()[-1])
+             for b in (8, 4)}
+    settings = json.loads((out / "settings.json").read_text())
+    # each contender at its faster micro-batch (PETRA's kept variant at PETRA's), 1F1B on its
+    # faster net; every tuning run at the same images per update
+    assert all(t["batch"] * t["accumulation"] == 16 for t in tuned.values())
+    for name in ("petra", "pipedream", "1f1b", "petra_rebuild_last"):
+        runs = settings[name]["contender"]
+        assert runs in (name, name + "_rev")
+        assert settings[name]["batch"] == max(
+            tuned, key=lambda b: tuned[b]["images_per_s"].get(runs, 0)), name
+    assert settings["petra_budget_1f1b"]["batch"] == settings["petra"]["batch"]
+    # the kept plan, made once: 1F1B's activation bytes at its settings less PETRA's at its own
+    kept = json.loads((out / "layout_kept.json").read_text())["kept"]["petra_budget_1f1b"]
+    rival, b = settings["1f1b"]["contender"], settings["1f1b"]["batch"]
+    petra = tuned[settings["petra"]["batch"]]["peak_activation_bytes"]["petra"]
+    assert kept["budget_from"] == rival and kept["budget_bytes"] == [
+        max(0, f - p) for f, p in zip(tuned[b]["peak_activation_bytes"][rival], petra)]
+    # two rounds of one launch per contender, in shuffled orders, each on the fixed layout
+    assert len(list((out / "rounds").glob("round*_*.txt"))) == 2 * len(contenders)
+    launched = re.findall(r"^bench race: round \d of 2, \d of 5: (\S+) at", proc.stdout, re.M)
+    assert sorted(launched[:5]) == sorted(launched[5:]) and launched[:5] != launched[5:]
+    assert record["bench"] == "race" and record["rounds"] == 2
+    for name in contenders:
+        c = record["contenders"][name]
+        assert c["runs"] == 2 and len(c["real_peak_bytes"]) == 2, name
+        assert c["real_peak_fullest_bytes"] == max(c["real_peak_bytes"]) > 0, name
+        assert len(c["peak_activation_bytes"]) == 2, name  # counted in the first round
+    ratio = record["ratios"]["petra / 1f1b"]
+    assert ratio["of"] == 2 and ratio["min"] <= ratio["median"] <= ratio["max"]
+    # the table: a row per contender with its net, micro-batch, k and median images/s
+    rows = {}
+    for ln in proc.stdout.splitlines():  # the first line of each name (the ratios' follow)
+        if ln.split()[:1] and ln.split()[0].lstrip("*") in contenders:
+            rows.setdefault(ln.split()[0].lstrip("*"), ln.split())
+    for name in contenders:
+        c = record["contenders"][name]
+        assert rows[name][1:4] == [c["net"], str(c["batch"]), str(c["accumulation"])], name
+        assert float(rows[name][4]) == pytest.approx(c["images_per_s"]["median"], abs=0.06)
+    assert (out / "race.png").stat().st_size > 10_000
+    # the same race again: every launch is on disk, so nothing runs and the figures are the same
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert last_json(proc)["contenders"] == record["contenders"]
+    assert "bench race: -m" not in proc.stdout
+
+
+def test_race_script_passes_race_args_after_its_own(tmp_path):
+    """scripts/race.sh hands RACE_ARGS to bench race after its own options, so they win: here
+    --rounds 0 replaces the script's 5 and the race refuses it in one line, exit status 2,
+    before anything is launched."""
+    env = {**os.environ, "RACE_ARGS": "--rounds 0 --width 4"}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "race.sh"), str(tmp_path / "r")],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--rounds must be at least 1" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "r").exists()
 
 
 def test_bench_emulate_under_mpirun_4(tmp_path):

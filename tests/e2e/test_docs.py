@@ -69,6 +69,9 @@ KINDS = {
         ("run", r"^  petra @1f1b .* 188 images/s"),
     'python -m petra_mpi.plot': ("usage", None),  # the program named in prose
     # docs/benchmarks.md
+    'bash scripts/race.sh': ("bench", None),  # the race: an hour and more on an idle machine
+    'python -m petra_mpi.bench race --table runs/race/eager --accuracy docs/results/fashion_mnist --emulated docs/results/pareto/J10_paper_run1.txt --target 0.9':
+        ("bench", None),  # the table of that race
     'python -m petra_mpi.export runs/quickstart --out model.pt':
         ("run", r"^exported revnet18 from \S*runs/quickstart/checkpoints/ckpt-e00001"),
     'python -m petra_mpi.evaluate model.pt': ("long", r"^revnet18 on synthetic \(val, 1000 "
@@ -222,6 +225,11 @@ KINDS = {
     'mpirun -n J python -m petra_mpi.bench peers [--model revnet18|revlm] [--width 32] [--batch 64]':
         ("usage", None),
     'python -m petra_mpi.bench peers --plot RUN.txt --waterfall FILE.png': ("usage", None),
+    'python -m petra_mpi.bench race [--ranks 2] [--rounds 5] [--batches 64,32,16] [--update 256]':
+        ("usage", None),
+    'python -m petra_mpi.bench race --table runs/race [--accuracy DIR ...] [--emulated RUN.txt]':
+        ("usage", None),
+    'python -m petra_mpi.bench race': ("bench", None),
     'mpirun -n J python -m petra_mpi.bench pipeline': ("usage", None),
     '[mpirun -n P] python -m petra_mpi.bench scaling': ("usage", None),
     'mpirun -n J python -m petra_mpi.bench emulate': ("usage", None),

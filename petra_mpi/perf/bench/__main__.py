@@ -1,5 +1,6 @@
 """`python -m petra_mpi.bench NAME [options]`: overhead, pipeline, peers, scaling, replicas and
-emulate (under mpirun), data, memory, project; link (as root: it starts mpirun itself).
+emulate (under mpirun), data, memory, project; race and link (they start mpirun themselves;
+link as root).
 
 Each benchmark prints a readable table and, as its very last line, one JSON object of figures."""
 import importlib
@@ -9,7 +10,7 @@ from .. import allocator
 from ...comm.world import launcher_rank_and_size, run_guarded
 
 BENCHES = ("overhead", "pipeline", "peers", "scaling", "replicas", "emulate", "data",
-           "memory", "project", "link")
+           "memory", "project", "race", "link")
 
 
 def main(argv=None):

@@ -1,5 +1,8 @@
 """Shared helpers of the benchmarks."""
 import json
+import os
+import platform
+import resource
 import statistics
 import time
 
@@ -91,3 +94,44 @@ def last_json_line(path) -> dict:
             except json.JSONDecodeError:
                 continue
     raise ValueError(f"{path}: no line of JSON figures (is it a benchmark's output?)")
+
+
+def process_memory_bytes() -> tuple:
+    """(peak, now) of this process's resident memory, as the kernel counts it (VmHWM and VmRSS:
+    everything the process touched, the allocator's cached pages, communication buffers,
+    gradients, optimizer state and libraries included); without /proc, the peak from getrusage
+    for both."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return tuple(int(fields[k].split()[0]) * 1024 for k in ("VmHWM", "VmRSS"))
+    except (OSError, KeyError, ValueError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return peak, peak
+
+
+def machine() -> dict:
+    """What a benchmark ran on: the CPU, its cores, the memory, the load when it was asked, and
+    the software (the allocator is added by `emit`)."""
+    cpu, memory = platform.processor() or platform.machine(), None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
+        with open("/proc/meminfo") as f:
+            memory = int(f.readline().split()[1]) * 1024  # MemTotal, kB
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": memory,
+            "load_average": list(os.getloadavg()), "torch": torch.__version__,
+            "python": platform.python_version()}
+
+
+def save_figure(fig, path, dpi=120) -> str:
+    """Lay out a matplotlib figure, write it to `path` (its folder made), close it; the path."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path

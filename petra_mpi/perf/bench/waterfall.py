@@ -17,11 +17,11 @@ ideal idle time I* (fill and drain, the bubble, waiting on a slower stage). Then
 - framework (W - C - wait): the trainer's own time outside compute and waits (the schedule's
   bookkeeping, posting and polling messages, Python).
 """
-import os
 import time
 from dataclasses import replace
 
 from .. import model as perfmodel
+from .common import save_figure
 
 FREE_LINK = perfmodel.Link(0.0, float("inf"))
 STEPS = ("model", "compute above isolated", "waiting beyond model", "framework")
@@ -162,8 +162,4 @@ def draw(record: dict, path: str, names=None) -> str:
         row[0].set_ylabel("ms per micro-batch")
     fig.suptitle(f"{record['model']}, {record['ranks']} ranks: the model at isolated block costs, "
                  "then what the run adds (rank that computes most)", fontsize=9)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
