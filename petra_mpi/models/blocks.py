@@ -98,9 +98,9 @@ class MixedPrecision:
         return out.to(x.dtype)
 
     def _compiled(self, module):
-        # torch.compile of the sub-module itself (not nn.Module.compile, whose compiled frame is
-        # torch's own _call_impl: dynamo skips it and would compile only our batch norms). The
-        # twin sits in a plain dict, outside the module tree: the state dict, the parameters and
+        # torch.compile of the sub-module itself (not torch.nn.Module.compile, whose compiled
+        # frame is torch's own _call_impl: dynamo skips it and would compile only our batch
+        # norms). The twin sits in a plain dict, outside the module tree: the state dict, the parameters and
         # what torch's pipelining schedules inspect stay those of the eager module.
         twin = self.compiled.get(module)
         if twin is None:
