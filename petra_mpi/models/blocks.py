@@ -100,8 +100,9 @@ class MixedPrecision:
     def _compiled(self, module):
         # torch.compile of the sub-module itself (not torch.nn.Module.compile, whose compiled
         # frame is torch's own _call_impl: dynamo skips it and would compile only our batch
-        # norms). The twin sits in a plain dict, outside the module tree: the state dict, the parameters and
-        # what torch's pipelining schedules inspect stay those of the eager module.
+        # norms). The twin sits in a plain dict, outside the module tree: the state dict, the
+        # parameters and what torch's pipelining schedules inspect stay those of the eager
+        # module.
         twin = self.compiled.get(module)
         if twin is None:
             twin = self.compiled[module] = torch.compile(module, dynamic=False)
