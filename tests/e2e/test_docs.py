@@ -210,6 +210,8 @@ KINDS = {
     'mpirun -n 18 python -m petra_mpi.train configs/invertible/imagenet_petra.yaml':
         ("download", None),
     'python -m petra_mpi.train configs/fashion_mnist.yaml': ("download", None),
+    'mpirun -n 2 python -m petra_mpi.train configs/fashion_mnist.yaml --set model.stages=2 --set data.batch_size=16 --set train.update_batch=128 --set train.epochs=1 --set train.limit_batches=800 --set train.limit_eval_batches=1 --set run.threads=1 --set model.balance=estimate':
+        ("download", None),
     'python -m petra_mpi.train configs/fashion_mnist.yaml --set model.stages=10 --set data.batch_size=16 --set train.update_batch=128 --set model.balance=estimate --set run.threads=1 --set run.out_dir=runs/fmnist/petra_J10_mb16_s0':
         ("download", None),
     'python -m petra_mpi.train configs/fashion_mnist.yaml --set model.stages=10 --set data.batch_size=16 --set train.update_batch=128 --set train.method=backprop --set model.balance=estimate --set run.threads=1 --set run.out_dir=runs/fmnist/backprop_J10_mb16_s0':
