@@ -123,6 +123,8 @@ KINDS = {
     'mpirun -n 10 python -m petra_mpi.bench emulate --pareto runs/bench/pareto.png':
         ("site", None),  # 10 ranks: as the plain run above
     'mpirun -n 10 python -m petra_mpi.bench emulate --framework J2.txt': ("site", None),
+    "mpirun -n 10 python -m petra_mpi.bench emulate --costs measured --width 12 --batch 16 --microbatches 8 --methods petra --budgets ''":
+        ("site", None),
     'mpirun -n 10 python -m petra_mpi.bench emulate --rounds 2 --costs balanced --framework J2.txt':
         ("site", None),
     'python -m petra_mpi.bench emulate --plot RUN.txt --pareto pareto.png': ("usage", None),
