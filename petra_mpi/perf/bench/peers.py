@@ -245,7 +245,11 @@ def parse_args(argv):
     p.add_argument("--waterfall", metavar="PNG", help="draw the waterfalls to this file")
     p.add_argument("--plot", metavar="RUN.txt",
                    help="no run: draw the waterfalls of a saved output (its JSON last line)")
-    a = p.parse_args(argv)
+    return _checked(p, p.parse_args(argv))
+
+
+def _checked(p, a):
+    """The options that argparse cannot check alone, each refused in one line."""
     if a.accumulation < 1:
         p.error("--accumulation must be at least 1")
     if a.rounds < 1:
