@@ -6,7 +6,7 @@
 
 Trains every (method, J, seed) with the recipe of --config, each run in one process (the local
 engine runs the schedule of the MPI engine, so the figures are those of `mpirun -n J`) and in
-its own folder OUT/<method>_J<J>_s<seed>. A finished run (summary.json present) is kept and an
+its own folder OUT/<method>_J<J>_mb<micro-batch>_s<seed>. A finished run (summary.json present) is kept and an
 interrupted one resumes from its last checkpoint, so the command can be started again until it is
 done. Then it draws each J's learning curves with `python -m petra_mpi.plot` into OUT/J<J>/ and
 prints a table (also written to OUT/table.md): per J and method the final test accuracy (median
@@ -25,6 +25,8 @@ import statistics
 import subprocess
 import sys
 
+from petra_mpi.config import load_config
+
 METHOD_SETTINGS = {
     "petra": ["train.method=petra"],
     "backprop": ["train.method=backprop"],
@@ -35,8 +37,11 @@ METHOD_SETTINGS = {
 }
 
 
-def run_dir(out, method, stages, seed):
-    return os.path.join(out, f"{method}_J{stages}_s{seed}")
+def run_dir(args, method, stages, seed):
+    """The run's folder, named as `bench race --accuracy` reads it (the micro-batch in the name
+    since the same images per update can come in micro-batches of any size)."""
+    batch = load_config(args.config, args.set).data.batch_size
+    return os.path.join(args.out, f"{method}_J{stages}_mb{batch}_s{seed}")
 
 
 def runs_of(args):
@@ -53,7 +58,7 @@ def trained_at(args, method, stages):
 
 
 def train(args, method, stages, seed):
-    folder = run_dir(args.out, method, stages, seed)
+    folder = run_dir(args, method, stages, seed)
     if os.path.isfile(os.path.join(folder, "summary.json")):
         print(f"kept: {folder} (finished)", flush=True)
         return
@@ -79,7 +84,7 @@ def report(args):
     acc, minutes = {}, {}
     for method in args.methods:
         for stages in sorted({trained_at(args, method, j) for j in args.stages}):
-            runs = [run_dir(args.out, method, stages, s) for s in args.seeds]
+            runs = [run_dir(args, method, stages, s) for s in args.seeds]
             done = [summary(r) for r in runs if os.path.isfile(os.path.join(r, "summary.json"))]
             if done:
                 acc[method, stages] = [s["val_acc"] for s in done]
@@ -104,7 +109,7 @@ def plot(args):
         runs, labels = [], []
         for method in args.methods:
             for seed in args.seeds:
-                folder = run_dir(args.out, method, trained_at(args, method, stages), seed)
+                folder = run_dir(args, method, trained_at(args, method, stages), seed)
                 if os.path.isfile(os.path.join(folder, "metrics.jsonl")):
                     runs.append(folder)
                     labels.append(f"{method} seed {seed}")

@@ -3,9 +3,9 @@
 # stop it as a scheduler would: SIGTERM, so it drains, checkpoints and exits; running the same
 # command with a larger N (or `python -m petra_mpi.train ...` alone) resumes it.
 #   scripts/train_epochs.sh N OUT_DIR CONFIG [--set KEY=VALUE ...]
-# e.g. the first 2 of the 9 epochs of PETRA at J = 10 with k = 8:
+# e.g. the first 2 of the 9 epochs of PETRA at J = 10, micro-batch 64 with k = 8:
 #   scripts/train_epochs.sh 2 runs/probe_k8 configs/fashion_mnist.yaml --set model.stages=10 \
-#       --set train.accumulation=8
+#       --set data.batch_size=64 --set train.accumulation=8
 set -euo pipefail
 [ $# -ge 3 ] || { sed -n 2,8p "$0" >&2; exit 2; }
 epochs=$1 out=$2 config=$3

@@ -286,7 +286,7 @@ KINDS = {
     'python -m petra_mpi.train configs/lm/shakespeare_cpu.yaml --set model.stages=4':
         ("download", None),
     'python -m petra_mpi.train configs/lm/shakespeare_cpu_j4.yaml': ("download", None),
-    'python -m petra_mpi.train configs/lm/shakespeare_cpu.yaml --set model.stages=6 --set data.batch_size=3 --set train.accumulation=4 --set train.limit_batches=2000 --set train.limit_eval_batches=400 --set optim.delay_free_momentum=0 --set run.threads=1':
+    'python -m petra_mpi.train configs/lm/shakespeare_cpu.yaml --set run.threads=1':
         ("download", None),
     'mpirun -n 2 python -m petra_mpi.bench peers --model revlm --batch 12 --accumulation 1':
         ("bench", None),

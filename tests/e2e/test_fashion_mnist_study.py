@@ -36,7 +36,7 @@ def test_study_runs_tabulates_and_keeps_finished_runs(tmp_path):
     for method in ("petra", "backprop"):
         acc[method] = []
         for seed in (0, 1):
-            summary = json.loads((out / f"{method}_J2_s{seed}" / "summary.json").read_text())
+            summary = json.loads((out / f"{method}_J2_mb16_s{seed}" / "summary.json").read_text())
             assert (summary["method"], summary["stages"]) == (method, 2)
             acc[method].append(summary["val_acc"])
     check_png(out / "J2" / "accuracy.png")

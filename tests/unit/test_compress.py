@@ -272,7 +272,7 @@ def test_a_buffer_that_would_decode_non_finite_stops_the_backward_that_takes_it(
     x = torch.randn(2, 3, 32, 32)
     x[1, 2, 3, 4] = bad
     y = stage.forward(x, b=0)
-    with pytest.raises(NonFiniteError, match=f"in the input stage 0 keeps for its backward"):
+    with pytest.raises(NonFiniteError, match="in the input stage 0 keeps for its backward"):
         stage.backward(y, torch.randn_like(y), b=0)
 
 

@@ -296,6 +296,42 @@ def test_update_batch_and_accumulation_in_layers(tmp_path):
     assert (later.train.accumulation, later.train.update_batch) == (4, 0)
 
 
+# the deep CPU configs (file: J, updates stage 0 may be late, images or windows per update), and
+# their backprop twins with the same per update in larger micro-batches (no delay to shorten)
+DEEP = {"fashion_mnist.yaml": (10, 2.25, 128), "lm/shakespeare_cpu.yaml": (6, 2.5, 12)}
+TWINS = {"fashion_mnist_backprop.yaml": "fashion_mnist.yaml",
+         "lm/shakespeare_cpu_backprop.yaml": "lm/shakespeare_cpu.yaml"}
+
+
+@pytest.mark.parametrize("name", sorted(DEEP))
+def test_deep_configs_shorten_the_delay_in_updates(name):
+    """The deep configs take the same images per update in smaller micro-batches, so that stage
+    0's gradient is d_0 / k updates late as measured (fashion_mnist.yaml at J = 10: 2.25, not 9
+    in micro-batches of 64), and the language model's last stage has beta1 = 0."""
+    from petra_mpi.core.schedule import schedule_for
+    J, late, per_update = DEEP[name]
+    cfg = cfg_of(name)
+    assert num_stages(cfg) == J
+    assert cfg.data.batch_size * cfg.train.accumulation == per_update
+    assert schedule_for(cfg.train.method, J, cfg.train.accumulation).delay_in_updates(0) == late
+    if cfg.optim.name == "adamw":
+        assert cfg.optim.delay_free_momentum == 0
+
+
+@pytest.mark.parametrize("twin", sorted(TWINS))
+def test_backprop_twins_take_the_same_images_per_update(twin):
+    cfg, petra = cfg_of(twin), cfg_of(TWINS[twin])
+    assert cfg.train.method == "backprop" and petra.train.method == "petra"
+    assert (cfg.data.batch_size * cfg.train.accumulation
+            == petra.data.batch_size * petra.train.accumulation)
+    assert cfg.data.batch_size * cfg.train.limit_batches == (
+        petra.data.batch_size * petra.train.limit_batches)  # the same images per epoch
+    assert cfg.data.batch_size * cfg.train.limit_eval_batches == (
+        petra.data.batch_size * petra.train.limit_eval_batches)  # and evaluated on
+    assert (cfg.train.epochs, cfg.optim.lr, cfg.optim.schedule) == (
+        petra.train.epochs, petra.optim.lr, petra.optim.schedule)
+
+
 def test_bounds_are_annotations_checked_by_the_loader():
     bounded = {}
     for section in dataclasses.fields(Config):

@@ -80,12 +80,15 @@ def test_time_to_accuracy_reads_the_accuracy_runs(tmp_path):
     write_run(tmp_path, "petra_J2_s1", [0.80, 0.85, 0.90])
     write_run(tmp_path, "petra_J2_mb16_s0", [0.90])
     write_run(tmp_path, "backprop_J10_s0", [0.85, 0.92])
+    write_run(tmp_path, "backprop_J10_mb64_s1", [0.91])  # the same micro-batch, named
     write_run(tmp_path, "petra_J10_s0", [0.70, 0.80])  # not reached
     write_run(tmp_path, "notes", [0.99])  # not a study's name: passed over
     groups = race_table.accuracy_runs([tmp_path], 0.9)
-    assert set(groups) == {("petra", 2, ""), ("petra", 2, "mb16"), ("backprop", 10, ""),
-                           ("petra", 10, "")}
-    assert sorted(r["reached"] for r in groups[("petra", 2, "")]) == [2, 3]
+    # a name without _mb<B> is a run at micro-batch 64
+    assert set(groups) == {("petra", 2, "mb64"), ("petra", 2, "mb16"), ("backprop", 10, "mb64"),
+                           ("petra", 10, "mb64")}
+    assert sorted(r["reached"] for r in groups[("petra", 2, "mb64")]) == [2, 3]
+    assert sorted(r["seed"] for r in groups[("backprop", 10, "mb64")]) == [0, 1]
     speeds = {(2, 64): {"petra": (100.0, "race"), "1f1b": (120.0, "race"),
                         "pipedream": (130.0, "race")},
               (2, 16): {"petra": (80.0, "tuning run")},
@@ -96,7 +99,7 @@ def test_time_to_accuracy_reads_the_accuracy_runs(tmp_path):
     assert petra["epochs"] == 2.5 and petra["minutes"] == pytest.approx(2.5 * 60000 / 100 / 60)
     # a synchronous schedule trains as backprop, whatever J (invariant 2)
     assert rows[(2, 64, "1f1b")]["accuracy_of"] == "backprop"
-    assert rows[(2, 64, "1f1b")]["epochs"] == 2
+    assert rows[(2, 64, "1f1b")]["epochs"] == 1.5  # median of 2 and 1
     # the micro-batch of the accuracy runs matches the speed's
     assert rows[(2, 16, "petra")]["epochs"] == 1
     assert "seeds" not in rows[(10, 16, "petra")]  # no mb16 run at J = 10

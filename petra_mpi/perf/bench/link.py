@@ -30,7 +30,7 @@ from ...comm.compress import Codec
 from ...core.blockcost import BlockCosts
 from ...core.schedule import num_ticks
 from .common import emit
-from .pipeline import parse_compression, scaled_to
+from .pipeline import scaled_to
 
 METHODS = ("petra", "backprop")
 KNEE = 0.9  # a curve is link-bound once it runs below this share of its unlimited rate

@@ -171,7 +171,8 @@ RUN_NAME = re.compile(r"(?P<method>[a-z_]+?)_J(?P<J>\d+)(?:_(?P<variant>[a-z0-9]
 def accuracy_runs(dirs, target) -> dict:
     """{(method, J, variant): [per seed: {"seed", "epochs" trained, "final", "reached": the
     epochs to `target` (None: not reached)}]} of every run DIR/NAME/metrics.jsonl whose NAME
-    reads METHOD_J<J>[_VARIANT]_s<SEED> (as the accuracy studies name them)."""
+    reads METHOD_J<J>[_VARIANT]_s<SEED> (as the accuracy studies name them; a name without a
+    variant is a run at micro-batch UNNAMED_BATCH)."""
     groups = {}
     for d in dirs:
         for path in sorted(glob.glob(os.path.join(d, "*", "metrics.jsonl"))):
@@ -182,7 +183,7 @@ def accuracy_runs(dirs, target) -> dict:
             if not evals:
                 continue
             reached = next((e + 1 for e, acc in evals if acc >= target), None)
-            key = (m["method"], int(m["J"]), m["variant"] or "")
+            key = (m["method"], int(m["J"]), m["variant"] or f"mb{UNNAMED_BATCH}")
             groups.setdefault(key, []).append({"seed": int(m["seed"]), "epochs": len(evals),
                                                "final": evals[-1][1], "reached": reached,
                                                "path": path})
@@ -209,8 +210,9 @@ def _evals(path) -> list:
 # PipeDream as the exact delayed gradient; every synchronous schedule as backprop
 ACCURACY_OF = {**{n: "petra" for n in PETRAS}, "delayed": "delayed_both",
                "pipedream": "delayed_both"}
-# the accuracy runs' micro-batch when their name has no _mb<B> (configs/fashion_mnist.yaml's)
-STUDY_BATCH = 64
+# the micro-batch of accuracy runs whose name has no _mb<B>: those made when configs/
+# fashion_mnist.yaml trained in micro-batches of 64 (docs/results/fashion_mnist/*_J*_s*)
+UNNAMED_BATCH = 64
 
 
 def race_speeds(out, race) -> dict:
@@ -253,7 +255,7 @@ def time_to_accuracy(groups, speeds, target, epoch_images=60_000) -> dict:
     `epoch_images` images per epoch). `speeds`: race_speeds and emulated_speeds."""
     rows = []
     for (J, batch), rates in sorted(speeds.items()):
-        variant = "" if batch == STUDY_BATCH else f"mb{batch}"
+        variant = f"mb{batch}"
         for name, (rate, source) in sorted(rates.items(), key=lambda kv: -kv[1][0]):
             method = ACCURACY_OF.get(name, "backprop")
             # backprop's accuracy does not depend on J (invariant 2)
