@@ -288,6 +288,8 @@ KINDS = {
     'python -m petra_mpi.train configs/lm/shakespeare_cpu_j4.yaml': ("download", None),
     'python -m petra_mpi.train configs/lm/shakespeare_cpu.yaml --set run.threads=1':
         ("download", None),
+    'python -m petra_mpi.train configs/lm/shakespeare_cpu.yaml --set model.stages=J':
+        ("usage", None),
     'mpirun -n 2 python -m petra_mpi.bench peers --model revlm --batch 12 --accumulation 1':
         ("bench", None),
     'mpirun -n 2 python -m petra_mpi.bench peers --model revlm --context 1024 --batch 2 '
