@@ -133,9 +133,9 @@ def interrupts_held_back():
 
 
 def worker_init():
-    """Pool initializer: workers leave Ctrl-C to the parent (which then terminates the pool)
-    and die quietly on the SIGTERM of Pool.terminate instead of running our handler. The
-    signals blocked by interrupts_held_back are unblocked once these dispositions are in place."""
+    """ordered_map's workers leave Ctrl-C to the parent (which then kills them) and die quietly
+    on a SIGTERM instead of running our handler. The signals blocked by interrupts_held_back
+    are unblocked once these dispositions are in place."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
@@ -361,37 +361,88 @@ def print_summary(path, start_time):
 def ordered_map(workers, chunk=8):
     """Yield a map(fn, items) that preserves order, over `workers` processes (or in-process).
 
-    At most 2 * workers chunks of `chunk` items are handed to the pool and not yet consumed: a
+    At most 2 * workers chunks of `chunk` items are handed to the workers and not yet consumed: a
     consumer that stalls (a slow file system under the writer) stops the workers instead of
-    letting finished images pile up in memory. Leaving the `with` (end, error, Ctrl-C)
-    terminates the pool. Open it before any output file: forked workers would otherwise inherit
-    the file's descriptor and HDF5 lock."""
+    letting finished images pile up in memory. Leaving the `with` (end, error, Ctrl-C) kills
+    and reaps the workers. Open it before any output file: forked workers would otherwise
+    inherit the file's descriptor and HDF5 lock.
+
+    Each worker has a pipe of its own and nothing is shared between them. (multiprocessing.Pool
+    sends every result through one queue behind one lock; a worker that Pool.terminate kills
+    while it holds that lock leaves the pool's task thread waiting for it forever, and the
+    packer hangs on its way out of a Ctrl-C.)"""
     if workers <= 1:
         yield map
         return
-    with interrupts_held_back():  # no worker may see a Ctrl-C before worker_init ignores it
-        pool = multiprocessing.Pool(workers, initializer=worker_init)
-    with pool:
-        yield functools.partial(bounded_imap, pool, chunk=chunk, max_chunks=2 * workers)
+    procs, conns = [], []
+    try:
+        with interrupts_held_back():  # no worker may see a Ctrl-C before worker_init ignores it
+            for _ in range(workers):
+                ours, theirs = multiprocessing.Pipe()
+                proc = multiprocessing.Process(target=worker_loop, args=(theirs,), daemon=True)
+                proc.start()
+                theirs.close()
+                procs.append(proc)
+                conns.append(ours)
+        yield functools.partial(bounded_imap, list(zip(procs, conns)), chunk=chunk,
+                                max_chunks=2 * workers)
+    finally:
+        for proc in procs:
+            proc.kill()  # stateless: nothing to finish, whether the map ended or not
+        for proc, conn in zip(procs, conns):
+            proc.join()  # reaped: no zombie left behind
+            conn.close()
 
 
-def bounded_imap(pool, fn, items, *, chunk, max_chunks):
-    """pool.imap(fn, items) in order, with at most max_chunks chunks submitted and unconsumed.
-
-    Items are drawn from `items` only as room frees up, in the caller's thread."""
+def bounded_imap(workers, fn, items, *, chunk, max_chunks):
+    """map(fn, items) in order over `workers` [(process, pipe)]: chunk number c goes to worker
+    c mod len(workers), and each worker answers its chunks in the order it got them. At most
+    max_chunks chunks are handed out and unconsumed; items are drawn from `items` only as room
+    frees up, in the caller's thread."""
     items = iter(items)
-    pending = collections.deque()
+    pending = collections.deque()  # the (process, pipe) of each chunk handed out, in order
+    handed = 0
     while True:
         while len(pending) < max_chunks:
             batch = list(itertools.islice(items, chunk))
             if not batch:
                 break
-            pending.append(pool.apply_async(map_list, (fn, batch)))
+            proc, conn = workers[handed % len(workers)]
+            try:
+                conn.send((fn, batch))
+            except OSError:  # a broken pipe: the worker is gone
+                raise worker_died(proc) from None
+            pending.append((proc, conn))
+            handed += 1
         if not pending:
             return
-        yield from pending.popleft().get()
+        proc, conn = pending.popleft()
+        try:
+            ok, result = conn.recv()
+        except (EOFError, OSError):
+            raise worker_died(proc) from None
+        if not ok:
+            raise result
+        yield from result
 
 
-def map_list(fn, batch):
-    """Worker side of bounded_imap: one chunk."""
-    return [fn(x) for x in batch]
+def worker_died(proc):
+    proc.join(timeout=5)
+    return PrepError(f"a worker process ended before its work was done (exit status "
+                     f"{proc.exitcode}; out of memory?)")
+
+
+def worker_loop(conn):
+    """A worker of ordered_map: (fn, batch) in, (True, [fn(x) for x in batch]) or (False, the
+    exception) out, until the parent kills it."""
+    worker_init()
+    while True:
+        fn, batch = conn.recv()
+        try:
+            reply = (True, [fn(x) for x in batch])
+        except Exception as e:  # raised again in the parent, as the map's caller would see it
+            reply = (False, e)
+        try:
+            conn.send(reply)
+        except Exception as e:  # an exception that does not pickle: its text
+            conn.send((False, RuntimeError(f"{type(e).__name__} in a worker: {e}")))

@@ -73,9 +73,13 @@ def start_and_interrupt(cmd, sig, group=False, sigint_ignored=False):
         os.killpg(proc.pid, sig)
     else:
         proc.send_signal(sig)
-    err = proc.stderr.read()
-    proc.wait(timeout=60)
-    return proc.returncode, err, kids
+    try:  # (its stderr is a line or two: waiting first cannot fill the pipe)
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:  # a hang fails the test instead of stopping the suite
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise AssertionError(f"{cmd[0]} still ran 60 s after the signal") from None
+    return proc.returncode, proc.stderr.read(), kids
 
 
 def ended_process():

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.support.launch import run_packer, start_and_interrupt
+from tests.support.launch import children_of, run_packer, start_and_interrupt
 from tests.support.paths import ROOT
 from tests.support.verify_files import assert_one_problem
 from petra_mpi.prep.common import PrepError, ordered_map
@@ -724,3 +724,35 @@ def test_verify_cli_and_jpeg_violations(tmp_path):
 def test_help(module):
     proc = run(module, "--help")
     assert proc.returncode == 0 and "usage:" in proc.stdout
+
+
+def kill_a_worker_once(x):
+    """ordered_map's function for the test below: the worker given item 20 dies there."""
+    if x == 20:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x
+
+
+def fails_at_seven(x):
+    if x == 7:
+        raise ValueError("seven")
+    return x
+
+
+def test_pool_worker_that_dies_or_raises_stops_the_map():
+    """A worker killed mid-map (the out-of-memory killer, say) is an error of the packer in one
+    line, not a map waiting forever for its results; an exception in the function reaches the
+    caller as it was raised; either way the workers are reaped."""
+    others = set(children_of(os.getpid()))
+    kids = []
+    with pytest.raises(PrepError, match="a worker process ended before its work was done"):
+        with ordered_map(2) as pmap:
+            kids += set(children_of(os.getpid())) - others
+            list(pmap(kill_a_worker_once, range(40)))
+    with pytest.raises(ValueError, match="seven"):
+        with ordered_map(2) as pmap:
+            kids += set(children_of(os.getpid())) - others
+            list(pmap(fails_at_seven, range(40)))
+    assert len(kids) == 4
+    for kid in kids:
+        assert not os.path.exists(f"/proc/{kid}"), kid
