@@ -218,6 +218,8 @@ KINDS = {
         ("download", None),
     'python -m petra_mpi.train configs/fashion_mnist.yaml --set model.stages=10 --set data.batch_size=16 --set train.update_batch=128 --set train.method=backprop --set model.balance=estimate --set run.threads=1 --set run.out_dir=runs/fmnist/backprop_J10_mb16_s0':
         ("download", None),
+    'python -m petra_mpi.train configs/fashion_mnist.yaml --set data.batch_size=64 --set model.stages=10 --set train.epochs=18 --set model.balance=estimate --set run.threads=1':
+        ("download", None),
     'python -m petra_mpi.train configs/fashion_mnist_backprop.yaml --set run.threads=2':
         ("download", None),
     'sbatch slurm/fashion_mnist.sh': ("slurm", None),
