@@ -5,18 +5,18 @@
          [--set KEY=VALUE ...] [--report-only]
 
 Trains every (method, J, seed) with the recipe of --config, each run in one process (the local
-engine runs the schedule of the MPI engine, so the figures are those of `mpirun -n J`) and in
-its own folder OUT/<method>_J<J>_mb<micro-batch>_s<seed>. A finished run (summary.json present) is kept and an
-interrupted one resumes from its last checkpoint, so the command can be started again until it is
-done. Then it draws each J's learning curves with `python -m petra_mpi.plot` into OUT/J<J>/ and
-prints a table (also written to OUT/table.md): per J and method the final test accuracy (median
-and range over the seeds), minus backprop's median in points, and the minutes per run.
-Methods: petra, backprop, and the paper's delayed-gradient baselines delayed_inputs,
-delayed_params and delayed_both. Backprop does not depend on J (the engine's backprop follows
-plain autograd training of the whole net at every J: invariant 2 of the test suite), so it is
-trained once per seed, at the largest J, and is every J's reference; with a reversible net it
-rebuilds its inputs, i.e. it is reversible backprop, equal to plain backprop to rounding. Stages are split with model.balance=estimate (a cost model, not
-timings), so every run of a J cuts the net alike.
+engine runs the schedule of the MPI engine, so the figures are those of `mpirun -n J`) and in its
+own folder OUT/<method>_J<J>_mb<micro-batch>_s<seed>. A finished run (summary.json present) is kept
+and an interrupted one resumes from its last checkpoint, so the command can be started again until
+it is done. Then it draws each J's learning curves with `python -m petra_mpi.plot` into OUT/J<J>/
+and prints a table (also written to OUT/table.md): per J and method the final test accuracy (median
+and range over the seeds), minus backprop's median in points, and the minutes per run. Methods:
+petra, backprop, and the paper's delayed-gradient baselines delayed_inputs, delayed_params and
+delayed_both. Backprop does not depend on J (the engine's backprop follows plain autograd training
+of the whole net at every J: invariant 2 of the test suite), so it is trained once per seed, at the
+largest J, and is every J's reference; with a reversible net it rebuilds its inputs, i.e. it is
+reversible backprop, equal to plain backprop to rounding. Stages are split with
+model.balance=estimate (a cost model, not timings), so every run of a J cuts the net alike.
 """
 import argparse
 import json
@@ -25,7 +25,7 @@ import statistics
 import subprocess
 import sys
 
-from petra_mpi.config import load_config
+from petra_mpi.config import ConfigError, load_config
 
 METHOD_SETTINGS = {
     "petra": ["train.method=petra"],
@@ -40,8 +40,7 @@ METHOD_SETTINGS = {
 def run_dir(args, method, stages, seed):
     """The run's folder, named as `bench race --accuracy` reads it (the micro-batch in the name
     since the same images per update can come in micro-batches of any size)."""
-    batch = load_config(args.config, args.set).data.batch_size
-    return os.path.join(args.out, f"{method}_J{stages}_mb{batch}_s{seed}")
+    return os.path.join(args.out, f"{method}_J{stages}_mb{args.batch}_s{seed}")
 
 
 def runs_of(args):
@@ -132,6 +131,10 @@ def main(argv=None):
                    help="a config override for every run (repeatable), e.g. run.threads=2")
     p.add_argument("--report-only", action="store_true", help="train nothing: figures and table")
     args = p.parse_args(argv)
+    try:
+        args.batch = load_config(args.config, args.set).data.batch_size
+    except (ConfigError, OSError) as e:
+        p.error(str(e))
     if not args.report_only:
         for method, stages, seed in runs_of(args):
             train(args, method, stages, seed)
