@@ -2,6 +2,7 @@
 the same round, the targets at a rival's real memory, the Pareto front, the time to accuracy
 from metrics files, and the layout file's checks. The launches themselves: e2e/test_bench.py."""
 import json
+import os
 
 import pytest
 
@@ -150,3 +151,47 @@ def test_given_splits_halved_and_pipedreams_plan():
     # stage 0 of 2 holds d_0 = 2 micro-batches in flight, the last stage none
     assert keeps_all([3, 7]) == [[2, 2, 2], [0] * 7]
     assert keeps_all([1, 1, 1]) == [[4], [2], [0]]
+
+
+def fake_mpirun(tmp_path, body):
+    """A directory with an `mpirun` that runs the shell `body` and logs each call in
+    tmp_path/calls. gloo's rare abort as a process ends cannot be caused on demand, so the
+    launches' retry is tested on a stand-in that fails the way it does."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    script = bin_dir / "mpirun"
+    script.write_text(f"#!/bin/sh\necho call >> {tmp_path / 'calls'}\n{body}\n")
+    script.chmod(0o755)
+    return bin_dir
+
+
+def test_a_launch_that_aborts_is_run_again_and_one_that_hangs_is_not(tmp_path, monkeypatch):
+    calls = tmp_path / "calls"
+    aborts_once = (f'if [ "$(wc -l < {calls})" -eq 1 ]; then '
+                   'echo "terminate called without an active exception" >&2; exit 134; fi\n'
+                   'echo \'{"bench": "peers"}\'')
+    monkeypatch.setenv("PATH", f"{fake_mpirun(tmp_path, aborts_once)}:{os.environ['PATH']}")
+    out = tmp_path / "race"
+    r = race.Race(race.parse_args(["--out", str(out), "--launch-timeout", "5"]))
+    assert r.launch(r.path("rounds", "round1_petra.txt"), []) == {"bench": "peers"}
+    assert calls.read_text().count("call") == 2
+    failed = (out / "rounds" / "round1_petra.txt.failed").read_text()
+    assert "attempt 1 of 2" in failed and "terminate called" in failed
+    # the table says which launch needed a second try
+    assert race_table.failed_launches(str(out)) == {os.path.join("rounds", "round1_petra.txt"):
+                                                    True}
+
+    # with one try the abort is final: no record, and the table says so
+    calls.unlink()
+    r.a.launch_tries = 1
+    assert r.launch(r.path("rounds", "round1_zbv.txt"), []) is None
+    assert calls.read_text().count("call") == 1
+    assert race_table.failed_launches(str(out))[os.path.join("rounds", "round1_zbv.txt")] is False
+
+    # a launch that hangs is not started again, whatever the tries
+    calls.unlink()
+    fake_mpirun(tmp_path, "exec sleep 60")
+    r.a.launch_tries, r.a.launch_timeout = 3, 1
+    assert r.launch(r.path("rounds", "round1_1f1b.txt"), []) is None
+    assert calls.read_text().count("call") == 1
+    assert "timed out after 1 s" in (out / "rounds" / "round1_1f1b.txt.failed").read_text()

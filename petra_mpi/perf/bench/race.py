@@ -76,6 +76,9 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0, help="of the rounds' shuffled orders")
     p.add_argument("--launch-timeout", type=int, default=1800,
                    help="seconds one launch may take before it counts as failed")
+    p.add_argument("--launch-tries", type=int, default=2,
+                   help="times a launch that exits with an error is run before it counts as "
+                        "failed")
     p.add_argument("--out", default="runs/race", help="where every launch's output goes")
     p.add_argument("--table", metavar="OUT",
                    help="no race: the table and figure of the race in OUT")
@@ -93,6 +96,8 @@ def parse_args(argv):
         p.error("--ranks must be at least 2")
     if a.rounds < 1:
         p.error("--rounds must be at least 1")
+    if a.launch_tries < 1:
+        p.error("--launch-tries must be at least 1")
     for b in a.batches:
         if b < 1 or a.update % b:
             p.error(f"--batches: {b} does not divide --update {a.update}")
@@ -265,24 +270,35 @@ class Race:
     def launch(self, path, args) -> dict | None:
         """The record of `bench peers ARGS` under mpirun, its output kept at `path`: read from
         there when an earlier race finished it, else run now; None when it failed (its output
-        then at path + .failed)."""
+        then at path + .failed). A launch that exits with an error is run again, up to
+        --launch-tries in all: a process under torch's gloo now and then aborts ("terminate
+        called without an active exception"), which would cost a round its figure or a tuning
+        run its micro-batch. A launch that runs past --launch-timeout is not run again: it
+        hangs."""
         if os.path.exists(path):
             return last_json_line(path)
         argv = ["mpirun", "-n", str(self.a.ranks), sys.executable, "-m", "petra_mpi.bench",
                 "peers", *args]
         print("bench race: " + " ".join(argv[4:]), flush=True)
-        try:
-            proc = subprocess.run(argv, capture_output=True, text=True,
-                                  timeout=self.a.launch_timeout)
-            failed = proc.returncode != 0
-            text = proc.stdout + (f"\n--- stderr ---\n{proc.stderr}" if failed else "")
-        except subprocess.TimeoutExpired as e:
-            failed, text = True, f"timed out after {self.a.launch_timeout} s\n{e.stdout or ''}"
-        if failed:
-            with open(path + ".failed", "w") as f:
-                f.write(text)
-            print(f"bench race: failed, output in {path}.failed", flush=True)
-            return None
+        tries = self.a.launch_tries
+        for attempt in range(1, tries + 1):
+            try:
+                proc = subprocess.run(argv, capture_output=True, text=True,
+                                      timeout=self.a.launch_timeout)
+                failed, hung = proc.returncode != 0, False
+                text = proc.stdout + (f"\n--- stderr ---\n{proc.stderr}" if failed else "")
+            except subprocess.TimeoutExpired as e:
+                failed, hung = True, True
+                text = f"timed out after {self.a.launch_timeout} s\n{e.stdout or ''}"
+            if not failed:
+                break
+            with open(path + ".failed", "a") as f:
+                f.write(f"=== attempt {attempt} of {tries} ===\n{text}\n")
+            again = attempt < tries and not hung
+            print(f"bench race: failed (attempt {attempt} of {tries}), output in {path}.failed"
+                  + ("; again" if again else ""), flush=True)
+            if not again:
+                return None
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             f.write(text)

@@ -57,10 +57,20 @@ def summarize(out) -> dict:
               "transport": first.get("transport"), "width": first.get("width"),
               "update": _update(first), "contenders": contenders,
               "skipped": {n: s["skipped"] for n, s in settings.items() if "skipped" in s}}
+    record["failed_launches"] = failed_launches(out)
     record["ratios"] = ratios(rounds)
     record["pareto"] = pareto(contenders)
     record["targets"] = targets(contenders, record["ratios"])
     return record
+
+
+def failed_launches(out) -> dict:
+    """{a launch's output file, relative to `out`: whether a later try of it finished} for every
+    launch that failed at least once (race.launch keeps each failed try in FILE.failed)."""
+    found = sorted(glob.glob(os.path.join(out, "tune", "*.failed")) +
+                   glob.glob(os.path.join(out, "rounds", "*.failed")))
+    return {os.path.relpath(p, out).removesuffix(".failed"):
+            os.path.exists(p.removesuffix(".failed")) for p in found}
 
 
 def _record(path):
@@ -301,6 +311,9 @@ def report(r):
               f"{steady}  {c['real_peak_fullest_bytes'] / MIB:13.0f} {per_rank:<15} {acts}")
     for name, why in r["skipped"].items():
         print(f" {name:<30} did not run: {why}")
+    for path, finished in r.get("failed_launches", {}).items():
+        print(f" launch {path} failed" + (", then finished when run again" if finished else
+                                          ", every try") + f" (output in {path}.failed)")
     print("* the Pareto front (no other contender is both faster and holds less on its fullest "
           "rank)")
     print("ours / rival, the same round: median (min-max), rounds ours was at least as fast")
