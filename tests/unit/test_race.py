@@ -84,7 +84,12 @@ def test_time_to_accuracy_reads_the_accuracy_runs(tmp_path):
     write_run(tmp_path, "backprop_J10_mb64_s1", [0.91])  # the same micro-batch, named
     write_run(tmp_path, "petra_J10_s0", [0.70, 0.80])  # not reached
     write_run(tmp_path, "notes", [0.99])  # not a study's name: passed over
-    groups = race_table.accuracy_runs([tmp_path], 0.9)
+    copies = tmp_path / "copies"  # runs copied elsewhere as well are read once
+    write_run(copies, "petra_J2_s1", [0.80, 0.85, 0.90])
+    write_run(copies, "petra_J4_s0", [0.91])
+    groups = race_table.accuracy_runs([tmp_path, copies], 0.9)
+    assert [r["seed"] for r in groups[("petra", 2, "mb64")]].count(1) == 1
+    assert [r["seed"] for r in groups.pop(("petra", 4, "mb64"))] == [0]
     # a name without _mb<B> is a run at micro-batch 64
     assert set(groups) == {("petra", 2, "mb64"), ("petra", 2, "mb16"), ("backprop", 10, "mb64"),
                            ("petra", 10, "mb64")}

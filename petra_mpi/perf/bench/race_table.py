@@ -182,13 +182,16 @@ def accuracy_runs(dirs, target) -> dict:
     """{(method, J, variant): [per seed: {"seed", "epochs" trained, "final", "reached": the
     epochs to `target` (None: not reached)}]} of every run DIR/NAME/metrics.jsonl whose NAME
     reads METHOD_J<J>[_VARIANT]_s<SEED> (as the accuracy studies name them; a name without a
-    variant is a run at micro-batch UNNAMED_BATCH)."""
-    groups = {}
+    variant is a run at micro-batch UNNAMED_BATCH). A NAME already read from an earlier DIR is
+    passed over: it is the same run, copied (into docs/results from where it trained)."""
+    groups, seen = {}, set()
     for d in dirs:
         for path in sorted(glob.glob(os.path.join(d, "*", "metrics.jsonl"))):
-            m = RUN_NAME.match(os.path.basename(os.path.dirname(path)))
-            if not m:
+            name = os.path.basename(os.path.dirname(path))
+            m = RUN_NAME.match(name)
+            if not m or name in seen:
                 continue
+            seen.add(name)
             evals = _evals(path)
             if not evals:
                 continue
