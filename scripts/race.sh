@@ -14,7 +14,7 @@
 #              --tune-microbatches 1 --threads 1" bash scripts/race.sh /tmp/race_trial
 set -euo pipefail
 out=${1:-runs/race}
-accuracy=${ACCURACY:-docs/results/fashion_mnist}
+accuracy=${ACCURACY:-docs/results/fashion_mnist docs/results/fashion_mnist/micro16}
 emulated=${EMULATED:-docs/results/pareto/J10_paper_run1.txt}
 read -r -a more <<< "${RACE_ARGS:-}"
 python -m petra_mpi.bench race --rounds 5 --out "$out/eager" "${more[@]}"

@@ -70,7 +70,7 @@ KINDS = {
     'python -m petra_mpi.plot': ("usage", None),  # the program named in prose
     # docs/benchmarks.md
     'bash scripts/race.sh': ("bench", None),  # the race: an hour and more on an idle machine
-    'python -m petra_mpi.bench race --table runs/race/eager --accuracy docs/results/fashion_mnist --emulated docs/results/pareto/J10_paper_run1.txt --target 0.9':
+    'python -m petra_mpi.bench race --table runs/race/eager --accuracy docs/results/fashion_mnist docs/results/fashion_mnist/micro16 --emulated docs/results/pareto/J10_paper_run1.txt --target 0.9':
         ("bench", None),  # the table of that race
     'python -m petra_mpi.export runs/quickstart --out model.pt':
         ("run", r"^exported revnet18 from \S*runs/quickstart/checkpoints/ckpt-e00001"),
@@ -219,6 +219,8 @@ KINDS = {
     'python -m petra_mpi.train configs/fashion_mnist.yaml --set model.stages=10 --set data.batch_size=16 --set train.update_batch=128 --set train.method=backprop --set model.balance=estimate --set run.threads=1 --set run.out_dir=runs/fmnist/backprop_J10_mb16_s0':
         ("download", None),
     'python -m petra_mpi.train configs/fashion_mnist.yaml --set data.batch_size=64 --set model.stages=10 --set train.epochs=18 --set model.balance=estimate --set run.threads=1':
+        ("download", None),
+    'python -m petra_mpi.train configs/fashion_mnist.yaml --set model.stages=2 --set train.method=delayed --set train.buffer_inputs=true --set train.stash_weights=true --set model.balance=estimate --set run.threads=1':
         ("download", None),
     'python -m petra_mpi.train configs/fashion_mnist_backprop.yaml --set run.threads=2':
         ("download", None),
