@@ -77,6 +77,16 @@ def main(argv=None) -> int:
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        return _train(args, world, stop)
+    finally:  # a normal end, a stop or an error found at the start (an abort exits at once)
+        if world:
+            world.close()
+
+
+def _train(args, world, stop) -> int:
+    """main's run, once the world (None: one process) has started: the exit status."""
+    from .comm.world import LaunchError
     rank, size = (world.rank, world.size) if world else (0, 1)
     cfg = checked_config(args, rank, size)  # the transport's size: a launcher not known above
     if cfg is None:

@@ -10,6 +10,7 @@ pipeline has a process group of its own (a lane): a lane carries one kind of mes
 and a receive posted ahead waits behind nothing else.
 """
 import datetime
+import gc
 import os
 import socket
 import time
@@ -46,6 +47,7 @@ def start(srun_tasks: int = 1):
     if started_by_torchrun():
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:
             return None
+        _import_holders_of_the_world()
         dist.init_process_group(name, timeout=TIMEOUT)
     else:
         from .mpi import start as start_mpi
@@ -55,6 +57,14 @@ def start(srun_tasks: int = 1):
         init_over(launcher, name)
     return TorchGroup(dist.group.WORLD, list(range(dist.get_world_size())),
                       _lanes(list(range(dist.get_world_size()))))
+
+
+def _import_holders_of_the_world():
+    """Import now the torch modules that keep the world group as a default argument (read when
+    they are imported: torch.optim imports them with its first optimizer), so that they keep
+    None: imported once the group exists they would hold it for ever, and end() could not end
+    it."""
+    import torch.distributed.nn.functional  # noqa: F401
 
 
 def init_over(group, name="gloo"):
@@ -68,10 +78,23 @@ def init_over(group, name="gloo"):
             port = s.getsockname()[1]
         host = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
         address = (os.environ.get("MASTER_ADDR", host), port)
+    _import_holders_of_the_world()
     host, port = group.bcast(address)
     store = dist.TCPStore(host, port, group.size, group.rank == 0, timeout=TIMEOUT)
     dist.init_process_group(name, store=store, rank=group.rank, world_size=group.size,
                             timeout=TIMEOUT)
+
+
+def end():
+    """Destroy every process group of this process, once its holders have let go of theirs: the
+    last reference gone (the collection below finds those in cycles), a gloo group's destructor
+    joins its threads, with the GIL released, so each has dropped its last work's tensors while
+    the interpreter still runs. A tensor of a Python program released on such a thread needs
+    the GIL; once the interpreter ends the thread that asks for it exits, and the process
+    aborts ("terminate called without an active exception") after a finished run."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def library_error(e) -> str | None:

@@ -275,6 +275,17 @@ class World:
             torch_dist.init_over(self._group, torch_dist.backend())
         return torch_dist.dist
 
+    def close(self):
+        """Let go of the ranks, on every rank once its last message is through and what used
+        them (the engine, its streams) is gone: torch.distributed's process groups (of
+        comm.transport torch, or started by torch_distributed) end here, while the interpreter
+        still runs (torch_dist.end says why). MPI ends at exit (mpi4py's own handler). The world
+        is of no more use."""
+        self._group = self._pipe = self._dp = None
+        loaded = sys.modules.get(f"{__package__}.torch_dist")
+        if loaded:
+            loaded.end()
+
     def open_streams(self, **kw):
         """This rank's streams to its pipeline neighbours (streams.open_streams, whose keywords
         these are). Collective over the pipeline."""

@@ -179,6 +179,7 @@ def run(cfg, world, dry_run=False, stop=None, profile=False) -> int:
         return trainer.finish()
     finally:
         trainer.close()
+        trainer.watchdog.close()  # its thread holds the engine, and through it the transport
 
 
 def locate_resume(cfg, world, rank):

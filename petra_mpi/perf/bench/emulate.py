@@ -415,6 +415,13 @@ def run(a):
     world = World.from_environment()
     if world is None:
         raise SystemExit("run under mpirun with at least 2 ranks")
+    record = emulate(a, world)
+    world.close()  # once torch's schedules (they hold process groups) went with emulate's frame
+    return record
+
+
+def emulate(a, world):
+    """run's emulation over `world`: the JSON record on rank 0, None elsewhere."""
     torch.set_num_threads(1)
     em = Emulation(a, world)
     J = world.size

@@ -621,10 +621,17 @@ def run(a):
     if world is None:
         raise SystemExit("run under mpirun (or torchrun with --transport torch) with at least 2 "
                          "ranks")
+    record = measure(a, world)
+    world.close()  # once the schedules, which hold process groups, are gone with measure's frame
+    return record
+
+
+def measure(a, world):
+    """run's measurements over `world`: the JSON record on rank 0, else None."""
     base_rss = world.gather(process_memory_bytes()[1])  # before any net is built
     torch.set_num_threads(a.threads or world.thread_share())
     a.pt_microbatches = a.pt_microbatches or max(a.accumulation, world.size)
-    dist = world.torch_distributed()  # torch's schedules run over gloo
+    world.torch_distributed()  # torch's schedules run over gloo
     work = Workload.from_args(a)
     bench = PeersBench(a, world, work, read_layout(a, world, work))
     # PETRA's kept budgets come from 1F1B's memory: measured first where they are planned here
@@ -648,7 +655,6 @@ def run(a):
         if world.rank == 0:
             extras["flops_per_microbatch"] = flops_per_microbatch(
                 work, a.batch, work.stages(bench.sizes, compiled=False))
-    dist.destroy_process_group()
     if world.rank != 0:
         return None
     if a.save_layout:
